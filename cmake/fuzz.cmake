@@ -1,0 +1,16 @@
+# libFuzzer targets, built alone with clang: fuzz/*_fuzz.cpp plus the sources they exercise.
+if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "MEMRA_FUZZ needs clang (configure with CXX=clang++ CC=clang)")
+endif()
+file(GLOB fuzz_srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/fuzz/*_fuzz.cpp)
+file(GLOB core_srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/core/*.cpp)
+file(GLOB io_srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/io/*.cpp)
+foreach(src ${fuzz_srcs})
+    get_filename_component(name ${src} NAME_WE)
+    add_executable(${name} ${src} ${core_srcs} ${io_srcs})
+    target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${NLOHMANN_JSON_INCLUDE}
+                                                ${TL_EXPECTED_INCLUDE})
+    target_compile_options(${name} PRIVATE -g -O1 -fsanitize=fuzzer,address,undefined -ffp-contract=off)
+    target_link_options(${name} PRIVATE -fsanitize=fuzzer,address,undefined)
+    target_link_libraries(${name} PRIVATE fmt::fmt Threads::Threads)
+endforeach()

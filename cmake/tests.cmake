@@ -1,0 +1,56 @@
+# Tests: one GoogleTest executable per folder of tests/ (linking only the module it tests, so the
+# link graph keeps module boundaries honest), the oracle tools, and the Python oracle suites.
+find_package(GTest REQUIRED)
+include(GoogleTest)
+
+# memra_test_dir(DIR LIBS...): tests/DIR/*.cpp -> memra_DIR_tests, registered with CTest.
+function(memra_test_dir dir)
+    file(GLOB srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/${dir}/*.cpp)
+    if(NOT srcs)
+        return()
+    endif()
+    add_executable(memra_${dir}_tests ${srcs})
+    target_compile_options(memra_${dir}_tests PRIVATE ${MEMRA_HOST_FLAGS})
+    target_include_directories(memra_${dir}_tests PRIVATE ${PROJECT_SOURCE_DIR}/tests ${CLI11_INCLUDE})
+    target_link_libraries(memra_${dir}_tests PRIVATE ${ARGN} GTest::gtest GTest::gtest_main)
+    target_compile_definitions(memra_${dir}_tests PRIVATE
+        MEMRA_SOURCE_DIR="${PROJECT_SOURCE_DIR}" MEMRA_BINARY_DIR="${PROJECT_BINARY_DIR}"
+        MEMRA_EXE="$<TARGET_FILE:memra_cli>")
+    gtest_discover_tests(memra_${dir}_tests DISCOVERY_TIMEOUT 60 PROPERTIES LABELS unit)
+endfunction()
+
+memra_test_dir(core memra_core)
+memra_test_dir(io memra_io)
+memra_test_dir(parallel memra_parallel)
+memra_test_dir(model memra_model memra_tools)
+memra_test_dir(tools memra_tools)
+memra_test_dir(cli memra)
+if(TARGET memra_cli_tests)
+    add_dependencies(memra_cli_tests memra_cli default_model)
+endif()
+if(MEMRA_HAVE_CUDA)
+    memra_test_dir(cuda memra_cuda)
+endif()
+
+# Oracle tools: small executables the Python suites drive (tests/oracle/*_tool.cpp).
+file(GLOB tool_srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/oracle/*_tool.cpp)
+set(MEMRA_ORACLE_TOOLS)
+foreach(src ${tool_srcs})
+    get_filename_component(name ${src} NAME_WE)
+    add_executable(memra_${name} ${src})
+    target_compile_options(memra_${name} PRIVATE ${MEMRA_HOST_FLAGS})
+    target_link_libraries(memra_${name} PRIVATE memra)
+    list(APPEND MEMRA_ORACLE_TOOLS memra_${name})
+endforeach()
+
+# Python oracle suites (ml_dtypes, gguf, safetensors, tokenizers), run from the project's venv.
+set(MEMRA_PYTHON ${PROJECT_SOURCE_DIR}/.venv/bin/python CACHE FILEPATH "Python with the oracle packages")
+file(GLOB py_tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/oracle/test_*.py)
+foreach(py ${py_tests})
+    get_filename_component(name ${py} NAME_WE)
+    add_test(NAME oracle.${name}
+             COMMAND ${MEMRA_PYTHON} -m pytest -q -p no:cacheprovider ${py}
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(oracle.${name} PROPERTIES LABELS oracle
+        ENVIRONMENT "MEMRA_BUILD_DIR=${PROJECT_BINARY_DIR};MEMRA_EXE=$<TARGET_FILE:memra_cli>")
+endforeach()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine (device tool), over a copy of the tree with .deps carried
+# (scripts/gpu_deps.sh makes it): builds with CUDA for sm_90a, runs every test (GPU tests included)
+# and the benchmarks, and prints a short table last. Logs go to $OUT (or ./gpu-out).
+#   device run:  bash scripts/gpu.sh      (carry: [".deps"])
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+deps=$PWD/.deps/root
+export CMAKE_PREFIX_PATH=$deps/usr
+export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+
+t0=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMRA_WERROR=ON \
+      -DMEMRA_PYTHON=/bin/false >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+t1=$(date +%s)
+
+# Unit tests only: the Python oracles need the project's venv, which lives on the CPU machines.
+ctest --test-dir build-gpu -L unit -j8 --output-on-failure >"$out/ctest.log" 2>&1
+ctest_rc=$?
+gpu_tests=$(build-gpu/memra_cuda_tests --gtest_brief=1 2>&1 | tee "$out/cuda_tests.log" | tail -3)
+skipped=$(grep -c "SKIPPED" "$out/cuda_tests.log")
+
+for b in build-gpu/memra_bench_*; do
+    [ -x "$b" ] && "$b" --benchmark_min_time=0.2 --benchmark_format=console >>"$out/bench.log" 2>&1
+done
+
+echo
+echo "| step | result |"
+echo "| --- | --- |"
+echo "| build (s) | $((t1 - t0)) |"
+echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
+echo "| cuda tests | $(echo "$gpu_tests" | grep -E 'PASSED|FAILED' | tr '\n' ' ') skipped lines: $skipped |"
+grep -E '^BM_' "$out/bench.log" | awk '{printf "| %s | %s %s %s |\n", $1, $2, $3, $NF}'
+exit $ctest_rc

@@ -1,0 +1,28 @@
+// memra: the command-line entry point. Subcommands live in cmd_*.cpp; this file only wires the
+// parser, maps parse failures to exit code 2, and runs the chosen action.
+#include <cstdio>
+#include <vector>
+
+#include "cli/commands.h"
+
+int main(int argc, char **argv) {
+    using namespace memra::cli;
+    CLI::App app{"memra: a deterministic inference engine for Step-3.5-class MoE models", "memra"};
+    app.set_version_flag("--version", std::string("memra 0.1.0"));
+    app.require_subcommand(1);
+    app.fallthrough(false);
+
+    const std::vector<Command> commands = {add_inspect_command(app), add_plan_command(app),
+                                           add_make_tiny_command(app)};
+
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError &e) {
+        int code = app.exit(e);  // prints help / version / the parse error
+        return e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success) ? code : kExitUsage;
+    }
+    for (const Command &command : commands) {
+        if (command.sub->parsed()) return command.run();
+    }
+    return kExitUsage;
+}

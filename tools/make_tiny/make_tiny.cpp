@@ -1,0 +1,266 @@
+// make_tiny_checkpoint: validates the request, builds every file in memory, writes them into a
+// staging directory and moves them into place. Only files the generator owns are ever removed.
+#include "make_tiny/make_tiny.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <string_view>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "core/check.h"
+#include "io/safetensors.h"
+#include "make_tiny/tiny_presets.h"
+#include "make_tiny/tiny_tokenizer.h"
+#include "make_tiny/tiny_weights.h"
+
+namespace memra::tools {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::string_view kGeneratorFiles[] = {"config.json", "generation_config.json", "tokenizer.json",
+                                                "tokenizer_config.json", io::kIndexFileName};
+
+std::string join(const std::vector<std::string> &items) {
+    std::string out;
+    for (const std::string &s : items) {
+        if (!out.empty()) {
+            out += ", ";
+        }
+        out += s;
+    }
+    return out;
+}
+
+Result<void> write_text_file(const fs::path &path, const std::string &text) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    if (!f) {
+        return make_error("make-tiny: cannot create {}", path.string());
+    }
+    f.write(text.data(), static_cast<std::streamsize>(text.size()));
+    f.close();
+    if (!f) {
+        return make_error("make-tiny: cannot write {}", path.string());
+    }
+    return {};
+}
+
+// Absolute, normalized, without a trailing separator ("out/" and "out/." name the directory out).
+fs::path normalized_dir(const fs::path &p) {
+    fs::path abs = fs::absolute(p).lexically_normal();
+    if (!abs.has_filename() && abs.has_parent_path() && abs != abs.root_path()) {
+        abs = abs.parent_path();
+    }
+    return abs;
+}
+
+// Creates a fresh staging directory named base + "-<pid>-<k>" (never reusing an existing path).
+Result<fs::path> create_staging_dir(const fs::path &base) {
+    std::error_code ec;
+    for (int k = 0; k < 1000; ++k) {
+        fs::path candidate = base;
+        candidate += fmt::format("-{}-{}", ::getpid(), k);
+        if (fs::create_directory(candidate, ec)) {
+            return candidate;
+        }
+        if (ec) {
+            return make_error("make-tiny: cannot create the staging directory {}: {}", candidate.string(),
+                              ec.message());
+        }
+    }
+    return make_error("make-tiny: cannot find a free staging directory name next to {}", base.string());
+}
+
+// Removes the staging directory this run created (and only the files this run wrote into it).
+void remove_staging(const fs::path &stage, const std::vector<std::string> &names) {
+    std::error_code ec;
+    for (const std::string &n : names) {
+        fs::remove(stage / n, ec);
+    }
+    std::error_code ec2;
+    fs::directory_iterator it(stage, ec2);
+    if (!ec2) {
+        for (const fs::directory_entry &e : it) {
+            // Shards the writer created before failing.
+            if (is_tiny_generator_file(e.path().filename().string())) {
+                fs::remove(e.path(), ec);
+            }
+        }
+    }
+    fs::remove(stage, ec);  // only succeeds if empty: nothing foreign is ever deleted
+}
+
+std::vector<std::string> list_names(const fs::path &dir) {
+    std::vector<std::string> names;
+    std::error_code ec;
+    for (const fs::directory_entry &e : fs::directory_iterator(dir, ec)) {
+        names.push_back(e.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+}
+
+}  // namespace
+
+bool is_tiny_generator_file(const std::string &file_name) {
+    for (std::string_view g : kGeneratorFiles) {
+        if (file_name == g) {
+            return true;
+        }
+    }
+    constexpr std::string_view kExt = ".safetensors";
+    return file_name.size() > kExt.size() && file_name.ends_with(kExt);
+}
+
+std::vector<std::string> tiny_preset_names() {
+    std::vector<std::string> names;
+    for (const TinyPreset &p : tiny_preset_table()) {
+        names.push_back(p.name);
+    }
+    return names;
+}
+
+std::vector<TinyPresetInfo> tiny_presets() {
+    std::vector<TinyPresetInfo> out;
+    for (const TinyPreset &p : tiny_preset_table()) {
+        out.push_back({p.name, p.description});
+    }
+    return out;
+}
+
+Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
+    std::optional<TinyPreset> preset = find_tiny_preset(options.preset);
+    if (!preset) {
+        return make_error("make-tiny: unknown preset '{}' (valid presets: {})", options.preset,
+                          join(tiny_preset_names()));
+    }
+    bool fp8 = false;
+    if (options.dtype == "fp8") {
+        fp8 = true;
+    } else if (options.dtype != "bf16") {
+        return make_error("make-tiny: unknown dtype '{}' (valid dtypes: bf16, fp8)", options.dtype);
+    }
+    if (options.out_dir.empty()) {
+        return make_error("make-tiny: no output directory given");
+    }
+
+    std::error_code ec;
+    const fs::path out = normalized_dir(options.out_dir);
+    fs::file_status st = fs::status(out, ec);
+    const bool exists = fs::exists(st);
+    if (exists && !fs::is_directory(st)) {
+        return make_error("make-tiny: output path {} exists and is not a directory", out.string());
+    }
+    if (exists) {
+        std::vector<std::string> present = list_names(out);
+        if (!present.empty() && !options.force) {
+            return make_error("make-tiny: output directory {} is not empty ({} entries, e.g. '{}'); pass --force to "
+                              "replace the generator's files (other files are kept)",
+                              out.string(), present.size(), present.front());
+        }
+    }
+
+    // Everything is built in memory first: nothing touches the disk until it is complete.
+    const TinyTokenizer tok = build_tiny_tokenizer();
+    MEMRA_CHECK(tok.n_tokens() < preset->vocab_size, "preset {}: {} tokenizer tokens do not fit vocab_size {}",
+                preset->name, tok.n_tokens(), preset->vocab_size);
+    const std::vector<io::TensorData> tensors = make_tiny_tensors(*preset, options.seed, fp8);
+    std::map<std::string, std::string> texts;
+    texts["config.json"] = tiny_config_json(*preset, tok.im_end_id, fp8);
+    texts["generation_config.json"] = tiny_generation_config_json(tok.im_end_id);
+    texts["tokenizer.json"] = tiny_tokenizer_json(tok);
+    texts["tokenizer_config.json"] = tiny_tokenizer_config_json(tok, preset->max_seq_len);
+
+    // Staging: a hidden sibling when out_dir does not exist yet (renamed into place at the end),
+    // a hidden subdirectory of out_dir when it does (its files are moved in at the end).
+    fs::path stage_base;
+    if (exists) {
+        stage_base = out / ".make-tiny-staging";
+    } else {
+        fs::create_directories(out.parent_path(), ec);
+        if (ec) {
+            return make_error("make-tiny: cannot create directory {}: {}", out.parent_path().string(), ec.message());
+        }
+        stage_base = out.parent_path() / fmt::format(".{}.make-tiny-staging", out.filename().string());
+    }
+    Result<fs::path> stage_or = create_staging_dir(stage_base);
+    if (!stage_or) {
+        return tl::unexpected(stage_or.error());
+    }
+    const fs::path stage = *stage_or;
+
+    Result<void> ok = io::write_sharded_checkpoint(stage, tensors, preset->max_shard_bytes);
+    if (!ok) {
+        remove_staging(stage, {});
+        return wrap_error("make-tiny", ok.error());
+    }
+    for (const auto &[name, text] : texts) {
+        ok = write_text_file(stage / name, text);
+        if (!ok) {
+            remove_staging(stage, {});
+            return tl::unexpected(ok.error());
+        }
+    }
+    const std::vector<std::string> written = list_names(stage);
+
+    if (!exists) {
+        fs::rename(stage, out, ec);
+        if (ec) {
+            remove_staging(stage, written);
+            return make_error("make-tiny: cannot move {} to {}: {}", stage.string(), out.string(), ec.message());
+        }
+    } else {
+        // Old generator files go first (a previous run may have had more shards), then ours move in.
+        for (const std::string &name : list_names(out)) {
+            fs::path p = out / name;
+            if (!is_tiny_generator_file(name) || fs::is_directory(fs::symlink_status(p, ec))) {
+                continue;
+            }
+            fs::remove(p, ec);
+            if (ec) {
+                remove_staging(stage, written);
+                return make_error("make-tiny: cannot remove the old {}: {}", p.string(), ec.message());
+            }
+        }
+        for (const std::string &name : written) {
+            fs::rename(stage / name, out / name, ec);
+            if (ec) {
+                remove_staging(stage, written);
+                return make_error("make-tiny: cannot move {} into {}: {}", name, out.string(), ec.message());
+            }
+        }
+        fs::remove(stage, ec);
+    }
+
+    TinySummary summary;
+    summary.out_dir = out;
+    summary.files = written;
+    summary.n_tensors = tensors.size();
+    for (const io::TensorData &t : tensors) {
+        summary.tensor_bytes += t.bytes.size();
+        if (!t.name.ends_with("_scale_inv")) {
+            uint64_t n = 1;
+            for (int64_t s : t.shape) {
+                n *= static_cast<uint64_t>(s);
+            }
+            summary.n_params += n;
+        }
+    }
+    for (const std::string &name : written) {
+        summary.total_bytes += fs::file_size(out / name, ec);
+        if (name.ends_with(".safetensors")) {
+            ++summary.n_shards;
+        }
+    }
+    summary.real_token_count = tok.n_tokens();
+    summary.vocab_size = preset->vocab_size;
+    return summary;
+}
+
+}  // namespace memra::tools

@@ -1,0 +1,58 @@
+// memra's tiny-checkpoint generator: a complete Step-3.5-architecture checkpoint in the official
+// Hugging Face layout (config.json, sharded safetensors + index, byte-level BPE tokenizer, chat
+// template, generation_config.json), generated from a seed and a size preset, byte-identical on
+// every machine. Used by the tests, the benchmarks and the embedded default model.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/result.h"
+
+namespace memra::tools {
+
+struct TinyOptions {
+    std::filesystem::path out_dir;
+    uint64_t seed = 0;
+    std::string preset = "tiny";  // one of tiny_preset_names()
+    std::string dtype = "bf16";   // "bf16", or "fp8" (routed experts F8_E4M3 with 128x128 block scales)
+    bool force = false;           // replace the generator's own files in a non-empty out_dir
+};
+
+struct TinySummary {
+    std::filesystem::path out_dir;
+    std::vector<std::string> files;  // file names written into out_dir, sorted
+    size_t n_tensors = 0;            // tensors in the checkpoint (fp8 scales included)
+    size_t n_shards = 0;
+    uint64_t n_params = 0;           // weight elements, scales excluded
+    uint64_t tensor_bytes = 0;       // tensor data bytes over all shards
+    uint64_t total_bytes = 0;        // sizes of all files written
+    int64_t real_token_count = 0;    // tokenizer tokens (specials included); the rest of vocab_size is padding
+    int64_t vocab_size = 0;          // embedding rows
+};
+
+struct TinyPresetInfo {
+    std::string name;
+    std::string description;  // one line for --help
+};
+
+// Generates the checkpoint. Refuses (with an Error naming the problem): an unknown preset (the
+// message lists the valid ones), an unknown dtype, an out_dir that is a file, an out_dir that
+// exists and is not empty without force, a directory that cannot be created or written.
+// The files are written into a temporary directory first and moved into place at the end, so a
+// failure leaves no half-written checkpoint. With force, only the generator's own files are
+// removed from out_dir (config.json, generation_config.json, tokenizer.json,
+// tokenizer_config.json, model.safetensors.index.json and *.safetensors); anything else stays.
+Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options);
+
+// Preset names in --help order ("tiny" first: the default).
+std::vector<std::string> tiny_preset_names();
+// Name and one-line description of every preset, in the same order.
+std::vector<TinyPresetInfo> tiny_presets();
+
+// The file names the generator owns in a checkpoint directory (what force may remove).
+bool is_tiny_generator_file(const std::string &file_name);
+
+}  // namespace memra::tools
