@@ -34,5 +34,7 @@ echo "| --- | --- |"
 echo "| build (s) | $((t1 - t0)) |"
 echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
 echo "| cuda tests | $(echo "$gpu_tests" | grep -E 'PASSED|FAILED' | tr '\n' ' ') skipped lines: $skipped |"
-grep -E '^BM_' "$out/bench.log" | awk '{printf "| %s | %s %s %s |\n", $1, $2, $3, $NF}'
+grep -iE '^bm_' "$out/bench.log" |
+    awk '{x=""; for (i = 4; i <= NF; i++) if ($i ~ /bytes_per_second|vs_memcpy/) x = x " " $i;
+          printf "| %s | %s %s%s |\n", $1, $2, $3, x}'
 exit $ctest_rc
