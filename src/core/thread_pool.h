@@ -1,0 +1,31 @@
+// A fixed pool of worker threads for the CPU backend. Work is split into contiguous index ranges;
+// every output element is computed by exactly one thread in its op's fixed order, so results never
+// depend on the thread count (DETERMINISM.md D5). No allocation per call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace memra {
+
+class ThreadPool {
+public:
+    // n_threads >= 1 (MEMRA_CHECK); 1 runs everything on the calling thread.
+    explicit ThreadPool(int n_threads);
+    ~ThreadPool();
+    ThreadPool(const ThreadPool &) = delete;
+    ThreadPool &operator=(const ThreadPool &) = delete;
+
+    int n_threads() const;
+
+    // Calls fn(begin, end) on disjoint contiguous ranges covering [0, n) (at most n_threads ranges,
+    // each at least `grain` long except possibly the last) and returns when all are done. The calling
+    // thread takes part. Not reentrant: fn must not call parallel_for on the same pool.
+    void parallel_for(int64_t n, const std::function<void(int64_t begin, int64_t end)> &fn, int64_t grain = 1);
+
+private:
+    struct State;
+    State *state_;
+};
+
+}  // namespace memra
