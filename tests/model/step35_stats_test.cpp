@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "model/model_test_util.h"
 #include "model/step35_config.h"
 #include "model/step35_stats.h"
 #include "model/step35_weights.h"
@@ -15,30 +16,6 @@ namespace memra::model {
 namespace {
 
 using Json = nlohmann::json;
-
-Step35Config load_fixture(const char *file) {
-    std::ifstream in(std::filesystem::path(MEMRA_SOURCE_DIR) / "tests/data" / file, std::ios::binary);
-    std::ostringstream s;
-    s << in.rdbuf();
-    auto cfg = parse_step35_config(s.str());
-    EXPECT_TRUE(cfg.has_value()) << (cfg ? "" : cfg.error().message);
-    return cfg ? *cfg : Step35Config{};
-}
-
-std::vector<io::TensorInfo> as_checkpoint(const std::vector<ExpectedTensor> &catalogue) {
-    std::vector<io::TensorInfo> out;
-    uint64_t offset = 0;
-    for (const ExpectedTensor &e : catalogue) {
-        uint64_t n = 1;
-        for (int64_t d : e.shape) {
-            n *= static_cast<uint64_t>(d);
-        }
-        const uint64_t end = offset + n * dtype_size(e.dtypes.front());
-        out.push_back(io::TensorInfo{e.name, e.dtypes.front(), e.shape, offset, end});
-        offset = end;
-    }
-    return out;
-}
 
 // STEP35.md section 1 and 5.3 give: trunk 196.96B; MTP blocks 0.84B without their vocab heads
 // (model card: "0.81B head"); 199.38B stored; routed experts 190.25B, the rest 9.13B; active "11B"

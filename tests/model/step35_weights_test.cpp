@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "model/model_test_util.h"
 #include "model/step35_config.h"
 #include "model/step35_weights.h"
 
@@ -19,15 +20,6 @@ namespace memra::model {
 namespace {
 
 using Json = nlohmann::json;
-
-Step35Config load_fixture(const char *file) {
-    std::ifstream in(std::filesystem::path(MEMRA_SOURCE_DIR) / "tests/data" / file, std::ios::binary);
-    std::ostringstream s;
-    s << in.rdbuf();
-    auto cfg = parse_step35_config(s.str());
-    EXPECT_TRUE(cfg.has_value()) << (cfg ? "" : cfg.error().message);
-    return cfg ? *cfg : Step35Config{};
-}
 
 // 4 trunk layers (0 full, 1-2 sliding, 3 full; 2-3 MoE with 16 experts of width 96 over d_model 256)
 // and n_mtp MTP layers, small enough to read every message.
@@ -73,22 +65,6 @@ Step35Config tiny_config(int n_mtp, bool fp8, bool tied = false) {
     auto cfg = parse_step35_config(j.dump());
     EXPECT_TRUE(cfg.has_value()) << (cfg ? "" : cfg.error().message);
     return cfg ? *cfg : Step35Config{};
-}
-
-// A checkpoint listing that matches the catalogue exactly, at the released (first) dtypes.
-std::vector<io::TensorInfo> as_checkpoint(const std::vector<ExpectedTensor> &catalogue) {
-    std::vector<io::TensorInfo> out;
-    uint64_t offset = 0;
-    for (const ExpectedTensor &e : catalogue) {
-        uint64_t n = 1;
-        for (int64_t d : e.shape) {
-            n *= static_cast<uint64_t>(d);
-        }
-        const uint64_t end = offset + n * dtype_size(e.dtypes.front());
-        out.push_back(io::TensorInfo{e.name, e.dtypes.front(), e.shape, offset, end});
-        offset = end;
-    }
-    return out;
 }
 
 io::TensorInfo &find_info(std::vector<io::TensorInfo> &list, std::string_view name) {

@@ -4,12 +4,13 @@ and numpy (float16), compared as raw bits, through memra_dtype_tool from $MEMRA_
 Decoding is checked on every code; encoding on every representable value, every midpoint between
 neighbours (ties), one float32 ulp either side of each midpoint, the overflow midpoints, both signs,
 and 1M random float32 bit patterns (all exponents, subnormals, Inf, NaN payloads)."""
-import os
 import subprocess
 
 import ml_dtypes
 import numpy as np
 import pytest
+
+from oracle_util import build_tool, run_dtype_tool
 
 # name -> (oracle dtype, code dtype, decode op, encode op)
 FORMATS = {
@@ -21,20 +22,7 @@ FORMATS = {
 
 @pytest.fixture(scope="module")
 def tool():
-    build_dir = os.environ.get("MEMRA_BUILD_DIR")
-    assert build_dir, "set MEMRA_BUILD_DIR to the build directory holding memra_dtype_tool"
-    path = os.path.join(build_dir, "memra_dtype_tool")
-    assert os.path.isfile(path), f"{path} not found: build target memra_dtype_tool first"
-    return path
-
-
-def run_tool(tool, tmp_path, op, data, out_dtype, *extra):
-    src = tmp_path / f"{op}.in"
-    dst = tmp_path / f"{op}.out"
-    src.write_bytes(np.ascontiguousarray(data).tobytes())
-    proc = subprocess.run([tool, op, str(src), str(dst), *map(str, extra)], capture_output=True, text=True)
-    assert proc.returncode == 0, f"{op} failed ({proc.returncode}): {proc.stderr}"
-    return np.frombuffer(dst.read_bytes(), dtype=out_dtype)
+    return build_tool("memra_dtype_tool")
 
 
 def assert_same_bits(got, want, inputs, what):
@@ -73,7 +61,7 @@ def test_decode_every_code(tool, tmp_path, name):
     oracle, code_dtype, decode_op, _ = FORMATS[name]
     codes = all_codes(code_dtype)
     want = codes.view(oracle).astype(np.float32).view(np.uint32)
-    got = run_tool(tool, tmp_path, decode_op, codes, np.uint32)
+    got = run_dtype_tool(tool, tmp_path, decode_op, codes, np.uint32)
     assert_same_bits(got, want, codes, f"{decode_op} vs {oracle.__name__}")
 
 
@@ -83,7 +71,7 @@ def test_encode_matches_oracle(tool, tmp_path, name):
     x = encode_inputs(name)
     with np.errstate(all="ignore"):
         want = x.astype(oracle).view(code_dtype)
-    got = run_tool(tool, tmp_path, encode_op, x, code_dtype)
+    got = run_dtype_tool(tool, tmp_path, encode_op, x, code_dtype)
     assert_same_bits(got, want, x, f"{encode_op} vs {oracle.__name__}")
 
 
@@ -92,12 +80,12 @@ def test_encode_fp8_saturating(tool, tmp_path):
     x = encode_inputs("fp8")
     with np.errstate(all="ignore"):
         want = np.clip(x, np.float32(-448), np.float32(448)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    got = run_tool(tool, tmp_path, "f32_to_fp8_sat", x, np.uint8)
+    got = run_dtype_tool(tool, tmp_path, "f32_to_fp8_sat", x, np.uint8)
     assert_same_bits(got, want, x, "f32_to_fp8_sat vs clip + ml_dtypes")
     # The two modes must really differ where the contract says they do.
     specials = np.array([np.inf, -np.inf, 465.0, -1e30, 464.0], dtype=np.float32)
-    assert list(run_tool(tool, tmp_path, "f32_to_fp8_sat", specials, np.uint8)) == [0x7E, 0xFE, 0x7E, 0xFE, 0x7E]
-    assert list(run_tool(tool, tmp_path, "f32_to_fp8", specials, np.uint8)) == [0x7F, 0xFF, 0x7F, 0xFF, 0x7E]
+    assert list(run_dtype_tool(tool, tmp_path, "f32_to_fp8_sat", specials, np.uint8)) == [0x7E, 0xFE, 0x7E, 0xFE, 0x7E]
+    assert list(run_dtype_tool(tool, tmp_path, "f32_to_fp8", specials, np.uint8)) == [0x7F, 0xFF, 0x7F, 0xFF, 0x7E]
 
 
 @pytest.mark.parametrize(

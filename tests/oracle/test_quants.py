@@ -3,13 +3,13 @@ quantizers (gguf.quants), and memra's FP8 128x128 block quantization (src/core/f
 numpy + ml_dtypes implementation of the same convention; all compared as raw bytes / bits through
 memra_dtype_tool from $MEMRA_BUILD_DIR. gguf has no q8_1 quantizer, so q8_1 is checked against GGML's
 documented reference (q8_0's d and codes, plus s = fp16(sum(q) * d))."""
-import os
-import subprocess
 
 import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+
+from oracle_util import build_tool, run_dtype_tool
 
 QK = 32
 # name -> (gguf type, bytes per block)
@@ -22,20 +22,7 @@ GGUF_FORMATS = {
 
 @pytest.fixture(scope="module")
 def tool():
-    build_dir = os.environ.get("MEMRA_BUILD_DIR")
-    assert build_dir, "set MEMRA_BUILD_DIR to the build directory holding memra_dtype_tool"
-    path = os.path.join(build_dir, "memra_dtype_tool")
-    assert os.path.isfile(path), f"{path} not found: build target memra_dtype_tool first"
-    return path
-
-
-def run_tool(tool, tmp_path, op, data, out_dtype, *extra):
-    src = tmp_path / f"{op}.in"
-    dst = tmp_path / f"{op}.out"
-    src.write_bytes(np.ascontiguousarray(data).tobytes())
-    proc = subprocess.run([tool, op, str(src), str(dst), *map(str, extra)], capture_output=True, text=True)
-    assert proc.returncode == 0, f"{op} failed ({proc.returncode}): {proc.stderr}"
-    return np.frombuffer(dst.read_bytes(), dtype=out_dtype)
+    return build_tool("memra_dtype_tool")
 
 
 def assert_equal_arrays(got, want, what):
@@ -105,7 +92,7 @@ def test_quantize_matches_gguf(tool, tmp_path, fmt, dataset):
     qtype, block_bytes = GGUF_FORMATS[fmt]
     x = DATASETS[dataset].reshape(-1)
     want = gguf_quantize(x, qtype)
-    got = run_tool(tool, tmp_path, f"quantize_{fmt}", x, np.uint8)
+    got = run_dtype_tool(tool, tmp_path, f"quantize_{fmt}", x, np.uint8)
     assert got.size == x.size // QK * block_bytes
     assert_equal_arrays(got, want, f"quantize_{fmt} on {dataset}")
 
@@ -121,7 +108,7 @@ def test_dequantize_matches_gguf(tool, tmp_path, fmt):
     data = np.concatenate(blocks)
     with np.errstate(all="ignore"):
         want = quants.dequantize(data.reshape(-1, block_bytes), qtype).reshape(-1).astype(np.float32)
-    got = run_tool(tool, tmp_path, f"dequantize_{fmt}", data, np.float32)
+    got = run_dtype_tool(tool, tmp_path, f"dequantize_{fmt}", data, np.float32)
     assert_equal_arrays(got.view(np.uint32), want.view(np.uint32), f"dequantize_{fmt} bits")
 
 
@@ -139,10 +126,10 @@ def q8_1_reference(x):
 @pytest.mark.parametrize("dataset", list(DATASETS))
 def test_quantize_q8_1_matches_ggml_reference(tool, tmp_path, dataset):
     x = DATASETS[dataset].reshape(-1)
-    got = run_tool(tool, tmp_path, "quantize_q8_1", x, np.uint8)
+    got = run_dtype_tool(tool, tmp_path, "quantize_q8_1", x, np.uint8)
     assert_equal_arrays(got, q8_1_reference(x), f"quantize_q8_1 on {dataset}")
     # d * q, as q8_0 dequantizes its identical d and codes.
-    deq = run_tool(tool, tmp_path, "dequantize_q8_1", got, np.float32)
+    deq = run_dtype_tool(tool, tmp_path, "dequantize_q8_1", got, np.float32)
     blocks = got.reshape(-1, 36)
     with np.errstate(all="ignore"):
         want = (blocks[:, 4:].view(np.int8).astype(np.float32) *
@@ -205,7 +192,7 @@ def fp8_weight(rows, cols, seed):
 def test_fp8_block_matches_reference(tool, tmp_path, rows, cols):
     w = fp8_weight(rows, cols, seed=rows * 1000 + cols)
     q_want, s_want = fp8_block_quant_reference(w)
-    packed = run_tool(tool, tmp_path, "fp8_block_quant", w, np.uint8, rows, cols)
+    packed = run_dtype_tool(tool, tmp_path, "fp8_block_quant", w, np.uint8, rows, cols)
     assert packed.size == rows * cols + 4 * s_want.size
     q_got = packed[:rows * cols].reshape(rows, cols)
     s_got = packed[rows * cols:].view(np.float32).reshape(s_want.shape)
@@ -217,7 +204,7 @@ def test_fp8_block_matches_reference(tool, tmp_path, rows, cols):
     q_any = rng.integers(0, 256, size=(rows, cols), dtype=np.uint16).astype(np.uint8)
     for q in (q_want, q_any):
         packed_in = np.concatenate([q.reshape(-1), s_want.reshape(-1).view(np.uint8)])
-        got = run_tool(tool, tmp_path, "fp8_block_dequant", packed_in, np.float32, rows, cols)
+        got = run_dtype_tool(tool, tmp_path, "fp8_block_dequant", packed_in, np.float32, rows, cols)
         want = fp8_block_dequant_reference(q, s_want).reshape(-1)
         assert_equal_arrays(got.view(np.uint32), want.view(np.uint32), "fp8 block dequant bits")
 
