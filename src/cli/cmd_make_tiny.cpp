@@ -20,7 +20,9 @@ Command add_make_tiny_command(CLI::App &app) {
     CLI::App *sub = app.add_subcommand(
         "make-tiny", "Write a tiny Step-3.5 checkpoint (config, sharded safetensors, BPE tokenizer) from a seed");
     sub->add_option("OUT_DIR", *out_dir, "Directory to write (created; must be empty unless --force)")->required();
+    // CLI11 alone would wrap "-1" into 2^64 - 1 and saturate 2^64; the validator refuses both.
     sub->add_option("-s,--seed", opts->seed, "Weight seed (the files are byte-identical for a seed)")
+        ->check(uint64_validator())
         ->capture_default_str();
     sub->add_option("--preset", opts->preset, preset_help)
         ->check(CLI::IsMember(tools::tiny_preset_names()))

@@ -26,8 +26,10 @@ Command add_plan_command(CLI::App &app) {
     sub->add_option("--pp,--pipeline-parallel-size", req->pipeline_stages, "Pipeline stages")
         ->envname("MEMRA_PP")
         ->capture_default_str();
+    // Positive when given: 0 is not "the default" (that would silently accept a bad value).
     sub->add_option("--devices", *devices, "Devices available (default: exactly the ranks the plan needs)")
-        ->envname("MEMRA_DEVICES");
+        ->envname("MEMRA_DEVICES")
+        ->check(positive_int_validator());
 
     return {sub, [model_dir, req, devices]() {
                 const std::filesystem::path dir = resolve_model_dir(*model_dir);

@@ -39,4 +39,10 @@ std::filesystem::path resolve_model_dir(const std::string &model_dir);
 // Prints "error: <message>" to stderr and returns kExitInvalidInput.
 int report_error(const std::string &message);
 
+// Validators for numeric options, checked on the text before CLI11 converts it: CLI11 itself wraps "-1"
+// into an unsigned option and saturates values past its range. Failures are usage errors (exit 2),
+// reported as "--seed: expected an integer in [0, 18446744073709551615], found -1".
+CLI::Validator uint64_validator();        // decimal digits, 0 .. 2^64 - 1
+CLI::Validator positive_int_validator();  // decimal digits, 1 .. INT_MAX
+
 }  // namespace memra::cli

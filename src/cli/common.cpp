@@ -1,5 +1,8 @@
 // Helpers shared by the subcommands: the embedded default model and error reporting.
+#include <charconv>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -31,6 +34,34 @@ std::filesystem::path resolve_model_dir(const std::string &model_dir) {
         return {};
     }
     return dir;
+}
+
+namespace {
+
+// An integer validator for [lo, hi]: the whole text must be a decimal number in range (no sign, no
+// spaces, no hex), so nothing is wrapped, saturated or truncated on the way to the option's value.
+CLI::Validator integer_validator(uint64_t lo, uint64_t hi, const std::string &name) {
+    return CLI::Validator(
+        [lo, hi](std::string &text) -> std::string {
+            uint64_t value = 0;
+            const char *end = text.data() + text.size();
+            const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+            if (text.empty() || ec != std::errc() || ptr != end || value < lo || value > hi) {
+                return fmt::format("expected an integer in [{}, {}], found {}", lo, hi, text);
+            }
+            return {};
+        },
+        name);
+}
+
+}  // namespace
+
+CLI::Validator uint64_validator() {
+    return integer_validator(0, std::numeric_limits<uint64_t>::max(), "");  // the type already reads UINT
+}
+
+CLI::Validator positive_int_validator() {
+    return integer_validator(1, static_cast<uint64_t>(std::numeric_limits<int>::max()), "POSITIVE");
 }
 
 int report_error(const std::string &message) {

@@ -9,7 +9,9 @@ int main(int argc, char **argv) {
     using namespace memra::cli;
     CLI::App app{"memra: a deterministic inference engine for Step-3.5-class MoE models", "memra"};
     app.set_version_flag("--version", std::string("memra 0.1.0"));
-    app.require_subcommand(1);
+    // At most one subcommand; a missing one is reported after parsing, so that an unknown word
+    // ("memra frobnicate", "memra --bogus") is named in the error instead of "A subcommand is required".
+    app.require_subcommand(0, 1);
     app.fallthrough(false);
 
     const std::vector<Command> commands = {add_inspect_command(app), add_plan_command(app),
@@ -24,5 +26,6 @@ int main(int argc, char **argv) {
     for (const Command &command : commands) {
         if (command.sub->parsed()) return command.run();
     }
+    app.exit(CLI::RequiredError::Subcommand(1));  // "A subcommand is required" and the --help hint
     return kExitUsage;
 }

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <system_error>
@@ -578,6 +579,12 @@ Result<void> read_quantization(ObjectReader &root, Step35Config &cfg) {
     if (block[0] <= 0 || block[1] <= 0 || block[0] > kMaxConfigDim || block[1] > kMaxConfigDim) {
         return make_error("quantization_config.weight_block_size: expected two positive integers, found {}",
                           b.is_array() ? b.dump() : describe(b));
+    }
+    // A rank's slice of an expert must cover whole tiles along both edges (model/step35_plan.h takes
+    // their lcm); keep that tile inside the config's dimension limit so it fits an int.
+    if (std::lcm(block[0], block[1]) > kMaxConfigDim) {
+        return make_error("quantization_config.weight_block_size: tiles {} x {} have a common multiple above {}",
+                          block[0], block[1], kMaxConfigDim);
     }
     q.block_out = static_cast<int>(block[0]);
     q.block_in = static_cast<int>(block[1]);

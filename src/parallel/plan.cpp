@@ -213,6 +213,8 @@ RankLayerPlan plan_rank_layer(const LayerShape &l, const LayerPlan &lp, int tp_r
 
 std::string range_text(Range r) { return fmt::format("[{}, {})", r.begin, r.end); }
 
+const char *plural(int n) { return n == 1 ? "" : "s"; }
+
 // "0", "1-3,5-7,9": sorted layer indices with consecutive runs folded.
 std::string layer_list_text(const std::vector<int> &layers) {
     std::string out;
@@ -557,9 +559,9 @@ std::string format_plan(const ParallelPlan &plan, const ModelShape &shape) {
                 shape.layers.size());
     const PlanRequest &r = plan.request;
     std::string out;
-    out += fmt::format("parallel plan: {} ranks = {} pipeline stage{} x tp {}, ep {}, {} devices available\n",
-                       plan.n_ranks, r.pipeline_stages, r.pipeline_stages == 1 ? "" : "s", r.tp, r.ep ? "on" : "off",
-                       r.devices_available);
+    out += fmt::format("parallel plan: {} rank{} = {} pipeline stage{} x tp {}, ep {}, {} device{} available\n",
+                       plan.n_ranks, plural(plan.n_ranks), r.pipeline_stages, plural(r.pipeline_stages), r.tp,
+                       r.ep ? "on" : "off", r.devices_available, plural(r.devices_available));
     out += fmt::format("model: d_model {}, vocab {}, {} trunk + {} MTP layers\n", shape.d_model, shape.vocab_size,
                        plan.n_trunk_layers, plan.n_mtp_layers);
     out += fmt::format("canonical K blocks: {} per row-parallel projection, summed as {}; each rank reduces its "
@@ -570,7 +572,9 @@ std::string format_plan(const ParallelPlan &plan, const ModelShape &shape) {
     out += "stages:\n";
     for (int s = 0; s < r.pipeline_stages; ++s) {
         const bool last = s == r.pipeline_stages - 1;
-        out += fmt::format("  stage {}: ranks {}-{}, trunk layers {}{}\n", s, s * r.tp, s * r.tp + r.tp - 1,
+        const std::string ranks = r.tp == 1 ? fmt::format("rank {}", s) : fmt::format("ranks {}-{}", s * r.tp,
+                                                                                         s * r.tp + r.tp - 1);
+        out += fmt::format("  stage {}: {}, trunk layers {}{}\n", s, ranks,
                            range_text(plan.stage_layers[s]),
                            last && plan.n_mtp_layers > 0
                                ? fmt::format(", MTP layers {}",
@@ -586,7 +590,8 @@ std::string format_plan(const ParallelPlan &plan, const ModelShape &shape) {
         add_to_groups(table, fmt::format("({}): {}", layer_kind_text(l), layer_table_text(l, lp, r)), lp.layer);
     }
     for (const LayerGroup &g : table) {
-        out += fmt::format("  layers {} {}\n", layer_list_text(g.layers), g.text);
+        out += fmt::format("  layer{} {} {}\n", plural(static_cast<int>(g.layers.size())), layer_list_text(g.layers),
+                               g.text);
     }
 
     for (const RankPlan &rp : plan.ranks) {
@@ -599,7 +604,8 @@ std::string format_plan(const ParallelPlan &plan, const ModelShape &shape) {
             add_to_groups(groups, fmt::format("({}): {}", layer_kind_text(l), rank_layer_text(l, p)), p.layer);
         }
         for (const LayerGroup &g : groups) {
-            out += fmt::format("  layers {} {}\n", layer_list_text(g.layers), g.text);
+            out += fmt::format("  layer{} {} {}\n", plural(static_cast<int>(g.layers.size())), layer_list_text(g.layers),
+                               g.text);
         }
         if (rp.holds_embedding) {
             out += "  embedding: all rows (replicated)\n";

@@ -591,6 +591,8 @@ TEST(Step35Config, ErrorsQuantization) {
     EXPECT_ERROR(j, "quantization_config.weight_block_size: expected two positive integers, found [128]");
     j["quantization_config"]["weight_block_size"] = {128, 0};
     EXPECT_ERROR(j, "quantization_config.weight_block_size: expected two positive integers, found [128,0]");
+    j["quantization_config"]["weight_block_size"] = {256, 16777213};  // each fine, their lcm is not
+    EXPECT_ERROR(j, "quantization_config.weight_block_size: tiles 256 x 16777213 have a common multiple above");
     j["quantization_config"]["weight_block_size"] = {128, 128.5};
     EXPECT_ERROR(j, "quantization_config.weight_block_size: expected two positive integers, found [128,128.5]");
     j["quantization_config"]["weight_block_size"] = "128";

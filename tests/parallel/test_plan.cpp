@@ -796,7 +796,7 @@ TEST(FormatPlan, Step35Tp8EpKeyLines) {
     EXPECT_TRUE(has(text, "model: d_model 4096, vocab 128896, 45 trunk + 3 MTP layers\n"));
     EXPECT_TRUE(has(text, "summed as ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))"));
     EXPECT_TRUE(has(text, "  stage 0: ranks 0-7, trunk layers [0, 45), MTP layers [45, 48)\n"));
-    EXPECT_TRUE(has(text, "  layers 0 (full, dense): heads 64 q / 8 kv x 128 (per rank 8 q + 1 kv), o_proj K block "
+    EXPECT_TRUE(has(text, "  layer 0 (full, dense): heads 64 q / 8 kv x 128 (per rank 8 q + 1 kv), o_proj K block "
                           "1024; d_ff 11264 (per rank 1408), down K block 1408\n"))
         << text;
     EXPECT_TRUE(has(text, "  layers 1-2 (sliding, dense): heads 96 q / 8 kv x 128 (per rank 12 q + 1 kv)"));
@@ -806,7 +806,7 @@ TEST(FormatPlan, Step35Tp8EpKeyLines) {
                           "replicated\n"));
     EXPECT_TRUE(has(text, "  layers 45-47 (MTP, sliding, dense)"));
     EXPECT_TRUE(has(text, "rank 7 (stage 0, tp rank 7): canonical blocks [7, 8) = p7\n"));
-    EXPECT_TRUE(has(text, "  layers 0 (full, dense): q heads [56, 64), kv heads [7, 8), o_proj blocks [7, 8), d_ff "
+    EXPECT_TRUE(has(text, "  layer 0 (full, dense): q heads [56, 64), kv heads [7, 8), o_proj blocks [7, 8), d_ff "
                           "[9856, 11264), down blocks [7, 8)\n"));
     EXPECT_TRUE(has(text, "q heads [84, 96), kv heads [7, 8), o_proj blocks [7, 8), experts [252, 288) whole (down blocks "
                           "[0, 8) reduced locally)\n"));

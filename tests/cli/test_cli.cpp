@@ -1,0 +1,762 @@
+// End-to-end tests of the `memra` executable: each test runs the built binary as a subprocess (no shell),
+// captures stdout, stderr and the exit status, and checks the exit-code contract (0 ok, 1 invalid input,
+// 2 usage), the help texts, inspect/plan/make-tiny on generated and deliberately broken checkpoints, and
+// the progress lines on a non-terminal stderr.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "io/safetensors.h"
+
+extern char **environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+// A process that runs longer than this is killed and the test fails: a CLI call must never hang.
+constexpr int kTimeoutSeconds = 120;
+
+struct RunResult {
+    int exit_code = -1;  // the exit status; 128 + signal number when killed by a signal
+    std::string out;     // everything written to stdout
+    std::string err;     // everything written to stderr
+};
+
+// Extra environment for one run. Every inherited MEMRA_* variable is dropped first, so the caller's
+// environment (MEMRA_MODEL, MEMRA_TP, ...) cannot change what a test sees.
+using EnvVars = std::vector<std::pair<std::string, std::string>>;
+
+std::vector<std::string> child_environment(const EnvVars &extra) {
+    std::vector<std::string> env;
+    for (char **e = environ; e != nullptr && *e != nullptr; ++e) {
+        if (std::strncmp(*e, "MEMRA_", 6) != 0) env.emplace_back(*e);
+    }
+    for (const auto &[key, value] : extra) env.push_back(key + "=" + value);
+    return env;
+}
+
+std::vector<char *> c_strings(std::vector<std::string> &strings) {
+    std::vector<char *> out;
+    for (std::string &s : strings) out.push_back(s.data());
+    out.push_back(nullptr);
+    return out;
+}
+
+// Runs MEMRA_EXE with args; stdin is /dev/null, stdout and stderr are pipes (so not terminals).
+RunResult run_memra(const std::vector<std::string> &args, const EnvVars &env = {}) {
+    RunResult result;
+    std::vector<std::string> argv_strings = {MEMRA_EXE};
+    argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+    std::vector<std::string> env_strings = child_environment(env);
+    std::vector<char *> argv = c_strings(argv_strings);
+    std::vector<char *> envp = c_strings(env_strings);
+
+    int out_pipe[2];
+    int err_pipe[2];
+    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+        ADD_FAILURE() << "pipe2: " << std::strerror(errno);
+        return result;
+    }
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, err_pipe[1], STDERR_FILENO);
+    pid_t pid = 0;
+    const int spawn_rc = posix_spawn(&pid, MEMRA_EXE, &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    if (spawn_rc != 0) {
+        close(out_pipe[0]);
+        close(err_pipe[0]);
+        ADD_FAILURE() << "posix_spawn " << MEMRA_EXE << ": " << std::strerror(spawn_rc);
+        return result;
+    }
+
+    // Drain both pipes together: a child blocked on a full stderr pipe would otherwise never finish stdout.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kTimeoutSeconds);
+    pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
+    std::string *sinks[2] = {&result.out, &result.err};
+    int open_fds = 2;
+    bool timed_out = false;
+    while (open_fds > 0) {
+        using std::chrono::milliseconds;
+        const auto left = std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) {
+            timed_out = true;
+            break;
+        }
+        const int n = poll(fds, 2, static_cast<int>(left.count()));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            ADD_FAILURE() << "poll: " << std::strerror(errno);
+            break;
+        }
+        for (int i = 0; i < 2; ++i) {
+            if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+            char buf[65536];
+            const ssize_t got = read(fds[i].fd, buf, sizeof(buf));
+            if (got > 0) {
+                sinks[i]->append(buf, static_cast<size_t>(got));
+            } else if (got == 0 || errno != EINTR) {
+                close(fds[i].fd);
+                fds[i].fd = -1;
+                --open_fds;
+            }
+        }
+    }
+    if (timed_out || open_fds > 0) {
+        kill(pid, SIGKILL);
+        ADD_FAILURE() << "memra did not finish within " << kTimeoutSeconds << " s; killed";
+    }
+    for (const pollfd &p : fds) {
+        if (p.fd >= 0) close(p.fd);
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (WIFEXITED(status)) {
+        result.exit_code = WEXITSTATUS(status);
+    } else if (WIFSIGNALED(status)) {
+        result.exit_code = 128 + WTERMSIG(status);
+    }
+    return result;
+}
+
+// For failure messages: what the process printed.
+std::string describe(const RunResult &r) {
+    return fmt::format("exit {}\n--- stdout ---\n{}\n--- stderr ---\n{}", r.exit_code, r.out, r.err);
+}
+
+bool contains(const std::string &haystack, const std::string &needle) {
+    return haystack.find(needle) != std::string::npos;
+}
+
+size_t count_of(const std::string &haystack, const std::string &needle) {
+    size_t n = 0;
+    for (size_t pos = haystack.find(needle); pos != std::string::npos; pos = haystack.find(needle, pos + 1)) ++n;
+    return n;
+}
+
+std::string read_text(const fs::path &path) {
+    std::ifstream in(path, std::ios::binary);
+    std::ostringstream s;
+    s << in.rdbuf();
+    return s.str();
+}
+
+void write_text(const fs::path &path, const std::string &text) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << text;
+    ASSERT_TRUE(out.good()) << path;
+}
+
+fs::path default_model() { return fs::path(MEMRA_EXE).parent_path() / "models" / "default"; }
+
+// Every file of a directory (name -> bytes).
+std::map<std::string, std::string> directory_contents(const fs::path &dir) {
+    std::map<std::string, std::string> files;
+    for (const fs::directory_entry &e : fs::directory_iterator(dir)) {
+        files[e.path().filename().string()] = read_text(e.path());
+    }
+    return files;
+}
+
+class CliTest : public ::testing::Test {
+protected:
+    void SetUp() override {
+        const auto *info = ::testing::UnitTest::GetInstance()->current_test_info();
+        dir_ = fs::temp_directory_path() /
+               fmt::format("memra_cli_{}_{}_{}", ::getpid(), info->test_suite_name(), info->name());
+        fs::remove_all(dir_);
+        fs::create_directories(dir_);
+    }
+    void TearDown() override {
+        std::error_code ec;
+        fs::remove_all(dir_, ec);
+    }
+
+    // Generates a tiny checkpoint with the CLI itself.
+    fs::path make_tiny(const std::string &name, const std::vector<std::string> &extra = {}) {
+        const fs::path out = dir_ / name;
+        std::vector<std::string> args = {"make-tiny", out.string()};
+        args.insert(args.end(), extra.begin(), extra.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, 0) << describe(r);
+        EXPECT_TRUE(fs::exists(out / "config.json")) << describe(r);
+        return out;
+    }
+
+    // A directory holding only config.json (a copy of a file under tests/data).
+    fs::path config_only(const std::string &fixture) {
+        const fs::path out = dir_ / "config_only";
+        fs::create_directories(out);
+        fs::copy_file(fs::path(MEMRA_SOURCE_DIR) / "tests/data" / fixture, out / "config.json",
+                      fs::copy_options::overwrite_existing);
+        return out;
+    }
+
+    fs::path dir_;
+};
+
+// The shard the index of `ckpt` assigns to `tensor`.
+std::string shard_of(const fs::path &ckpt, const std::string &tensor) {
+    const Json index = Json::parse(read_text(ckpt / memra::io::kIndexFileName));
+    return index.at("weight_map").at(tensor).get<std::string>();
+}
+
+// Rewrites the shard of a checkpoint with io::write_safetensors after `edit` changed its tensor list.
+template <class Edit>
+void rewrite_shard(const fs::path &shard_path, Edit edit) {
+    std::vector<memra::io::TensorData> tensors;
+    {
+        auto file = memra::io::SafetensorsFile::open(shard_path);
+        ASSERT_TRUE(file.has_value()) << file.error().message;
+        for (const memra::io::TensorInfo &info : file->tensors()) {
+            const memra::io::TensorRef ref = file->ref(info);
+            tensors.push_back({info.name, info.dtype, info.shape, {ref.bytes.begin(), ref.bytes.end()}});
+        }
+    }
+    edit(tensors);
+    auto written = memra::io::write_safetensors(shard_path, tensors);
+    ASSERT_TRUE(written.has_value()) << written.error().message;
+}
+
+// ---- help, version, usage errors -------------------------------------------------------------------
+
+TEST_F(CliTest, AppHelpListsEverySubcommand) {
+    for (const char *flag : {"--help", "-h"}) {
+        const RunResult r = run_memra({flag});
+        EXPECT_EQ(r.exit_code, 0) << describe(r);
+        for (const char *word : {"Usage: memra", "--help", "--version", "inspect", "plan", "make-tiny"}) {
+            EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
+        }
+    }
+}
+
+TEST_F(CliTest, InspectHelpMentionsEveryOption) {
+    const RunResult r = run_memra({"inspect", "--help"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    for (const char *word : {"Usage: memra inspect", "MODEL_DIR", "MEMRA_MODEL", "--help"}) {
+        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
+    }
+}
+
+TEST_F(CliTest, PlanHelpMentionsEveryOption) {
+    const RunResult r = run_memra({"plan", "--help"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    for (const char *word : {"Usage: memra plan", "MODEL_DIR", "MEMRA_MODEL", "--help",
+                             "-t,--tp,--tensor-parallel-size", "--ep,--enable-expert-parallel",
+                             "--pp,--pipeline-parallel-size", "--devices", "MEMRA_TP", "MEMRA_EP", "MEMRA_PP",
+                             "MEMRA_DEVICES"}) {
+        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
+    }
+}
+
+TEST_F(CliTest, MakeTinyHelpMentionsEveryOptionAndPreset) {
+    const RunResult r = run_memra({"make-tiny", "--help"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    for (const char *word : {"Usage: memra make-tiny", "OUT_DIR", "--help", "-s,--seed", "--preset", "--dtype",
+                             "-f,--force", "tiny", "small", "bf16", "fp8"}) {
+        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
+    }
+}
+
+TEST_F(CliTest, VersionPrintsTheVersion) {
+    const RunResult r = run_memra({"--version"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(r.out.rfind("memra ", 0) == 0) << describe(r);
+    // "memra X.Y.Z" and nothing else.
+    const std::string version = r.out.substr(6, r.out.find('\n') - 6);
+    EXPECT_EQ(count_of(version, "."), 2u) << describe(r);
+    EXPECT_EQ(version.find_first_not_of("0123456789."), std::string::npos) << describe(r);
+}
+
+TEST_F(CliTest, NoArgumentsIsAUsageError) {
+    const RunResult r = run_memra({});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_EQ(r.err, "A subcommand is required\nRun with --help for more information.\n") << describe(r);
+    EXPECT_EQ(r.out, "") << describe(r);
+}
+
+TEST_F(CliTest, UnknownSubcommandIsAUsageError) {
+    const RunResult r = run_memra({"frobnicate"});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    // The unknown word is named (not just "A subcommand is required").
+    EXPECT_TRUE(contains(r.err, "The following argument was not expected: frobnicate\n")) << describe(r);
+    EXPECT_EQ(r.out, "") << describe(r);
+}
+
+TEST_F(CliTest, UnknownFlagIsAUsageError) {
+    const std::vector<std::vector<std::string>> calls = {
+        {"--bogus"}, {"inspect", "--bogus"}, {"plan", "--bogus"}, {"make-tiny", (dir_ / "x").string(), "--bogus"}};
+    for (const std::vector<std::string> &args : calls) {
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, 2) << args.front() << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, "The following argument was not expected: --bogus\n")) << describe(r);
+    }
+}
+
+TEST_F(CliTest, MissingRequiredArgumentAndBadNumberAreUsageErrors) {
+    RunResult r = run_memra({"make-tiny"});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_TRUE(contains(r.err, "OUT_DIR")) << describe(r);
+    r = run_memra({"plan", "--tp", "two"});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_TRUE(contains(r.err, "two")) << describe(r);
+}
+
+// ---- inspect -----------------------------------------------------------------------------------------
+
+TEST_F(CliTest, InspectWithoutModelDirUsesTheDefaultModel) {
+    ASSERT_TRUE(fs::exists(default_model() / "config.json")) << "the build target default_model has not run";
+    const RunResult r = run_memra({"inspect"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "model        " + default_model().string() + "\n")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "architecture Step3p5ForCausalLM (model_type step3p5)\n")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "6 layers + 1 MTP")) << describe(r);
+    // The layer table: its header and one row per trunk layer plus the starred MTP layer.
+    EXPECT_TRUE(contains(r.out, "layer attn     heads q/kv")) << describe(r);
+    for (const char *row : {"\n0     full     8/2 ", "\n1     sliding  16/2 ", "\n4     full ", "\n6*    sliding "}) {
+        EXPECT_TRUE(contains(r.out, row)) << row << "\n" << describe(r);
+    }
+    EXPECT_TRUE(contains(r.out, "(* = MTP layer)")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "validation   OK: 112 tensors match the config (")) << describe(r);
+    EXPECT_FALSE(contains(r.out, "FP8")) << describe(r);
+}
+
+TEST_F(CliTest, InspectTinyBf16Checkpoint) {
+    const fs::path ckpt = make_tiny("bf16", {"--seed", "3"});
+    const RunResult r = run_memra({"inspect", ckpt.string()});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "model        " + ckpt.string() + "\n")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "architecture Step3p5ForCausalLM (model_type step3p5)\n")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "moe          16 experts, top-8, expert width 96, shared 64")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "parameters   total 8.86 M (8860672)")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "validation   OK: 112 tensors match the config (")) << describe(r);
+    EXPECT_FALSE(contains(r.out, "F8_E4M3")) << describe(r);
+}
+
+TEST_F(CliTest, InspectTinyFp8CheckpointReportsFp8TensorsAndQuantization) {
+    const fs::path ckpt = make_tiny("fp8", {"--dtype", "fp8"});
+    const RunResult r = run_memra({"inspect", ckpt.string()});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "architecture Step3p5ForCausalLM (model_type step3p5), "
+                                "FP8 e4m3 128x128 block scales\n"))
+        << describe(r);
+    EXPECT_TRUE(contains(r.out, "F8_E4M3 4.50 MiB")) << describe(r);
+    // 4 MoE layers x gate/up/down routed experts; 112 weights + 12 scales.
+    EXPECT_TRUE(contains(r.out, "validation   OK: 124 tensors match the config, 12 FP8 (")) << describe(r);
+    // Quantization changes no parameter count.
+    EXPECT_TRUE(contains(r.out, "parameters   total 8.86 M (8860672)")) << describe(r);
+}
+
+TEST_F(CliTest, MemraModelEnvironmentVariableIsHonoured) {
+    const fs::path ckpt = make_tiny("fp8", {"--dtype", "fp8"});
+    RunResult r = run_memra({"inspect"}, {{"MEMRA_MODEL", ckpt.string()}});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "model        " + ckpt.string() + "\n")) << describe(r);
+    EXPECT_TRUE(contains(r.out, ", 12 FP8 (")) << describe(r);
+    // plan reads it too (the FP8 checkpoint cannot be tensor-split at tp 2: d_expert 96 / 2 is not 128k).
+    r = run_memra({"plan", "--tp", "2"}, {{"MEMRA_MODEL", ckpt.string()}});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "cannot plan " + ckpt.string() + ": tp=2 without ep: fp8 routed experts"))
+        << describe(r);
+    // An explicit MODEL_DIR wins over the environment.
+    r = run_memra({"inspect", default_model().string()}, {{"MEMRA_MODEL", ckpt.string()}});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "model        " + default_model().string() + "\n")) << describe(r);
+    // A MEMRA_MODEL that does not exist is an error, not a silent fallback to the default model.
+    const fs::path missing = dir_ / "no_such_model";
+    r = run_memra({"inspect"}, {{"MEMRA_MODEL", missing.string()}});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "error: " + (missing / "config.json").string() + ": not found")) << describe(r);
+}
+
+TEST_F(CliTest, InspectMissingDirectory) {
+    const fs::path missing = dir_ / "does_not_exist";
+    const RunResult r = run_memra({"inspect", missing.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_EQ(r.err, "error: " + (missing / "config.json").string() + ": not found\n") << describe(r);
+    EXPECT_EQ(r.out, "") << describe(r);
+}
+
+TEST_F(CliTest, InspectDirectoryWithoutConfig) {
+    const fs::path ckpt = make_tiny("ckpt");
+    fs::remove(ckpt / "config.json");
+    const RunResult r = run_memra({"inspect", ckpt.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_EQ(r.err, "error: " + (ckpt / "config.json").string() + ": not found\n") << describe(r);
+}
+
+TEST_F(CliTest, InspectConfigWithInvalidJson) {
+    const fs::path ckpt = make_tiny("ckpt");
+    const std::string text = read_text(ckpt / "config.json");
+    write_text(ckpt / "config.json", text.substr(0, text.size() / 2));  // cut in the middle
+    const RunResult r = run_memra({"inspect", ckpt.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "error: " + (ckpt / "config.json").string() + ": ")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "invalid JSON")) << describe(r);
+    EXPECT_EQ(r.out, "") << describe(r);
+}
+
+TEST_F(CliTest, InspectConfigWithWrongTypes) {
+    const fs::path ckpt = make_tiny("ckpt");
+    const Json original = Json::parse(read_text(ckpt / "config.json"));
+    struct Case {
+        const char *key;
+        Json value;
+        const char *message;
+    };
+    const std::vector<Case> cases = {
+        {"hidden_size", "256", "hidden_size: expected a positive integer, found \"256\""},
+        {"num_hidden_layers", -6, "num_hidden_layers: expected a positive integer, found -6"},
+        {"tie_word_embeddings", 0, "tie_word_embeddings: expected true or false, found 0"},
+        {"model_type", "llama", "model_type: expected \"step3p5\" (Step-3.5), found \"llama\""},
+    };
+    for (const Case &c : cases) {
+        Json cfg = original;
+        cfg[c.key] = c.value;
+        write_text(ckpt / "config.json", cfg.dump(2));
+        const RunResult r = run_memra({"inspect", ckpt.string()});
+        EXPECT_EQ(r.exit_code, 1) << c.key << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, "error: " + (ckpt / "config.json").string() + ": ")) << describe(r);
+        EXPECT_TRUE(contains(r.err, c.message)) << c.message << "\n" << describe(r);
+    }
+    // The same config goes through plan's loader as well.
+    const RunResult r = run_memra({"plan", ckpt.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "model_type")) << describe(r);
+}
+
+TEST_F(CliTest, InspectCheckpointWithADeletedShard) {
+    const fs::path ckpt = make_tiny("ckpt");
+    const fs::path shard = ckpt / "model-00002-of-00005.safetensors";
+    ASSERT_TRUE(fs::remove(shard));
+    const RunResult r = run_memra({"inspect", ckpt.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "error: " + shard.string() + ": shard listed in model.safetensors.index.json"))
+        << describe(r);
+    EXPECT_TRUE(contains(r.err, "does not exist")) << describe(r);
+    EXPECT_EQ(r.out, "") << describe(r);
+}
+
+TEST_F(CliTest, InspectCheckpointWithATensorRemoved) {
+    const fs::path ckpt = make_tiny("ckpt");
+    const std::string victim = "model.layers.2.moe.gate_proj.weight";
+    const std::string shard = shard_of(ckpt, victim);
+    rewrite_shard(ckpt / shard, [&](std::vector<memra::io::TensorData> &tensors) {
+        const size_t before = tensors.size();
+        std::erase_if(tensors, [&](const memra::io::TensorData &t) { return t.name == victim; });
+        ASSERT_EQ(tensors.size(), before - 1);
+    });
+    // The index is updated too, so the checkpoint itself is consistent and only the config check fails.
+    Json index = Json::parse(read_text(ckpt / memra::io::kIndexFileName));
+    ASSERT_EQ(index["weight_map"].erase(victim), 1u);
+    write_text(ckpt / memra::io::kIndexFileName, index.dump(2));
+
+    const RunResult r = run_memra({"inspect", ckpt.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.out, "validation   FAILED: 1 problems\n")) << describe(r);
+    EXPECT_TRUE(contains(r.out, victim + ": missing from the checkpoint (expected shape [16, 96, 256])"))
+        << describe(r);
+}
+
+TEST_F(CliTest, InspectCheckpointWhoseIndexListsATensorTheShardLacks) {
+    const fs::path ckpt = make_tiny("ckpt");
+    const std::string victim = "model.layers.3.self_attn.q_proj.weight";
+    const std::string shard = shard_of(ckpt, victim);
+    rewrite_shard(ckpt / shard, [&](std::vector<memra::io::TensorData> &tensors) {
+        std::erase_if(tensors, [&](const memra::io::TensorData &t) { return t.name == victim; });
+    });
+    const RunResult r = run_memra({"inspect", ckpt.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "error: " + (ckpt / shard).string() + ": tensor '" + victim + "'")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "missing from it")) << describe(r);
+}
+
+TEST_F(CliTest, InspectCheckpointWithAWrongShapeTensor) {
+    const fs::path ckpt = make_tiny("ckpt");
+    const std::string victim = "model.norm.weight";
+    rewrite_shard(ckpt / shard_of(ckpt, victim), [&](std::vector<memra::io::TensorData> &tensors) {
+        for (memra::io::TensorData &t : tensors) {
+            if (t.name == victim) {
+                ASSERT_EQ(t.shape, (std::vector<int64_t>{256}));
+                t.shape = {16, 16};  // same bytes, wrong shape
+            }
+        }
+    });
+    const RunResult r = run_memra({"inspect", ckpt.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.out, "validation   FAILED: 1 problems\n")) << describe(r);
+    EXPECT_TRUE(contains(r.out, victim + ": expected shape [256], found [16, 16]")) << describe(r);
+}
+
+TEST_F(CliTest, InspectPrintsOneProgressLinePerShardOnANonTerminalStderr) {
+    const RunResult r = run_memra({"inspect", default_model().string()});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    std::string expected;
+    for (int i = 1; i <= 5; ++i) {
+        expected += fmt::format("Loading safetensors shards: {}/5 model-{:05d}-of-00005.safetensors\n", i, i);
+    }
+    EXPECT_EQ(r.err, expected) << describe(r);  // no carriage returns or escape codes in a pipe
+    EXPECT_FALSE(contains(r.out, "Loading")) << describe(r);
+}
+
+// ---- plan --------------------------------------------------------------------------------------------
+
+TEST_F(CliTest, PlanDefaultModelAtEveryDegreeWithAndWithoutEp) {
+    for (int tp : {1, 2, 4, 8}) {
+        for (bool ep : {false, true}) {
+            std::vector<std::string> args = {"plan", "--tp", std::to_string(tp)};
+            if (ep) args.push_back("--ep");
+            const RunResult r = run_memra(args);
+            const std::string what = fmt::format("tp {} ep {}\n{}", tp, ep, describe(r));
+            ASSERT_EQ(r.exit_code, 0) << what;
+            const char *s = tp == 1 ? "" : "s";
+            EXPECT_TRUE(r.out.rfind(fmt::format("parallel plan: {} rank{} = 1 pipeline stage x tp {}, ep {}, {} "
+                                                "device{} available\n",
+                                                tp, s, tp, ep ? "on" : "off", tp, s),
+                                    0) == 0)
+                << what;
+            EXPECT_TRUE(contains(r.out, "model: d_model 256, vocab 1024, 6 trunk + 1 MTP layers\n")) << what;
+            for (int rank = 0; rank < tp; ++rank) {
+                const std::string rank_line =
+                    fmt::format("\nrank {} (stage 0, tp rank {}): canonical blocks ", rank, rank);
+                EXPECT_TRUE(contains(r.out, rank_line)) << rank << "\n" << what;
+                // The MoE layers' routed experts on this rank: whole experts under ep, a d_expert slice otherwise
+                // (at tp 1 the slice is the whole expert and is printed as such).
+                const int per = 16 / tp;
+                std::string experts = fmt::format("experts [{}, {}) whole", rank * per, (rank + 1) * per);
+                if (!ep && tp > 1) {
+                    experts = fmt::format("experts [0, 16) d_expert [{}, {})", rank * 96 / tp, (rank + 1) * 96 / tp);
+                }
+                EXPECT_EQ(count_of(r.out, experts), 2u) << experts << "\n" << what;  // "layers 2-3,5" and "layers 4"
+                EXPECT_TRUE(contains(r.out, fmt::format("lm_head vocab [{}, {})", rank * 1024 / tp,
+                                                        (rank + 1) * 1024 / tp)))
+                    << what;
+            }
+            EXPECT_FALSE(contains(r.out, fmt::format("\nrank {} (", tp))) << what;
+            EXPECT_EQ(r.err, "") << what;
+        }
+    }
+}
+
+TEST_F(CliTest, PlanWithPipelineStages) {
+    const RunResult r = run_memra({"plan", "--tp", "2", "--pp", "2"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "parallel plan: 4 ranks = 2 pipeline stages x tp 2")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "\nrank 3 (stage 1, tp rank 1)")) << describe(r);
+    EXPECT_FALSE(contains(r.out, "\nrank 4 (")) << describe(r);
+
+    const RunResult too_many = run_memra({"plan", "--pp", "7"});
+    EXPECT_EQ(too_many.exit_code, 1) << describe(too_many);
+    EXPECT_TRUE(contains(too_many.err, "pipeline_stages=7: more stages than the 6 trunk layers")) << describe(too_many);
+}
+
+TEST_F(CliTest, PlanReleaseConfigTp8EpHas36ExpertsPerRank) {
+    const fs::path dir = config_only("step35_flash_config.json");
+    const RunResult r = run_memra({"plan", dir.string(), "--tp", "8", "--ep"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(r.out.rfind("parallel plan: 8 ranks = 1 pipeline stage x tp 8, ep on, 8 devices available\n", 0) == 0)
+        << describe(r);
+    EXPECT_TRUE(contains(r.out, "model: d_model 4096, vocab 128896, 45 trunk + 3 MTP layers\n")) << describe(r);
+    // Both MoE layer groups (sliding and full) list 288 / 8 = 36 whole experts per rank.
+    EXPECT_EQ(count_of(r.out, "288 experts top-8 d_expert 1280 (ep: 36 whole experts per rank"), 2u) << describe(r);
+    for (int rank = 0; rank < 8; ++rank) {
+        EXPECT_EQ(count_of(r.out, fmt::format("experts [{}, {}) whole", rank * 36, (rank + 1) * 36)), 2u)
+            << rank << "\n" << describe(r);
+    }
+}
+
+TEST_F(CliTest, PlanReleaseConfigRefusesTp16AndFp8TensorSplitAtTp8) {
+    fs::path dir = config_only("step35_flash_config.json");
+    RunResult r = run_memra({"plan", dir.string(), "--tp", "16", "--devices", "16"});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "tp=16: each rank would own half a canonical K block")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "tp must divide 8 (1, 2, 4 or 8)")) << describe(r);
+
+    dir = config_only("step35_flash_fp8_config.json");
+    r = run_memra({"plan", dir.string(), "--tp", "8"});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "tp=8 without ep: fp8 routed experts on layer 3 split d_expert 1280 into 160 per "
+                                "rank, not a multiple of the fp8 scale block 128; use ep"))
+        << describe(r);
+    r = run_memra({"plan", dir.string(), "--tp", "8", "--ep"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+}
+
+TEST_F(CliTest, PlanRefusesDegreesTheHeadsCannotSplit) {
+    for (int tp : {3, 5, 16}) {
+        const RunResult r = run_memra({"plan", "--tp", std::to_string(tp)});
+        EXPECT_EQ(r.exit_code, 1) << tp << "\n" << describe(r);
+        EXPECT_EQ(r.err, fmt::format("error: cannot plan {}: tp={}: query heads 8 on layer 0 are not divisible by {}\n",
+                                     default_model().string(), tp, tp))
+            << describe(r);
+        EXPECT_EQ(r.out, "") << describe(r);
+    }
+}
+
+TEST_F(CliTest, PlanRefusesTooFewDevicesAndTpZero) {
+    RunResult r = run_memra({"plan", "--tp", "4", "--devices", "2"});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "pipeline_stages=1 x tp=4 needs 4 devices, 2 available")) << describe(r);
+
+    r = run_memra({"plan", "--tp", "0"});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "tp=0: must be at least 1")) << describe(r);
+
+    // Enough devices is fine, more than needed too.
+    r = run_memra({"plan", "--tp", "4", "--devices", "8"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "tp 4, ep off, 8 devices available")) << describe(r);
+}
+
+TEST_F(CliTest, PlanRefusesANonPositiveDeviceCount) {
+    // --devices 0 is not "use the default": a bad count is refused, from the flag or its environment mirror.
+    for (const char *value : {"0", "-3", "2x", "99999999999"}) {
+        RunResult r = run_memra({"plan", "--devices", value});
+        EXPECT_EQ(r.exit_code, 2) << value << "\n" << describe(r);
+        const std::string message = fmt::format("--devices: expected an integer in [1, 2147483647], found {}\n", value);
+        EXPECT_TRUE(contains(r.err, message)) << describe(r);
+        r = run_memra({"plan"}, {{"MEMRA_DEVICES", value}});
+        EXPECT_EQ(r.exit_code, 2) << value << "\n" << describe(r);
+    }
+}
+
+TEST_F(CliTest, PlanReadsTheTpEnvironmentMirror) {
+    const RunResult r = run_memra({"plan"}, {{"MEMRA_TP", "3"}});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "tp=3: query heads 8")) << describe(r);
+}
+
+TEST_F(CliTest, PlanMissingDirectory) {
+    const fs::path missing = dir_ / "nothing";
+    const RunResult r = run_memra({"plan", missing.string(), "--tp", "2"});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_EQ(r.err, "error: " + (missing / "config.json").string() + ": not found\n") << describe(r);
+}
+
+// ---- make-tiny ---------------------------------------------------------------------------------------
+
+TEST_F(CliTest, MakeTinyReportsWhatItWrote) {
+    const fs::path out = dir_ / "m";
+    const RunResult r = run_memra({"make-tiny", out.string(), "--seed", "5"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(r.out.rfind("wrote " + out.string() + ": preset tiny, bf16, seed 5, 112 tensors in 5 shards, "
+                            "8860672 parameters, ",
+                            0) == 0)
+        << describe(r);
+    for (const char *f : {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                          "model.safetensors.index.json", "model-00005-of-00005.safetensors"}) {
+        EXPECT_TRUE(fs::exists(out / f)) << f;
+    }
+}
+
+TEST_F(CliTest, MakeTinyIntoANonEmptyDirectoryNeedsForce) {
+    const fs::path out = dir_ / "m";
+    fs::create_directories(out);
+    write_text(out / "notes.txt", "keep me\n");
+
+    RunResult r = run_memra({"make-tiny", out.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "error: make-tiny: output directory " + out.string() + " is not empty")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "--force")) << describe(r);
+    EXPECT_FALSE(fs::exists(out / "config.json"));
+
+    r = run_memra({"make-tiny", out.string(), "--force"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(fs::exists(out / "config.json"));
+    EXPECT_EQ(read_text(out / "notes.txt"), "keep me\n");
+
+    // Over an existing checkpoint, --force (short form -f) replaces it and still keeps the user file.
+    r = run_memra({"make-tiny", out.string(), "-f", "--dtype", "fp8"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_EQ(read_text(out / "notes.txt"), "keep me\n");
+    EXPECT_TRUE(contains(read_text(out / "config.json"), "quantization_config"));
+    r = run_memra({"inspect", out.string()});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+}
+
+TEST_F(CliTest, MakeTinyRefusesUnknownPresetAndDtypeListingTheChoices) {
+    RunResult r = run_memra({"make-tiny", (dir_ / "m").string(), "--preset", "nope"});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_TRUE(contains(r.err, "--preset: nope not in {tiny,small}")) << describe(r);
+    r = run_memra({"make-tiny", (dir_ / "m").string(), "--dtype", "fp16"});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_TRUE(contains(r.err, "--dtype: fp16 not in {bf16,fp8}")) << describe(r);
+    EXPECT_FALSE(fs::exists(dir_ / "m"));
+}
+
+TEST_F(CliTest, MakeTinyRefusesSeedsOutsideUint64) {
+    // Neither wrapped (-1 -> 2^64 - 1) nor saturated (2^64 -> 2^64 - 1).
+    for (const char *value : {"-1", "18446744073709551616", "0x10", "1.5", ""}) {
+        const RunResult r = run_memra({"make-tiny", (dir_ / "m").string(), "--seed", value});
+        EXPECT_EQ(r.exit_code, 2) << value << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, "--seed")) << describe(r);
+    }
+    EXPECT_FALSE(fs::exists(dir_ / "m"));
+    const RunResult r = run_memra({"make-tiny", (dir_ / "m").string(), "--seed", "18446744073709551615"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, ", seed 18446744073709551615, ")) << describe(r);
+}
+
+TEST_F(CliTest, MakeTinyOntoAFileIsInvalidInput) {
+    const fs::path file = dir_ / "a_file";
+    write_text(file, "x");
+    const RunResult r = run_memra({"make-tiny", file.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, file.string())) << describe(r);
+}
+
+TEST_F(CliTest, MakeTinySameSeedGivesByteIdenticalFiles) {
+    const fs::path a = make_tiny("a", {"--seed", "11"});
+    const fs::path b = make_tiny("b", {"--seed", "11"});
+    const fs::path c = make_tiny("c", {"--seed", "12"});
+    const auto files_a = directory_contents(a);
+    const auto files_b = directory_contents(b);
+    const auto files_c = directory_contents(c);
+    ASSERT_EQ(files_a.size(), 10u);
+    ASSERT_EQ(files_a.size(), files_b.size());
+    for (const auto &[name, bytes] : files_a) {
+        ASSERT_TRUE(files_b.count(name)) << name;
+        EXPECT_TRUE(bytes == files_b.at(name)) << name << " differs between two runs with seed 11";
+    }
+    // A different seed changes the weights (and only the shards: config and tokenizer stay).
+    EXPECT_TRUE(files_a.at("config.json") == files_c.at("config.json"));
+    EXPECT_TRUE(files_a.at("tokenizer.json") == files_c.at("tokenizer.json"));
+    EXPECT_FALSE(files_a.at("model-00001-of-00005.safetensors") == files_c.at("model-00001-of-00005.safetensors"));
+}
+
+TEST_F(CliTest, DefaultModelIsTheSeedZeroTinyCheckpoint) {
+    const fs::path made = make_tiny("seed0");
+    const auto ours = directory_contents(made);
+    const auto embedded = directory_contents(default_model());
+    ASSERT_EQ(ours.size(), embedded.size());
+    for (const auto &[name, bytes] : ours) {
+        ASSERT_TRUE(embedded.count(name)) << name;
+        EXPECT_TRUE(bytes == embedded.at(name)) << name;
+    }
+}
+
+}  // namespace
