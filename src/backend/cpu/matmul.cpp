@@ -1,0 +1,461 @@
+// The canonical K loop (matmul.h) as register-tiled kernels: a tile of up to 4 weight rows times 4 tokens
+// shares each converted 16-element weight group, so decode streams W once and prefill reuses every loaded
+// row for several tokens. The 16 lanes are one GCC vector value that g++ maps onto SSE, AVX2 or AVX-512
+// registers (one clone per ISA, picked at load time); lane-wise IEEE operations only, no sum reordered.
+#include "backend/cpu/matmul.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+#include "core/check.h"
+#include "core/float_formats.h"
+
+// The 64-byte vector values below never cross a call boundary (all helpers are always_inline inside the
+// anonymous namespace), so GCC's note that passing them by value changed ABI in 4.6 does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace memra::cpu {
+namespace {
+
+// Register tile: rows of W x tokens of x computed together. 4 x 4 x 16 lanes fill 16 AVX-512 registers.
+constexpr int kTileRows = 4;
+constexpr int kTileTokens = 4;
+// Rows of W kept hot (L2) while every token tile passes over them (prefill reuse).
+constexpr int64_t kRowBlock = 16;
+
+// -------------------------------------------------------------------------------------------------
+// 16 lanes as one GCC vector value: each operation is the same IEEE fp32 operation on every lane, and
+// the compiler maps a value onto one AVX-512, two AVX2 or four SSE registers. Nothing here reassociates.
+
+using F32x16 = float __attribute__((vector_size(64)));
+using U32x16 = uint32_t __attribute__((vector_size(64)));
+using I32x16 = int32_t __attribute__((vector_size(64)));
+using U16x16 = uint16_t __attribute__((vector_size(32)));
+using U8x16 = uint8_t __attribute__((vector_size(16)));
+
+[[gnu::always_inline]] inline F32x16 load_f32x16(const float *p) {
+    F32x16 v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+[[gnu::always_inline]] inline U32x16 splat(uint32_t u) { return U32x16{} + u; }
+
+// Exact widening of 16 stored elements, without branches so it stays in vector registers. Each lane
+// equals core/float_formats.h's scalar conversion bit for bit (pinned by the tests over every pattern).
+[[gnu::always_inline]] inline F32x16 widen_bf16(const uint16_t *p) {
+    U16x16 h;
+    std::memcpy(&h, p, sizeof(h));
+    return std::bit_cast<F32x16>(__builtin_convertvector(h, U32x16) << 16);
+}
+
+[[gnu::always_inline]] inline F32x16 widen_f16(const uint16_t *p) {
+    U16x16 h16;
+    std::memcpy(&h16, p, sizeof(h16));
+    const U32x16 h = __builtin_convertvector(h16, U32x16);
+    const U32x16 sign = (h & 0x8000u) << 16;
+    const U32x16 mag = h & 0x7fffu;
+    // Normal: re-bias the exponent (15 -> 127) by adding 112 to the shifted field.
+    const U32x16 normal = (mag << 13) + (112u << 23);
+    // Exponent 31: Inf or NaN with its payload.
+    const U32x16 special = (mag << 13) | 0x7f800000u;
+    // Exponent 0: mantissa * 2^-24, exact through an integer conversion (no denormal arithmetic).
+    const F32x16 sub = __builtin_convertvector(std::bit_cast<I32x16>(mag), F32x16) * 0x1p-24f;
+    U32x16 bits = mag >= 0x7c00u ? special : normal;
+    bits = mag < 0x400u ? std::bit_cast<U32x16>(sub) : bits;
+    return std::bit_cast<F32x16>(bits | sign);
+}
+
+[[gnu::always_inline]] inline F32x16 widen_fp8_e4m3(const uint8_t *p) {
+    U8x16 c8;
+    std::memcpy(&c8, p, sizeof(c8));
+    // Widened in two steps: GCC 12 turns a direct u8 -> u32 vector conversion into scalar code.
+    const U32x16 c = __builtin_convertvector(__builtin_convertvector(c8, U16x16), U32x16);
+    const U32x16 sign = (c & 0x80u) << 24;
+    const U32x16 mag = c & 0x7fu;
+    const U32x16 normal = (mag << 20) + (120u << 23);  // exponent bias 7 -> 127
+    const F32x16 sub = __builtin_convertvector(std::bit_cast<I32x16>(mag), F32x16) * 0x1p-9f;
+    U32x16 bits = mag < 8u ? std::bit_cast<U32x16>(sub) : normal;
+    bits = mag == 0x7fu ? splat(0x7fc00000u) : bits;  // S.1111.111 is NaN (e4m3fn has no infinities)
+    return std::bit_cast<F32x16>(bits | sign);
+}
+
+// Elements [k, k + 16) of a weight row.
+template <DType kDt>
+[[gnu::always_inline]] inline F32x16 widen16(const void *row, int64_t k) {
+    if constexpr (kDt == DType::kF32) {
+        return load_f32x16(static_cast<const float *>(row) + k);
+    } else if constexpr (kDt == DType::kBF16) {
+        return widen_bf16(static_cast<const uint16_t *>(row) + k);
+    } else if constexpr (kDt == DType::kF16) {
+        return widen_f16(static_cast<const uint16_t *>(row) + k);
+    } else {
+        return widen_fp8_e4m3(static_cast<const uint8_t *>(row) + k);
+    }
+}
+
+// Element k of a weight row (chunk tails), the same values as widen16.
+template <DType kDt>
+[[gnu::always_inline]] inline float widen1(const void *row, int64_t k) {
+    if constexpr (kDt == DType::kF32) {
+        return static_cast<const float *>(row)[k];
+    } else if constexpr (kDt == DType::kBF16) {
+        return bf16_to_f32(static_cast<const uint16_t *>(row)[k]);
+    } else if constexpr (kDt == DType::kF16) {
+        return f16_to_f32(static_cast<const uint16_t *>(row)[k]);
+    } else {
+        return fp8_e4m3_to_f32(static_cast<const uint8_t *>(row)[k]);
+    }
+}
+
+// One level of the lane tree for two vectors packed side by side: lane i of the result is the sum of
+// lanes 2i and 2i+1 of the 32-lane concatenation [a | b]. A pair never straddles a and b.
+[[gnu::always_inline]] inline F32x16 level(F32x16 a, F32x16 b) {
+    constexpr I32x16 kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    constexpr I32x16 kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    return __builtin_shuffle(a, b, kEven) + __builtin_shuffle(a, b, kOdd);
+}
+
+// The lane tree of matmul.h for 8 accumulators at once: out[g] = (((l0+l1)+(l2+l3))+...) of acc[g].
+// After level 1 each vector holds two accumulators' pair sums side by side, and so on up the tree;
+// every accumulator is reduced by exactly its own tree.
+[[gnu::always_inline]] inline void lane_tree8(const F32x16 *acc, float *out) {
+    // Level 1: pairs of lanes; 8 accumulators -> 4 vectors of [acc 2i: 8 sums | acc 2i+1: 8 sums].
+    const F32x16 l1a = level(acc[0], acc[1]);
+    const F32x16 l1b = level(acc[2], acc[3]);
+    const F32x16 l1c = level(acc[4], acc[5]);
+    const F32x16 l1d = level(acc[6], acc[7]);
+    // Level 2: 4 sums per accumulator; level 3: 2 per accumulator; level 4: 1.
+    const F32x16 l2a = level(l1a, l1b);
+    const F32x16 l2b = level(l1c, l1d);
+    const F32x16 l3 = level(l2a, l2b);
+    const F32x16 l4 = level(l3, l3);
+    for (int g = 0; g < 8; ++g) out[g] = l4[g];
+}
+
+// -------------------------------------------------------------------------------------------------
+// One task: the dot products of tokens x rows over a list of K segments. A segment is one K range
+// whose result goes to its own output (the whole K for matmul; one canonical block for partials).
+
+struct Task {
+    const WeightRef *w = nullptr;
+    const float *x = nullptr;     // [n_tokens, x_stride] f32; column 0 is K position seg_k0 of segment 0
+    int64_t x_stride = 0;
+    int64_t n_tokens = 0;
+    int64_t n0 = 0;               // first weight row
+    int64_t n_rows = 0;           // rows [n0, n0 + n_rows)
+    int64_t seg_k0 = 0;           // K start of segment 0
+    int64_t seg_len = 0;          // each segment's K length; segment s covers [seg_k0 + s * seg_len, + seg_len)
+    int64_t n_segs = 1;
+    float *y = nullptr;           // y[s * seg_out_stride + t * y_stride + (n - n0)]
+    int64_t y_stride = 0;
+    int64_t seg_out_stride = 0;
+};
+
+inline int64_t weight_elem_size(DType dt) { return static_cast<int64_t>(dtype_size(dt)); }
+
+// The canonical K loop (matmul.h) for kR rows starting at `n` and kT tokens over [k0, k1).
+// xs[t] points at x[t][k0]; y[t * y_stride + r] receives dot(x_t, W[n + r]).
+template <DType kDt, int kR, int kT>
+[[gnu::always_inline]] inline void dot_tile(const WeightRef &w, int64_t n, const float *const *xs, int64_t k0,
+                                            int64_t k1, float *y, int64_t y_stride) {
+    static_assert(kR * kT <= 16, "at most 16 accumulators");
+    const int64_t edge = w.block_cols;
+    constexpr int64_t elem = kDt == DType::kF32 ? 4 : (kDt == DType::kF8E4M3 ? 1 : 2);  // bytes per element
+    const void *rows[kR];
+    const float *scale_rows[kR];
+    const int64_t scale_cols = (w.cols + edge - 1) / edge;
+    for (int r = 0; r < kR; ++r) {
+        rows[r] = static_cast<const uint8_t *>(w.data) + (n + r) * w.cols * elem;
+        if constexpr (kDt == DType::kF8E4M3) {
+            scale_rows[r] = w.scale_inv + ((w.row_offset + n + r) / w.block_rows) * scale_cols;
+        } else {
+            scale_rows[r] = nullptr;
+        }
+    }
+    float total[kR * kT];
+    for (int i = 0; i < kR * kT; ++i) total[i] = 0.0f;
+
+    // Chunk ci covers [max(k0, ci * edge), min(k1, (ci + 1) * edge)); one division per call, not per chunk.
+    int64_t ci = k0 / edge;
+    int64_t c0 = k0;
+    while (c0 < k1) {
+        const int64_t c1 = std::min(k1, (ci + 1) * edge);
+        // acc[r * kT + t]: the 16 lanes of row r, token t; unused entries stay 0 for the tree.
+        F32x16 acc[16] = {};
+        int64_t k = c0;
+        for (; k + kLanes <= c1; k += kLanes) {
+            F32x16 wv[kR];
+            for (int r = 0; r < kR; ++r) wv[r] = widen16<kDt>(rows[r], k);
+            for (int t = 0; t < kT; ++t) {
+                const F32x16 xv = load_f32x16(xs[t] + (k - k0));
+                for (int r = 0; r < kR; ++r) {
+                    const F32x16 p = xv * wv[r];
+                    acc[r * kT + t] = acc[r * kT + t] + p;
+                }
+            }
+        }
+        // Tail of a chunk shorter than a multiple of 16: lanes 0 .. c1-k-1 take one more element.
+        for (int j = 0; k + j < c1; ++j) {
+            for (int r = 0; r < kR; ++r) {
+                const float wj = widen1<kDt>(rows[r], k + j);
+                for (int t = 0; t < kT; ++t) {
+                    const float p = xs[t][k + j - k0] * wj;
+                    acc[r * kT + t][j] = acc[r * kT + t][j] + p;
+                }
+            }
+        }
+        float s[16];
+        lane_tree8(acc, s);
+        if constexpr (kR * kT > 8) lane_tree8(acc + 8, s + 8);
+        for (int r = 0; r < kR; ++r) {
+            for (int t = 0; t < kT; ++t) {
+                float chunk = s[r * kT + t];
+                if constexpr (kDt == DType::kF8E4M3) chunk = chunk * scale_rows[r][ci];
+                total[r * kT + t] = total[r * kT + t] + chunk;
+            }
+        }
+        c0 = c1;
+        ++ci;
+    }
+    for (int r = 0; r < kR; ++r) {
+        for (int t = 0; t < kT; ++t) y[t * y_stride + r] = total[r * kT + t];
+    }
+}
+
+// Runs one tile of rr rows (4 or 1) by tt tokens (4, 2 or 1): the one place a shape is picked at run time.
+template <DType kDt>
+[[gnu::always_inline]] inline void dot_tile_any(int rr, int tt, const WeightRef &w, int64_t n, const float *const *xs,
+                                                int64_t k0, int64_t k1, float *y, int64_t y_stride) {
+    static_assert(kTileRows == 4 && kTileTokens == 4, "the switch below lists every tile shape");
+    switch (rr * 8 + tt) {
+        case 4 * 8 + 4: dot_tile<kDt, 4, 4>(w, n, xs, k0, k1, y, y_stride); break;
+        case 4 * 8 + 2: dot_tile<kDt, 4, 2>(w, n, xs, k0, k1, y, y_stride); break;
+        case 4 * 8 + 1: dot_tile<kDt, 4, 1>(w, n, xs, k0, k1, y, y_stride); break;
+        case 1 * 8 + 4: dot_tile<kDt, 1, 4>(w, n, xs, k0, k1, y, y_stride); break;
+        case 1 * 8 + 2: dot_tile<kDt, 1, 2>(w, n, xs, k0, k1, y, y_stride); break;
+        default: dot_tile<kDt, 1, 1>(w, n, xs, k0, k1, y, y_stride); break;
+    }
+}
+
+// Rows [r_begin, r_end) x tokens [t_begin, t_end) of a task (both relative to the task). Tiles take 4
+// tokens while 4 remain, then 2, then 1; 4 rows while 4 remain, then 1. The tiling never shows in the
+// bits: each (row, token) pair runs the same K loop in any tile.
+template <DType kDt>
+[[gnu::always_inline]] inline void run_task_range(const Task &task, int64_t r_begin, int64_t r_end,
+                                                  int64_t t_begin, int64_t t_end) {
+    const WeightRef &w = *task.w;
+    for (int64_t rb = r_begin; rb < r_end; rb += kRowBlock) {
+        const int64_t re = std::min(r_end, rb + kRowBlock);
+        int tt = 0;
+        for (int64_t t = t_begin; t < t_end; t += tt) {
+            tt = t_end - t >= 4 ? 4 : (t_end - t >= 2 ? 2 : 1);
+            int rr = 0;
+            for (int64_t r = rb; r < re; r += rr) {
+                rr = re - r >= 4 ? 4 : 1;
+                for (int64_t s = 0; s < task.n_segs; ++s) {
+                    const float *xs[kTileTokens];
+                    for (int i = 0; i < tt; ++i) xs[i] = task.x + (t + i) * task.x_stride + s * task.seg_len;
+                    const int64_t k0 = task.seg_k0 + s * task.seg_len;
+                    float *ys = task.y + s * task.seg_out_stride + t * task.y_stride + r;
+                    dot_tile_any<kDt>(rr, tt, w, task.n0 + r, xs, k0, k0 + task.seg_len, ys, task.y_stride);
+                }
+            }
+        }
+    }
+}
+
+// One entry point per dtype, each cloned per ISA (AVX-512, AVX2, baseline) and picked once at load
+// time. Every clone performs the same IEEE fp32 operations in the same order, so the bits are the
+// same on any x86-64 host; only the vector width differs.
+#define MEMRA_ISA_CLONES [[gnu::target_clones("avx512f", "avx2", "default")]]
+
+MEMRA_ISA_CLONES void run_f32(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    run_task_range<DType::kF32>(task, rb, re, tb, te);
+}
+MEMRA_ISA_CLONES void run_bf16(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    run_task_range<DType::kBF16>(task, rb, re, tb, te);
+}
+MEMRA_ISA_CLONES void run_f16(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    run_task_range<DType::kF16>(task, rb, re, tb, te);
+}
+MEMRA_ISA_CLONES void run_fp8(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    run_task_range<DType::kF8E4M3>(task, rb, re, tb, te);
+}
+
+#undef MEMRA_ISA_CLONES
+
+void run_range(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    switch (task.w->dtype) {
+        case DType::kF32: run_f32(task, rb, re, tb, te); return;
+        case DType::kBF16: run_bf16(task, rb, re, tb, te); return;
+        case DType::kF16: run_f16(task, rb, re, tb, te); return;
+        case DType::kF8E4M3: run_fp8(task, rb, re, tb, te); return;
+        default: MEMRA_CHECK(false, "matmul: unsupported weight dtype {}", dtype_name(task.w->dtype));
+    }
+}
+
+void check_weight(const WeightRef &w) {
+    const DType dt = w.dtype;
+    MEMRA_CHECK(dt == DType::kF32 || dt == DType::kBF16 || dt == DType::kF16 || dt == DType::kF8E4M3,
+                "matmul: weight dtype must be F32, BF16, F16 or F8_E4M3, got {}", dtype_name(dt));
+    MEMRA_CHECK(w.rows >= 0 && w.cols >= 0, "matmul: weight shape [{}, {}] is negative", w.rows, w.cols);
+    MEMRA_CHECK(w.data != nullptr || w.rows * w.cols == 0, "matmul: weight [{}, {}] has no data", w.rows, w.cols);
+    MEMRA_CHECK(w.block_rows >= 1 && w.block_cols >= 1, "matmul: block edges must be >= 1, got [{}, {}]",
+                w.block_rows, w.block_cols);
+    MEMRA_CHECK(w.row_offset >= 0, "matmul: weight row_offset {} is negative", w.row_offset);
+    if (dt == DType::kF8E4M3) {
+        MEMRA_CHECK(w.scale_inv != nullptr || w.rows * w.cols == 0, "matmul: F8_E4M3 weight [{}, {}] has no scale_inv",
+                    w.rows, w.cols);
+    }
+}
+
+// Runs a task over the pool. Threads take contiguous row ranges when there are enough rows (each thread
+// then streams its own part of W once), otherwise contiguous token ranges; either way one thread computes
+// each output element, in the same order, so the split never shows in the bits.
+void run_task(ThreadPool &pool, const Task &task) {
+    if (task.n_rows == 0 || task.n_tokens == 0) return;
+    const int64_t threads = pool.n_threads();
+    const bool split_rows = task.n_rows >= 32 * threads || task.n_tokens < 4 * threads;
+    // The lambda captures one reference, so std::function stores it inline (no allocation).
+    if (split_rows) {
+        pool.parallel_for(
+            task.n_rows, [&task](int64_t b, int64_t e) { run_range(task, b, e, 0, task.n_tokens); }, kRowBlock);
+    } else {
+        pool.parallel_for(
+            task.n_tokens, [&task](int64_t b, int64_t e) { run_range(task, 0, task.n_rows, b, e); }, kTileTokens);
+    }
+}
+
+// The fixed balanced tree over m = 1, 2, 4 or 8 values per element: v: [m, n]; out: [n].
+void balanced_tree(const float *v, int64_t m, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; ++i) {
+        const auto p = [&](int64_t j) { return v[j * n + i]; };
+        float s;
+        switch (m) {
+            case 1: s = p(0); break;
+            case 2: s = p(0) + p(1); break;
+            case 4: s = (p(0) + p(1)) + (p(2) + p(3)); break;
+            default: s = ((p(0) + p(1)) + (p(2) + p(3))) + ((p(4) + p(5)) + (p(6) + p(7))); break;
+        }
+        out[i] = s;
+    }
+}
+
+}  // namespace
+
+WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert) {
+    MEMRA_CHECK(expert >= 0 && expert < bank.n_experts, "weight bank: expert {} out of range [0, {})", expert,
+                bank.n_experts);
+    MEMRA_CHECK(bank.block_rows >= 1 && bank.block_cols >= 1, "weight bank: block edges must be >= 1, got [{}, {}]",
+                bank.block_rows, bank.block_cols);
+    WeightRef w;
+    w.dtype = bank.dtype;
+    w.rows = bank.rows;
+    w.cols = bank.cols;
+    w.block_rows = bank.block_rows;
+    w.block_cols = bank.block_cols;
+    const int64_t elems = bank.rows * bank.cols;
+    w.data = static_cast<const uint8_t *>(bank.data) + expert * elems * weight_elem_size(bank.dtype);
+    if (bank.scale_inv != nullptr) {
+        const int64_t grid = ((bank.rows + bank.block_rows - 1) / bank.block_rows) *
+                             ((bank.cols + bank.block_cols - 1) / bank.block_cols);
+        w.scale_inv = bank.scale_inv + expert * grid;
+    }
+    return w;
+}
+
+WeightRef weight_row_slice(const WeightRef &w, int64_t r0, int64_t r1) {
+    MEMRA_CHECK(0 <= r0 && r0 <= r1 && r1 <= w.rows, "weight row slice [{}, {}) outside rows [0, {})", r0, r1,
+                w.rows);
+    WeightRef s = w;
+    s.data = static_cast<const uint8_t *>(w.data) + r0 * w.cols * weight_elem_size(w.dtype);
+    s.rows = r1 - r0;
+    s.row_offset = w.row_offset + r0;
+    return s;
+}
+
+void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y) {
+    matmul_rows(pool, x, n_tokens, w, 0, w.rows, y, w.rows);
+}
+
+void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, int64_t n0, int64_t n1,
+                 float *y, int64_t y_stride) {
+    check_weight(w);
+    MEMRA_CHECK(n_tokens >= 0, "matmul: n_tokens {} is negative", n_tokens);
+    MEMRA_CHECK(0 <= n0 && n0 <= n1 && n1 <= w.rows, "matmul: output rows [{}, {}) outside weight rows [0, {})", n0,
+                n1, w.rows);
+    MEMRA_CHECK(y_stride >= n1 - n0, "matmul: y_stride {} is less than the {} outputs per token", y_stride, n1 - n0);
+    Task task;
+    task.w = &w;
+    task.x = x;
+    task.x_stride = w.cols;
+    task.n_tokens = n_tokens;
+    task.n0 = n0;
+    task.n_rows = n1 - n0;
+    task.seg_k0 = 0;
+    task.seg_len = w.cols;
+    task.n_segs = 1;
+    task.y = y;
+    task.y_stride = y_stride;
+    run_task(pool, task);
+}
+
+int64_t canonical_block_size(const WeightRef &w) {
+    MEMRA_CHECK(w.cols > 0 && w.cols % kCanonicalBlocks == 0,
+                "row-parallel matmul: K = {} must be a positive multiple of the {} canonical blocks", w.cols,
+                kCanonicalBlocks);
+    return w.cols / kCanonicalBlocks;
+}
+
+void matmul_block_partials(ThreadPool &pool, const float *x_blocks, int64_t n_tokens, const WeightRef &w,
+                           int64_t block_begin, int64_t block_end, float *partials) {
+    check_weight(w);
+    const int64_t bs = canonical_block_size(w);
+    MEMRA_CHECK(0 <= block_begin && block_begin < block_end && block_end <= kCanonicalBlocks,
+                "row-parallel matmul: block range [{}, {}) outside [0, {})", block_begin, block_end,
+                kCanonicalBlocks);
+    MEMRA_CHECK(n_tokens >= 0, "matmul: n_tokens {} is negative", n_tokens);
+    Task task;
+    task.w = &w;
+    task.x = x_blocks;
+    task.x_stride = (block_end - block_begin) * bs;
+    task.n_tokens = n_tokens;
+    task.n0 = 0;
+    task.n_rows = w.rows;
+    task.seg_k0 = block_begin * bs;
+    task.seg_len = bs;
+    task.n_segs = block_end - block_begin;
+    task.y = partials;
+    task.y_stride = w.rows;
+    task.seg_out_stride = n_tokens * w.rows;
+    run_task(pool, task);
+}
+
+void canonical_tree_reduce(const float *partials, int64_t block_begin, int64_t block_end, int64_t n, float *out) {
+    const int64_t m = block_end - block_begin;
+    MEMRA_CHECK((m == 1 || m == 2 || m == 4 || m == 8) && block_begin >= 0 && block_end <= kCanonicalBlocks &&
+                    block_begin % m == 0,
+                "canonical tree: blocks [{}, {}) are not an aligned subtree (size 1, 2, 4 or 8, aligned to it)",
+                block_begin, block_end);
+    balanced_tree(partials, m, n, out);
+}
+
+void canonical_tree_combine(const float *subtree_sums, int64_t n_subtrees, int64_t n, float *out) {
+    MEMRA_CHECK(n_subtrees == 1 || n_subtrees == 2 || n_subtrees == 4 || n_subtrees == 8,
+                "canonical tree: {} subtree sums, expected 1, 2, 4 or 8", n_subtrees);
+    balanced_tree(subtree_sums, n_subtrees, n, out);
+}
+
+int64_t matmul_canonical_workspace_floats(int64_t n_tokens, const WeightRef &w) {
+    return kCanonicalBlocks * n_tokens * w.rows;
+}
+
+void matmul_canonical(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y,
+                      float *workspace) {
+    matmul_block_partials(pool, x, n_tokens, w, 0, kCanonicalBlocks, workspace);
+    canonical_tree_reduce(workspace, 0, kCanonicalBlocks, n_tokens * w.rows, y);
+}
+
+}  // namespace memra::cpu

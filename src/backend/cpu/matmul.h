@@ -1,0 +1,120 @@
+// CPU matrix products y = x · Wᵀ: fp32 activations and accumulation, weights read in their checkpoint
+// dtype (f32, bf16, f16, fp8 e4m3 with block scales) and converted inside the kernel. Every kernel forms
+// each output element with the one canonical K loop below, so its bits depend only on its row of x, its
+// row of W and the K range: never on the token count, the thread count or the tiling (DETERMINISM.md
+// rules 1-3, D2, D3, D5). Row-parallel products add their 8 canonical K-block partials as a fixed tree.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "core/fp8_block.h"
+#include "core/thread_pool.h"
+
+namespace memra::cpu {
+
+// ---------------------------------------------------------------------------------------------
+// The canonical K loop. The dot product of one activation row x with one weight row W[n] over a K
+// range [k0, k1) is, in this exact order of fp32 operations:
+//
+//   1. Split [k0, k1) at every multiple of the chunk edge E = w.block_cols (128 by default, the fp8
+//      scale block; the same cut for every dtype) and at its ends: chunks [c0, c1) in increasing K.
+//   2. In a chunk, 16 lane accumulators start at +0; element k goes to lane (k - c0) % 16, which
+//      adds the separately rounded product x[k] * w[k] (no fused multiply-add: host code is built
+//      with -ffp-contract=off), elements of a lane in increasing k. w[k] is the exact f32 value of
+//      the stored element (bf16/f16/e4m3 widening is exact).
+//   3. The 16 lanes are reduced by the fixed pairwise tree
+//        (((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))) + (((l8+l9)+(l10+l11))+((l12+l13)+(l14+l15))).
+//   4. fp8 only: the chunk sum is multiplied by the chunk's scale,
+//        scale_inv[(row_offset + n) / block_rows][c0 / block_cols].
+//   5. The running sum starts at +0 and each chunk result is added to it in increasing K order.
+//
+// Chunks are cut at absolute K positions, so a range that starts inside a chunk (a canonical block
+// of 160 inside K = 1280) begins with a partial chunk.
+inline constexpr int64_t kLanes = 16;
+
+// Row-parallel products cut K into this many equal canonical blocks (DETERMINISM.md rule 2).
+inline constexpr int64_t kCanonicalBlocks = 8;
+
+// A non-owning view of a PyTorch linear weight [out, in] (row-major: one row per output feature).
+struct WeightRef {
+    DType dtype = DType::kBF16;        // kF32, kBF16, kF16 or kF8E4M3
+    const void *data = nullptr;        // [rows, cols] row-major, dtype
+    int64_t rows = 0;                  // out features
+    int64_t cols = 0;                  // in features (K)
+    const float *scale_inv = nullptr;  // kF8E4M3 only: [ceil(R / block_rows), ceil(cols / block_cols)] f32,
+                                       // row-major, R = rows of the matrix the grid was made for
+    int64_t block_rows = kFp8Block;    // scale block height (fp8 only)
+    int64_t block_cols = kFp8Block;    // scale block width; also the chunk edge E of the K loop (all dtypes)
+    int64_t row_offset = 0;            // index of row 0 in the matrix scale_inv describes (set by row slices)
+};
+
+// A stacked expert bank [n_experts, rows, cols] with, for fp8, scale_inv
+// [n_experts, ceil(rows / block_rows), ceil(cols / block_cols)] f32.
+struct WeightBankRef {
+    DType dtype = DType::kBF16;
+    const void *data = nullptr;  // [n_experts, rows, cols] dtype
+    int64_t n_experts = 0;
+    int64_t rows = 0;
+    int64_t cols = 0;
+    const float *scale_inv = nullptr;  // kF8E4M3 only: as above
+    int64_t block_rows = kFp8Block;
+    int64_t block_cols = kFp8Block;
+};
+
+// Expert `expert` of a bank as a WeightRef (0 <= expert < n_experts: MEMRA_CHECK).
+WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert);
+
+// Rows [r0, r1) of w (0 <= r0 <= r1 <= rows: MEMRA_CHECK), for column-parallel sharding: same columns,
+// fp8 scales keep following their rows (row_offset), so the slice's outputs equal rows r0..r1 of w's.
+WeightRef weight_row_slice(const WeightRef &w, int64_t r0, int64_t r1);
+
+// ---------------------------------------------------------------------------------------------
+// Column-parallel products (q/k/v/gate, expert gate/up, router, lm_head): the canonical K loop over
+// the whole K = w.cols. None of these allocates; threads split output rows (or tokens when there are
+// few rows), and every output element is computed by exactly one thread.
+
+// x: [n_tokens, K] f32; y: [n_tokens, w.rows] f32. y[t, n] = dot(x[t, 0:K], W[n, 0:K]).
+void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y);
+
+// Output rows [n0, n1) of W only: y[t * y_stride + (n - n0)] = dot(x[t], W[n]), so a caller can fill a
+// column range of a wider output. x: [n_tokens, K] f32; y: [n_tokens, y_stride] f32, y_stride >= n1 - n0.
+void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, int64_t n0, int64_t n1,
+                 float *y, int64_t y_stride);
+
+// ---------------------------------------------------------------------------------------------
+// Row-parallel products (attention o_proj, dense and expert down_proj): K is cut into kCanonicalBlocks
+// blocks of B = K / 8 columns (K % 8 == 0: MEMRA_CHECK); block b covers K range [b * B, (b + 1) * B).
+// Each block's partial is the canonical K loop over that range; the 8 partials are added as
+//   ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)).
+// With TP = N each rank owns the aligned subtree of 8 / N blocks, reduces it with canonical_tree_reduce,
+// and the N subtree sums are finished with canonical_tree_combine: bit-identical to TP = 1.
+
+// B = w.cols / kCanonicalBlocks (MEMRA_CHECK that it divides).
+int64_t canonical_block_size(const WeightRef &w);
+
+// Partials of blocks [block_begin, block_end) (0 <= begin < end <= 8).
+// x_blocks: [n_tokens, (block_end - block_begin) * B] f32 — the activation columns of those blocks only
+//           (for all 8 blocks, the full x row; for a TP rank, its local shard).
+// partials: [block_end - block_begin, n_tokens, w.rows] f32.
+void matmul_block_partials(ThreadPool &pool, const float *x_blocks, int64_t n_tokens, const WeightRef &w,
+                           int64_t block_begin, int64_t block_end, float *partials);
+
+// Reduces the partials of an aligned subtree of the canonical tree: blocks [block_begin, block_end) with
+// size 1, 2, 4 or 8 and block_begin a multiple of the size (MEMRA_CHECK), by the tree's own levels.
+// partials: [block_end - block_begin, n] f32; out: [n] f32.
+void canonical_tree_reduce(const float *partials, int64_t block_begin, int64_t block_end, int64_t n, float *out);
+
+// Finishes the tree from n_subtrees (1, 2, 4 or 8) equal aligned subtree sums in block order, as the ranks
+// of TP = n_subtrees hold them after an all-gather. subtree_sums: [n_subtrees, n] f32; out: [n] f32.
+void canonical_tree_combine(const float *subtree_sums, int64_t n_subtrees, int64_t n, float *out);
+
+// Floats of workspace matmul_canonical needs: kCanonicalBlocks * n_tokens * w.rows.
+int64_t matmul_canonical_workspace_floats(int64_t n_tokens, const WeightRef &w);
+
+// The TP = 1 row-parallel product: all 8 block partials, then the full tree.
+// x: [n_tokens, K] f32; y: [n_tokens, w.rows] f32; workspace: matmul_canonical_workspace_floats() floats.
+void matmul_canonical(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y,
+                      float *workspace);
+
+}  // namespace memra::cpu
