@@ -2,19 +2,19 @@
 # package (names, shapes, dtypes against the official Step-3.5 layout), FP8 dequantization with
 # ml_dtypes against the BF16 variant of the same seed, tokenizer.json through HF `tokenizers`
 # (exact round trips, special tokens, a reference BPE), and a float32 numpy forward pass showing
-# that activations stay in a realistic range and that the router bias and the clamps matter.
+# that activations stay in a realistic range and that the router bias and the clamps matter
+# (the forward pass itself lives in np_step35.py, shared with the HF and llama.cpp oracles).
 import json
 import os
 import random
 import subprocess
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
-import safetensors
-from safetensors import safe_open
 from tokenizers import Tokenizer
+
+from np_step35 import Step35Numpy, load_checkpoint, rms_norm
 
 BUILD_DIR = Path(os.environ.get("MEMRA_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
 TINY_TOOL = BUILD_DIR / "memra_tiny_tool"
@@ -23,7 +23,6 @@ SEED = 7
 
 GENERATOR_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "model.safetensors.index.json"}
-NP_DTYPES = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 def cli_has_make_tiny():
@@ -53,21 +52,6 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     cmd = generator_command()
     return {"bf16": make_tiny(cmd, root / "bf16", "bf16"), "fp8": make_tiny(cmd, root / "fp8", "fp8")}
-
-
-def load_checkpoint(d):
-    """name -> (dtype string, shape, numpy array) for every tensor of every shard."""
-    tensors = {}
-    for shard in sorted(Path(d).glob("*.safetensors")):
-        with safe_open(str(shard), framework="numpy") as f:
-            specs = {n: (f.get_slice(n).get_dtype(), list(f.get_slice(n).get_shape())) for n in f.keys()}
-        # numpy has no bf16/fp8: take the raw bytes from the package's own parser, view them with ml_dtypes.
-        for name, t in safetensors.deserialize(shard.read_bytes()):
-            assert name not in tensors, f"{name} in two shards"
-            assert specs[name] == (t["dtype"], list(t["shape"])), name
-            arr = np.frombuffer(bytes(t["data"]), dtype=NP_DTYPES[t["dtype"]]).reshape(t["shape"])
-            tensors[name] = (t["dtype"], list(t["shape"]), arr, shard.name)
-    return tensors
 
 
 @pytest.fixture(scope="module")
@@ -322,83 +306,6 @@ def test_merges_are_a_valid_bpe(tok):
 
 # ---- forward pass ----
 
-def rms_norm(x, w, eps):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + w)
-
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-class TinyForward:
-    """float32 reference of the Step-3.5 block (STEP35.md 4.x) without RoPE, recording statistics."""
-
-    def __init__(self, cfg, weights):
-        self.cfg = cfg
-        self.w = {n: t[2].astype(np.float32) for n, t in weights.items()}
-        self.eps = cfg["rms_norm_eps"]
-        self.moe = {int(x) for x in cfg["moe_layers_enum"].split(",")}
-        self.bias_changed = 0
-        self.selections = 0
-        self.clamped = {}
-
-    def swiglu(self, h, gate_w, up_w, down_w, limit, key):
-        act, up = silu(h @ gate_w.T), h @ up_w.T
-        if limit > 0:
-            self.clamped[key] = self.clamped.get(key, 0) + int((act > limit).sum() + (np.abs(up) > limit).sum())
-            act, up = np.minimum(act, limit), np.clip(up, -limit, limit)
-        return (act * up) @ down_w.T
-
-    def block(self, x, layer):
-        cfg, w, p = self.cfg, self.w, f"model.layers.{layer}."
-        n_tok, hd, n_kv = x.shape[0], cfg["head_dim"], cfg["num_attention_groups"]
-        full = cfg["layer_types"][layer] == "full_attention"
-        n_q = cfg["num_attention_heads"] if full else cfg["attention_other_setting"]["num_attention_heads"]
-        a = rms_norm(x, w[p + "input_layernorm.weight"], self.eps)
-        q = (a @ w[p + "self_attn.q_proj.weight"].T).reshape(n_tok, n_q, hd)
-        k = (a @ w[p + "self_attn.k_proj.weight"].T).reshape(n_tok, n_kv, hd)
-        q = rms_norm(q, w[p + "self_attn.q_norm.weight"], self.eps)  # per head, over head_dim
-        k = rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps)
-        v = (a @ w[p + "self_attn.v_proj.weight"].T).reshape(n_tok, n_kv, hd)
-        k, v = np.repeat(k, n_q // n_kv, axis=1), np.repeat(v, n_q // n_kv, axis=1)  # q head h -> kv head h // group
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
-        pos = np.arange(n_tok)
-        visible = pos[None, :] <= pos[:, None]
-        if not full:
-            visible &= pos[None, :] > pos[:, None] - cfg["sliding_window"]
-        scores = np.where(visible[None], scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, v) * sigmoid(a @ w[p + "self_attn.g_proj.weight"].T)[:, :, None]
-        x = x + attn.reshape(n_tok, n_q * hd) @ w[p + "self_attn.o_proj.weight"].T
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], self.eps)
-        shared_limit = cfg["swiglu_limits_shared"][layer]
-        if layer not in self.moe:
-            return x + self.swiglu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                                   w[p + "mlp.down_proj.weight"], shared_limit, ("shared", layer))
-        prob = sigmoid(h @ w[p + "moe.gate.weight"].T)  # fp32 router
-        top_k = cfg["moe_top_k"]
-        chosen = np.argsort(-(prob + w[p + "moe.router_bias"]), axis=1, kind="stable")[:, :top_k]
-        unbiased = np.argsort(-prob, axis=1, kind="stable")[:, :top_k]
-        routed = np.zeros_like(x)
-        for t in range(n_tok):
-            self.selections += 1
-            self.bias_changed += set(chosen[t]) != set(unbiased[t])
-            weights = prob[t, chosen[t]]
-            weights = weights / weights.sum() * cfg["moe_router_scaling_factor"]
-            for wk, e in zip(weights, chosen[t]):
-                routed[t] += wk * self.swiglu(h[t:t + 1], w[p + "moe.gate_proj.weight"][e],
-                                              w[p + "moe.up_proj.weight"][e], w[p + "moe.down_proj.weight"][e],
-                                              cfg["swiglu_limits"][layer], ("routed", layer))[0]
-        shared = self.swiglu(h, w[p + "share_expert.gate_proj.weight"], w[p + "share_expert.up_proj.weight"],
-                             w[p + "share_expert.down_proj.weight"], shared_limit, ("shared", layer))
-        return x + routed + shared
-
-
 def residual_rms(x):
     return float(np.sqrt((x * x).mean()))
 
@@ -409,7 +316,7 @@ def test_activations_stay_realistic(bf16, config, tok):
     ids = tok.encode(text).ids
     assert len(ids) >= 24
     ids = np.array(ids[:32])
-    fwd = TinyForward(config, bf16)
+    fwd = Step35Numpy(config, bf16)
     w, eps = fwd.w, fwd.eps
     x = w["model.embed_tokens.weight"][ids]
     rms = [residual_rms(x)]
@@ -418,14 +325,8 @@ def test_activations_stay_realistic(bf16, config, tok):
         rms.append(residual_rms(x))
     logits = rms_norm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
     # MTP layer (index 6): [enorm(embed(next token)) | hnorm(trunk pre-norm hidden)] -> eh_proj -> block -> head.
-    m = f"model.layers.{config['num_hidden_layers']}."
-    e = rms_norm(w["model.embed_tokens.weight"][ids[1:]], w[m + "enorm.weight"], eps)
-    hh = rms_norm(x[:-1], w[m + "hnorm.weight"], eps)
-    u = np.concatenate([e, hh], axis=-1) @ w[m + "eh_proj.weight"].T
-    h_mtp = fwd.block(u, config["num_hidden_layers"])
+    mtp_logits, h_mtp, u = fwd.mtp_logits(ids, x)
     rms += [residual_rms(u), residual_rms(h_mtp)]
-    mtp_logits = rms_norm(h_mtp, w[m + "transformer.shared_head.norm.weight"], eps) @ \
-        w[m + "transformer.shared_head.output.weight"].T
 
     assert all(0.1 <= r <= 50.0 for r in rms), rms
     for lg in (logits, mtp_logits):

@@ -1,0 +1,187 @@
+// The op set of the Step-3.5 forward pass as an interface (ARCHITECTURE.md "The op set"). The forward
+// recipe (model/step35_forward) is written once against it; a backend (cpu/ now, cuda/ later) implements
+// it. Activations are f32 buffers the backend allocates at prepare time (TensorView); weights are uploaded
+// once and named by opaque handles; every op states its meaning by reference to the CPU kernel that
+// defines it (backend/cpu/ops_*.h, backend/cpu/matmul.h). The backend counts its work per step.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <span>
+
+#include "core/dtype.h"
+#include "core/result.h"
+#include "core/tensor.h"
+
+namespace memra {
+
+// ---- Weights as they lie in host memory (a mapped checkpoint): what the upload methods read. ----
+
+// A PyTorch linear weight [rows, cols] (out, in), row-major, or an embedding table [vocab, d_model].
+struct HostMatrix {
+    DType dtype = DType::kBF16;        // kF32, kBF16, kF16 or kF8E4M3
+    const void *data = nullptr;        // [rows, cols] dtype
+    int64_t rows = 0;
+    int64_t cols = 0;
+    const float *scale_inv = nullptr;  // kF8E4M3 only: [ceil(rows / block_rows), ceil(cols / block_cols)] f32
+    int64_t block_rows = 128;          // fp8 scale block (weight_block_size)
+    int64_t block_cols = 128;
+};
+
+// A stacked expert bank [n_experts, rows, cols]; fp8 scales [n_experts, ceil(rows / 128), ceil(cols / 128)].
+struct HostBank {
+    DType dtype = DType::kBF16;
+    const void *data = nullptr;
+    int64_t n_experts = 0;
+    int64_t rows = 0;
+    int64_t cols = 0;
+    const float *scale_inv = nullptr;
+    int64_t block_rows = 128;
+    int64_t block_cols = 128;
+};
+
+// A vector: an RMSNorm weight (kBF16 or kF32, applied as (1 + w)) or the router's selection bias (kF32).
+struct HostVector {
+    DType dtype = DType::kBF16;
+    const void *data = nullptr;  // [n] dtype
+    int64_t n = 0;
+};
+
+// Opaque handles issued by one backend; using a handle with another backend is a programming error.
+struct MatrixId {
+    int32_t id = -1;
+    bool valid() const { return id >= 0; }
+};
+struct BankId {
+    int32_t id = -1;
+    bool valid() const { return id >= 0; }
+};
+struct VectorId {
+    int32_t id = -1;
+    bool valid() const { return id >= 0; }
+};
+struct RopeId {
+    int32_t id = -1;
+    bool valid() const { return id >= 0; }
+};
+
+// llama3 RoPE frequency scaling (STEP35.md 4.3 item 4).
+struct RopeScalingParams {
+    double factor = 1.0;
+    double low_freq_factor = 1.0;
+    double high_freq_factor = 1.0;
+    double original_max_position_embeddings = 0.0;
+};
+
+struct AttentionParams {
+    int64_t n_heads = 0;     // query heads, a multiple of n_kv_heads
+    int64_t n_kv_heads = 0;
+    int64_t head_dim = 0;
+    int64_t window = 0;      // sliding window incl. the current position; 0 = full causal
+};
+
+struct RouterConfig {
+    int64_t n_experts = 0;
+    int64_t top_k = 0;
+    bool renormalize = true;
+    float scaling_factor = 1.0f;
+};
+
+// Work done since the last reset: one launch per op call (a CUDA backend issues one kernel per op), one
+// host copy per transfer between host memory and backend buffers (inputs, KV rows, logits).
+struct BackendCounters {
+    int64_t launches = 0;
+    int64_t host_copies = 0;
+    int64_t host_copy_bytes = 0;
+};
+
+class Backend {
+public:
+    virtual ~Backend() = default;
+
+    virtual const char *name() const = 0;
+    virtual Device device() const = 0;
+
+    // ---- Prepare time (allocate, upload); never called on the hot path. ----
+
+    // A zero-filled buffer of the given shape, owned by the backend until it is destroyed.
+    virtual Result<TensorView> alloc(DType dtype, std::initializer_list<int64_t> shape) = 0;
+    // Weight uploads (CPU: zero-copy views; the host memory must outlive the backend). Refused: an
+    // unsupported dtype, non-positive sizes, a missing fp8 scale.
+    virtual Result<MatrixId> upload_matrix(const HostMatrix &m) = 0;
+    virtual Result<BankId> upload_bank(const HostBank &b) = 0;
+    virtual Result<VectorId> upload_vector(const HostVector &v) = 0;
+    // The cos/sin table of one RoPE variant for positions [0, n_positions), built on the host
+    // (cpu::rope_inv_freq, cpu::rope_table_build) and made resident. llama3 == nullptr: plain RoPE.
+    virtual Result<RopeId> create_rope_table(int64_t rot_dim, double theta, const RopeScalingParams *llama3,
+                                             int64_t n_positions) = 0;
+    // Floats of workspace matmul_canonical needs for n_rows rows of w.
+    virtual int64_t canonical_workspace_floats(int64_t n_rows, MatrixId w) const = 0;
+    // Floats of workspace matmul_grouped_canonical needs for n_rows sorted rows of bank b.
+    virtual int64_t grouped_canonical_workspace_floats(int64_t n_rows, BankId b) const = 0;
+
+    // ---- Host transfers (counted as host copies). ----
+
+    // dst.numel() elements of dst.dtype from host memory src.
+    virtual void copy_from_host(const void *src, TensorView dst) = 0;
+    // src.numel() elements of src.dtype into host memory dst.
+    virtual void copy_to_host(TensorView src, void *dst) = 0;
+
+    // ---- Ops (each one launch). Activations are f32 unless stated; views carry the row count. ----
+
+    // out[t, :] = table[ids[t], :] widened to f32. ids: [n] i32; out: [n, d_model]. Error: id out of range.
+    virtual Result<void> embedding(MatrixId table, TensorView ids, TensorView out) = 0;
+    // RMSNorm (1 + w) per row: cpu::rms_norm. x, y: [n, d]; y may equal x.
+    virtual void rms_norm(TensorView x, VectorId w, float eps, TensorView y) = 0;
+    // Per-head RMSNorm in place over x [n, n_heads * head_dim]: cpu::rms_norm_heads.
+    virtual void rms_norm_heads(TensorView x, int64_t n_heads, int64_t head_dim, VectorId w, float eps) = 0;
+    // h = x + r; y = rms_norm(h): cpu::add_rms_norm. h may equal x or r.
+    virtual void add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) = 0;
+    // out = a + b: cpu::residual_add. out may equal a or b.
+    virtual void residual_add(TensorView a, TensorView b, TensorView out) = 0;
+    // Column-parallel product y = x . W^T (cpu::matmul). x: [n, cols]; y: [n, rows].
+    virtual void matmul(TensorView x, MatrixId w, TensorView y) = 0;
+    // Row-parallel product over the 8 canonical K blocks (cpu::matmul_canonical).
+    // workspace: canonical_workspace_floats(n, w) f32.
+    virtual void matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) = 0;
+    // Grouped column-parallel product over an expert bank: rows offsets[e] .. offsets[e + 1] of x_sorted
+    // go through expert e. x_sorted: [n_pairs, cols]; offsets: [n_experts + 1] i32; y: [n_pairs, rows].
+    virtual void matmul_grouped(TensorView x_sorted, BankId b, TensorView offsets, TensorView y) = 0;
+    // The same with each expert's product row-parallel over its 8 canonical K blocks (expert down_proj).
+    virtual void matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorView offsets, TensorView y,
+                                          TensorView workspace) = 0;
+    // NeoX RoPE in place over dims [0, rot_dim) of every head: cpu::rope_apply. x: [n, n_heads * head_dim];
+    // positions: [n] i64, each inside the table (an invariant the caller checks).
+    virtual void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) = 0;
+    // Causal (+ sliding window) GQA attention with the optional per-head sigmoid gate: cpu::attention.
+    // q: [n_q, n_heads * head_dim]; q_pos: [n_q] i64; k, v: [kv_end - kv_begin, n_kv_heads * head_dim], row r
+    // holding position kv_begin + r; gate: [n_q, n_heads] raw logits, or a view with data == nullptr;
+    // out: [n_q, n_heads * head_dim].
+    virtual void attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView k, TensorView v,
+                           int64_t kv_begin, TensorView gate, TensorView out) = 0;
+    // SwiGLU with the Step clamp (limit 0 = off): cpu::swiglu. gate, up, out: [n, d_ff].
+    virtual void swiglu(TensorView gate, TensorView up, float limit, TensorView out) = 0;
+    // Sigmoid top-k router with selection-only bias: cpu::router_topk. logits: [n, n_experts] f32;
+    // expert_ids: [n, top_k] i32; weights: [n, top_k] f32.
+    virtual void router_topk(const RouterConfig &cfg, TensorView logits, VectorId bias, TensorView expert_ids,
+                             TensorView weights) = 0;
+    // Stable counting sort of the (token, slot) pairs by expert: cpu::moe_sort_pairs.
+    // offsets: [n_experts + 1] i32; sorted_pair, row_of_pair: [n * top_k] i32.
+    virtual void moe_sort_pairs(TensorView expert_ids, int64_t n_experts, TensorView offsets, TensorView sorted_pair,
+                                TensorView row_of_pair) = 0;
+    // x_sorted[r] = x[sorted_pair[r] / top_k]: cpu::moe_permute. x_sorted: [n * top_k, d].
+    virtual void moe_permute(TensorView x, TensorView sorted_pair, int64_t top_k, TensorView x_sorted) = 0;
+    // out = h + (sum over slots of weight * expert_out + shared): cpu::moe_combine. out may equal h.
+    virtual void moe_combine(TensorView h, TensorView expert_out, TensorView row_of_pair, TensorView weights,
+                             TensorView shared, TensorView out) = 0;
+    // dst[i, :] = src[rows[i], :] (exact copies). rows: [n_out] i32 on the backend.
+    virtual void gather_rows(TensorView src, TensorView rows, TensorView dst) = 0;
+    // out[t] = [a[t] | b[t]] (exact copies). a: [n, da]; b: [n, db]; out: [n, da + db].
+    virtual void concat_cols(TensorView a, TensorView b, TensorView out) = 0;
+
+    // ---- Counters ----
+    virtual BackendCounters counters() const = 0;
+    virtual void reset_counters() = 0;
+};
+
+}  // namespace memra

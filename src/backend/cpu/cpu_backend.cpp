@@ -1,0 +1,394 @@
+// CpuBackend: each op checks its views' shapes (programming errors abort with both shapes), counts one
+// launch and calls the CPU reference kernel; weights stay where the caller mapped them.
+#include "backend/cpu/cpu_backend.h"
+
+#include <cstring>
+#include <new>
+
+#include "backend/cpu/ops.h"
+#include "core/check.h"
+
+namespace memra::cpu {
+
+namespace {
+
+float *f32(TensorView v) {
+    MEMRA_CHECK(v.dtype == DType::kF32 && v.device == Device::kCpu, "cpu op: expected a host f32 view, got {}",
+                dtype_name(v.dtype));
+    return static_cast<float *>(v.data);
+}
+
+int32_t *i32(TensorView v) {
+    MEMRA_CHECK(v.dtype == DType::kI32 && v.device == Device::kCpu, "cpu op: expected a host i32 view, got {}",
+                dtype_name(v.dtype));
+    return static_cast<int32_t *>(v.data);
+}
+
+int64_t *i64(TensorView v) {
+    MEMRA_CHECK(v.dtype == DType::kI64 && v.device == Device::kCpu, "cpu op: expected a host i64 view, got {}",
+                dtype_name(v.dtype));
+    return static_cast<int64_t *>(v.data);
+}
+
+void check_same_shape(const char *op, TensorView a, TensorView b) {
+    MEMRA_CHECK(a.rows() == b.rows() && a.row_elems() == b.row_elems(), "{}: views [{}, {}] and [{}, {}] differ", op,
+                a.rows(), a.row_elems(), b.rows(), b.row_elems());
+}
+
+bool linear_dtype(DType t) {
+    return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16 || t == DType::kF8E4M3;
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(int n_threads) : pool_(n_threads) {}
+
+CpuBackend::~CpuBackend() = default;
+
+Result<TensorView> CpuBackend::alloc(DType dtype, std::initializer_list<int64_t> shape) {
+    if (shape.size() < 1 || shape.size() > kTensorMaxRank) {
+        return make_error("cpu alloc: rank {} outside [1, {}]", shape.size(), kTensorMaxRank);
+    }
+    TensorView v;
+    v.dtype = dtype;
+    v.device = Device::kCpu;
+    v.rank = static_cast<int>(shape.size());
+    size_t i = 0;
+    for (int64_t d : shape) {
+        if (d < 0) return make_error("cpu alloc: dimension {} is negative ({})", i, d);
+        v.shape[i++] = d;
+    }
+    // At least one byte, so every view has a distinct non-null pointer even when empty.
+    const size_t bytes = v.n_bytes() > 0 ? v.n_bytes() : 1;
+    std::unique_ptr<std::byte[]> buf(new (std::nothrow) std::byte[bytes]());
+    if (!buf) return make_error("cpu alloc: out of memory allocating {} bytes", bytes);
+    v.data = buf.get();
+    buffers_.push_back(std::move(buf));
+    return v;
+}
+
+Result<MatrixId> CpuBackend::upload_matrix(const HostMatrix &m) {
+    if (!linear_dtype(m.dtype)) return make_error("cpu upload: matrix dtype {} is not supported", dtype_name(m.dtype));
+    if (m.rows <= 0 || m.cols <= 0 || m.data == nullptr) {
+        return make_error("cpu upload: matrix [{}, {}] must be non-empty with data", m.rows, m.cols);
+    }
+    if (m.dtype == DType::kF8E4M3 && (m.scale_inv == nullptr || m.block_rows < 1 || m.block_cols < 1)) {
+        return make_error("cpu upload: F8_E4M3 matrix [{}, {}] needs scale_inv and positive block sizes", m.rows,
+                          m.cols);
+    }
+    WeightRef w;
+    w.dtype = m.dtype;
+    w.data = m.data;
+    w.rows = m.rows;
+    w.cols = m.cols;
+    w.scale_inv = m.scale_inv;
+    w.block_rows = m.block_rows;
+    w.block_cols = m.block_cols;
+    matrices_.push_back(w);
+    return MatrixId{static_cast<int32_t>(matrices_.size() - 1)};
+}
+
+Result<BankId> CpuBackend::upload_bank(const HostBank &b) {
+    if (!linear_dtype(b.dtype)) {
+        return make_error("cpu upload: expert bank dtype {} is not supported", dtype_name(b.dtype));
+    }
+    if (b.n_experts <= 0 || b.rows <= 0 || b.cols <= 0 || b.data == nullptr) {
+        return make_error("cpu upload: expert bank [{}, {}, {}] must be non-empty with data", b.n_experts, b.rows,
+                          b.cols);
+    }
+    if (b.dtype == DType::kF8E4M3 && (b.scale_inv == nullptr || b.block_rows < 1 || b.block_cols < 1)) {
+        return make_error("cpu upload: F8_E4M3 expert bank [{}, {}, {}] needs scale_inv and positive block sizes",
+                          b.n_experts, b.rows, b.cols);
+    }
+    WeightBankRef w;
+    w.dtype = b.dtype;
+    w.data = b.data;
+    w.n_experts = b.n_experts;
+    w.rows = b.rows;
+    w.cols = b.cols;
+    w.scale_inv = b.scale_inv;
+    w.block_rows = b.block_rows;
+    w.block_cols = b.block_cols;
+    banks_.push_back(w);
+    return BankId{static_cast<int32_t>(banks_.size() - 1)};
+}
+
+Result<VectorId> CpuBackend::upload_vector(const HostVector &v) {
+    if (v.dtype != DType::kF32 && v.dtype != DType::kBF16) {
+        return make_error("cpu upload: vector dtype {} is not supported (F32 or BF16)", dtype_name(v.dtype));
+    }
+    if (v.n <= 0 || v.data == nullptr) return make_error("cpu upload: vector [{}] must be non-empty with data", v.n);
+    vectors_.push_back(v);
+    return VectorId{static_cast<int32_t>(vectors_.size() - 1)};
+}
+
+Result<RopeId> CpuBackend::create_rope_table(int64_t rot_dim, double theta, const RopeScalingParams *llama3,
+                                             int64_t n_positions) {
+    RopeLlama3 l3;
+    if (llama3 != nullptr) {
+        l3.factor = llama3->factor;
+        l3.low_freq_factor = llama3->low_freq_factor;
+        l3.high_freq_factor = llama3->high_freq_factor;
+        l3.original_max_position_embeddings = llama3->original_max_position_embeddings;
+    }
+    auto inv = rope_inv_freq(rot_dim, theta, llama3 != nullptr ? &l3 : nullptr);
+    if (!inv) return tl::unexpected(inv.error());
+    auto table = rope_table_build(pool_, *inv, n_positions);
+    if (!table) return tl::unexpected(table.error());
+    rope_tables_.push_back(std::move(*table));
+    return RopeId{static_cast<int32_t>(rope_tables_.size() - 1)};
+}
+
+const WeightRef &CpuBackend::matrix(MatrixId id) const {
+    MEMRA_CHECK(id.id >= 0 && static_cast<size_t>(id.id) < matrices_.size(), "cpu: unknown matrix handle {}", id.id);
+    return matrices_[static_cast<size_t>(id.id)];
+}
+
+const WeightBankRef &CpuBackend::bank(BankId id) const {
+    MEMRA_CHECK(id.id >= 0 && static_cast<size_t>(id.id) < banks_.size(), "cpu: unknown bank handle {}", id.id);
+    return banks_[static_cast<size_t>(id.id)];
+}
+
+const HostVector &CpuBackend::host_vector(VectorId id) const {
+    MEMRA_CHECK(id.id >= 0 && static_cast<size_t>(id.id) < vectors_.size(), "cpu: unknown vector handle {}", id.id);
+    return vectors_[static_cast<size_t>(id.id)];
+}
+
+int64_t CpuBackend::canonical_workspace_floats(int64_t n_rows, MatrixId w) const {
+    return matmul_canonical_workspace_floats(n_rows, matrix(w));
+}
+
+int64_t CpuBackend::grouped_canonical_workspace_floats(int64_t n_rows, BankId b) const {
+    return matmul_canonical_workspace_floats(n_rows, weight_bank_expert(bank(b), 0));
+}
+
+void CpuBackend::copy_from_host(const void *src, TensorView dst) {
+    ++counters_.host_copies;
+    counters_.host_copy_bytes += static_cast<int64_t>(dst.n_bytes());
+    if (dst.n_bytes() > 0) std::memcpy(dst.data, src, dst.n_bytes());
+}
+
+void CpuBackend::copy_to_host(TensorView src, void *dst) {
+    ++counters_.host_copies;
+    counters_.host_copy_bytes += static_cast<int64_t>(src.n_bytes());
+    if (src.n_bytes() > 0) std::memcpy(dst, src.data, src.n_bytes());
+}
+
+Result<void> CpuBackend::embedding(MatrixId table, TensorView ids, TensorView out) {
+    ++counters_.launches;
+    const WeightRef &w = matrix(table);
+    MEMRA_CHECK(ids.numel() == out.rows() && out.row_elems() == w.cols,
+                "embedding: {} ids, out [{}, {}], table [{}, {}]",
+                ids.numel(), out.rows(), out.row_elems(), w.rows, w.cols);
+    return embedding_lookup(pool_, w.data, w.dtype, w.rows, w.cols, i32(ids), ids.numel(), f32(out));
+}
+
+void CpuBackend::rms_norm(TensorView x, VectorId w, float eps, TensorView y) {
+    ++counters_.launches;
+    check_same_shape("rms_norm", x, y);
+    const HostVector &v = host_vector(w);
+    MEMRA_CHECK(v.n == x.row_elems(), "rms_norm: weight [{}] for rows of {}", v.n, x.row_elems());
+    cpu::rms_norm(pool_, f32(x), x.rows(), x.row_elems(), NormWeight{v.data, v.dtype, true}, eps, f32(y));
+}
+
+void CpuBackend::rms_norm_heads(TensorView x, int64_t n_heads, int64_t head_dim, VectorId w, float eps) {
+    ++counters_.launches;
+    const HostVector &v = host_vector(w);
+    MEMRA_CHECK(v.n == head_dim && x.row_elems() == n_heads * head_dim, "rms_norm_heads: weight [{}], rows of {}",
+                v.n, x.row_elems());
+    cpu::rms_norm_heads(pool_, f32(x), x.rows(), x.row_elems(), n_heads, head_dim, NormWeight{v.data, v.dtype, true},
+                        eps);
+}
+
+void CpuBackend::add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) {
+    ++counters_.launches;
+    check_same_shape("add_rms_norm", x, r);
+    check_same_shape("add_rms_norm", x, h);
+    check_same_shape("add_rms_norm", x, y);
+    const HostVector &v = host_vector(w);
+    MEMRA_CHECK(v.n == x.row_elems(), "add_rms_norm: weight [{}] for rows of {}", v.n, x.row_elems());
+    cpu::add_rms_norm(pool_, f32(x), f32(r), x.rows(), x.row_elems(), NormWeight{v.data, v.dtype, true}, eps, f32(h),
+                      f32(y));
+}
+
+void CpuBackend::residual_add(TensorView a, TensorView b, TensorView out) {
+    ++counters_.launches;
+    check_same_shape("residual_add", a, b);
+    check_same_shape("residual_add", a, out);
+    cpu::residual_add(pool_, f32(a), f32(b), a.rows(), a.row_elems(), f32(out));
+}
+
+void CpuBackend::matmul(TensorView x, MatrixId w, TensorView y) {
+    ++counters_.launches;
+    const WeightRef &m = matrix(w);
+    MEMRA_CHECK(x.row_elems() == m.cols && y.rows() == x.rows() && y.row_elems() == m.rows,
+                "matmul: x [{}, {}], W [{}, {}], y [{}, {}]", x.rows(), x.row_elems(), m.rows, m.cols, y.rows(),
+                y.row_elems());
+    cpu::matmul(pool_, f32(x), x.rows(), m, f32(y));
+}
+
+void CpuBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) {
+    ++counters_.launches;
+    const WeightRef &m = matrix(w);
+    MEMRA_CHECK(x.row_elems() == m.cols && y.rows() == x.rows() && y.row_elems() == m.rows,
+                "matmul_canonical: x [{}, {}], W [{}, {}], y [{}, {}]", x.rows(), x.row_elems(), m.rows, m.cols,
+                y.rows(), y.row_elems());
+    MEMRA_CHECK(workspace.numel() >= matmul_canonical_workspace_floats(x.rows(), m),
+                "matmul_canonical: workspace of {} floats, {} needed", workspace.numel(),
+                matmul_canonical_workspace_floats(x.rows(), m));
+    cpu::matmul_canonical(pool_, f32(x), x.rows(), m, f32(y), f32(workspace));
+}
+
+void CpuBackend::matmul_grouped(TensorView x_sorted, BankId b, TensorView offsets, TensorView y) {
+    ++counters_.launches;
+    const WeightBankRef &bk = bank(b);
+    const int32_t *off = i32(offsets);
+    MEMRA_CHECK(offsets.numel() == bk.n_experts + 1 && off[bk.n_experts] == x_sorted.rows() &&
+                    x_sorted.row_elems() == bk.cols && y.rows() == x_sorted.rows() && y.row_elems() == bk.rows,
+                "matmul_grouped: x [{}, {}], bank [{}, {}, {}], y [{}, {}]", x_sorted.rows(), x_sorted.row_elems(),
+                bk.n_experts, bk.rows, bk.cols, y.rows(), y.row_elems());
+    for (int64_t e = 0; e < bk.n_experts; ++e) {
+        const int64_t r0 = off[e];
+        const int64_t r1 = off[e + 1];
+        if (r1 == r0) continue;
+        cpu::matmul(pool_, f32(x_sorted.row_slice(r0, r1)), r1 - r0, weight_bank_expert(bk, e),
+                    f32(y.row_slice(r0, r1)));
+    }
+}
+
+void CpuBackend::matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorView offsets, TensorView y,
+                                          TensorView workspace) {
+    ++counters_.launches;
+    const WeightBankRef &bk = bank(b);
+    const int32_t *off = i32(offsets);
+    MEMRA_CHECK(offsets.numel() == bk.n_experts + 1 && off[bk.n_experts] == x_sorted.rows() &&
+                    x_sorted.row_elems() == bk.cols && y.rows() == x_sorted.rows() && y.row_elems() == bk.rows,
+                "matmul_grouped_canonical: x [{}, {}], bank [{}, {}, {}], y [{}, {}]", x_sorted.rows(),
+                x_sorted.row_elems(), bk.n_experts, bk.rows, bk.cols, y.rows(), y.row_elems());
+    for (int64_t e = 0; e < bk.n_experts; ++e) {
+        const int64_t r0 = off[e];
+        const int64_t r1 = off[e + 1];
+        if (r1 == r0) continue;
+        const WeightRef w = weight_bank_expert(bk, e);
+        MEMRA_CHECK(workspace.numel() >= matmul_canonical_workspace_floats(r1 - r0, w),
+                    "matmul_grouped_canonical: workspace of {} floats too small", workspace.numel());
+        cpu::matmul_canonical(pool_, f32(x_sorted.row_slice(r0, r1)), r1 - r0, w, f32(y.row_slice(r0, r1)),
+                              f32(workspace));
+    }
+}
+
+void CpuBackend::rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) {
+    ++counters_.launches;
+    MEMRA_CHECK(table.id >= 0 && static_cast<size_t>(table.id) < rope_tables_.size(), "rope: unknown table {}",
+                table.id);
+    MEMRA_CHECK(positions.numel() == x.rows() && x.row_elems() == n_heads * head_dim,
+                "rope: {} positions for x [{}, {}]", positions.numel(), x.rows(), x.row_elems());
+    auto r = rope_apply(pool_, rope_tables_[static_cast<size_t>(table.id)], f32(x), x.rows(), x.row_elems(), n_heads,
+                        head_dim, i64(positions));
+    MEMRA_CHECK(r.has_value(), "rope: {}", r ? "" : r.error().message);
+}
+
+void CpuBackend::attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView k, TensorView v,
+                           int64_t kv_begin, TensorView gate, TensorView out) {
+    ++counters_.launches;
+    const int64_t row = p.n_heads * p.head_dim;
+    const int64_t kv_row = p.n_kv_heads * p.head_dim;
+    MEMRA_CHECK(q.row_elems() == row && out.row_elems() == row && out.rows() == q.rows() &&
+                    q_pos.numel() == q.rows() && k.row_elems() == kv_row && v.row_elems() == kv_row &&
+                    k.rows() == v.rows(),
+                "attention: q [{}, {}], k [{}, {}], v [{}, {}], out [{}, {}]", q.rows(), q.row_elems(), k.rows(),
+                k.row_elems(), v.rows(), v.row_elems(), out.rows(), out.row_elems());
+    const bool gated = gate.data != nullptr;
+    MEMRA_CHECK(!gated || (gate.rows() == q.rows() && gate.row_elems() == p.n_heads), "attention: gate [{}, {}]",
+                gate.rows(), gate.row_elems());
+    const AttentionShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.window, attention_scale(p.head_dim)};
+    cpu::attention(pool_, shape, f32(q), row, i64(q_pos), q.rows(), f32(k), f32(v), kv_begin, kv_begin + k.rows(),
+                   gated ? f32(gate) : nullptr, p.n_heads, f32(out));
+}
+
+void CpuBackend::swiglu(TensorView gate, TensorView up, float limit, TensorView out) {
+    ++counters_.launches;
+    check_same_shape("swiglu", gate, up);
+    check_same_shape("swiglu", gate, out);
+    cpu::swiglu(pool_, f32(gate), f32(up), gate.row_elems(), gate.rows(), gate.row_elems(), limit, f32(out));
+}
+
+void CpuBackend::router_topk(const RouterConfig &cfg, TensorView logits, VectorId bias, TensorView expert_ids,
+                             TensorView weights) {
+    ++counters_.launches;
+    const HostVector &b = host_vector(bias);
+    MEMRA_CHECK(b.dtype == DType::kF32 && b.n == cfg.n_experts, "router_topk: bias must be [{}] F32", cfg.n_experts);
+    MEMRA_CHECK(logits.row_elems() == cfg.n_experts && expert_ids.numel() == logits.rows() * cfg.top_k &&
+                    weights.numel() == logits.rows() * cfg.top_k,
+                "router_topk: logits [{}, {}] for {} experts top {}", logits.rows(), logits.row_elems(),
+                cfg.n_experts, cfg.top_k);
+    const RouterParams params{cfg.n_experts, cfg.top_k, cfg.renormalize, cfg.scaling_factor};
+    cpu::router_topk(pool_, params, f32(logits), static_cast<const float *>(b.data), logits.rows(), i32(expert_ids),
+                     f32(weights));
+}
+
+void CpuBackend::moe_sort_pairs(TensorView expert_ids, int64_t n_experts, TensorView offsets, TensorView sorted_pair,
+                                TensorView row_of_pair) {
+    ++counters_.launches;
+    MEMRA_CHECK(offsets.numel() == n_experts + 1 && sorted_pair.numel() == expert_ids.numel() &&
+                    row_of_pair.numel() == expert_ids.numel(),
+                "moe_sort_pairs: {} pairs, {} offsets for {} experts", expert_ids.numel(), offsets.numel(), n_experts);
+    cpu::moe_sort_pairs(i32(expert_ids), expert_ids.rows(), expert_ids.row_elems(), n_experts, i32(offsets),
+                        i32(sorted_pair), i32(row_of_pair));
+}
+
+void CpuBackend::moe_permute(TensorView x, TensorView sorted_pair, int64_t top_k, TensorView x_sorted) {
+    ++counters_.launches;
+    MEMRA_CHECK(x_sorted.rows() == sorted_pair.numel() && x_sorted.rows() == x.rows() * top_k &&
+                    x_sorted.row_elems() == x.row_elems(),
+                "moe_permute: x [{}, {}], x_sorted [{}, {}], top_k {}", x.rows(), x.row_elems(), x_sorted.rows(),
+                x_sorted.row_elems(), top_k);
+    cpu::moe_permute(pool_, f32(x), x.row_elems(), i32(sorted_pair), sorted_pair.numel(), top_k, f32(x_sorted));
+}
+
+void CpuBackend::moe_combine(TensorView h, TensorView expert_out, TensorView row_of_pair, TensorView weights,
+                             TensorView shared, TensorView out) {
+    ++counters_.launches;
+    check_same_shape("moe_combine", h, out);
+    const int64_t top_k = weights.row_elems();
+    MEMRA_CHECK(weights.rows() == h.rows() && expert_out.rows() == h.rows() * top_k &&
+                    expert_out.row_elems() == h.row_elems() && row_of_pair.numel() == expert_out.rows(),
+                "moe_combine: h [{}, {}], expert_out [{}, {}], weights [{}, {}]", h.rows(), h.row_elems(),
+                expert_out.rows(), expert_out.row_elems(), weights.rows(), weights.row_elems());
+    const bool has_shared = shared.data != nullptr;
+    if (has_shared) check_same_shape("moe_combine", h, shared);
+    cpu::moe_combine(pool_, f32(h), f32(expert_out), i32(row_of_pair), f32(weights),
+                     has_shared ? f32(shared) : nullptr, h.rows(), top_k, h.row_elems(), f32(out));
+}
+
+void CpuBackend::gather_rows(TensorView src, TensorView rows, TensorView dst) {
+    ++counters_.launches;
+    MEMRA_CHECK(dst.rows() == rows.numel() && dst.row_elems() == src.row_elems() && dst.dtype == src.dtype,
+                "gather_rows: src [{}, {}], {} rows, dst [{}, {}]", src.rows(), src.row_elems(), rows.numel(),
+                dst.rows(), dst.row_elems());
+    const int32_t *idx = i32(rows);
+    const size_t row_bytes = static_cast<size_t>(src.row_elems()) * dtype_size(src.dtype);
+    for (int64_t i = 0; i < rows.numel(); ++i) {
+        MEMRA_CHECK(idx[i] >= 0 && idx[i] < src.rows(), "gather_rows: row {} outside [0, {})", idx[i], src.rows());
+        std::memcpy(static_cast<std::byte *>(dst.data) + static_cast<size_t>(i) * row_bytes,
+                    static_cast<const std::byte *>(src.data) + static_cast<size_t>(idx[i]) * row_bytes, row_bytes);
+    }
+}
+
+void CpuBackend::concat_cols(TensorView a, TensorView b, TensorView out) {
+    ++counters_.launches;
+    const int64_t da = a.row_elems();
+    const int64_t db = b.row_elems();
+    MEMRA_CHECK(a.rows() == b.rows() && out.rows() == a.rows() && out.row_elems() == da + db,
+                "concat_cols: a [{}, {}], b [{}, {}], out [{}, {}]", a.rows(), da, b.rows(), db, out.rows(),
+                out.row_elems());
+    const float *pa = f32(a);
+    const float *pb = f32(b);
+    float *po = f32(out);
+    for (int64_t t = 0; t < a.rows(); ++t) {
+        std::memcpy(po + t * (da + db), pa + t * da, static_cast<size_t>(da) * sizeof(float));
+        std::memcpy(po + t * (da + db) + da, pb + t * db, static_cast<size_t>(db) * sizeof(float));
+    }
+}
+
+}  // namespace memra::cpu

@@ -1,0 +1,82 @@
+// CpuBackend: the Backend interface over the CPU reference kernels (backend/cpu/ops*.h, matmul.h) and one
+// owned ThreadPool. Weights are zero-copy views into host memory (the checkpoint's mmap); buffers are host
+// allocations made at prepare time. Every op call counts one launch, every host transfer one host copy.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/ops_rope.h"
+#include "core/thread_pool.h"
+
+namespace memra::cpu {
+
+class CpuBackend final : public Backend {
+public:
+    // n_threads >= 1 (MEMRA_CHECK): the pool size; results do not depend on it (D5).
+    explicit CpuBackend(int n_threads);
+    ~CpuBackend() override;
+    CpuBackend(const CpuBackend &) = delete;
+    CpuBackend &operator=(const CpuBackend &) = delete;
+
+    const char *name() const override { return "cpu"; }
+    Device device() const override { return Device::kCpu; }
+    int n_threads() const { return pool_.n_threads(); }
+
+    Result<TensorView> alloc(DType dtype, std::initializer_list<int64_t> shape) override;
+    Result<MatrixId> upload_matrix(const HostMatrix &m) override;
+    Result<BankId> upload_bank(const HostBank &b) override;
+    Result<VectorId> upload_vector(const HostVector &v) override;
+    Result<RopeId> create_rope_table(int64_t rot_dim, double theta, const RopeScalingParams *llama3,
+                                     int64_t n_positions) override;
+    int64_t canonical_workspace_floats(int64_t n_rows, MatrixId w) const override;
+    int64_t grouped_canonical_workspace_floats(int64_t n_rows, BankId b) const override;
+
+    void copy_from_host(const void *src, TensorView dst) override;
+    void copy_to_host(TensorView src, void *dst) override;
+
+    Result<void> embedding(MatrixId table, TensorView ids, TensorView out) override;
+    void rms_norm(TensorView x, VectorId w, float eps, TensorView y) override;
+    void rms_norm_heads(TensorView x, int64_t n_heads, int64_t head_dim, VectorId w, float eps) override;
+    void add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) override;
+    void residual_add(TensorView a, TensorView b, TensorView out) override;
+    void matmul(TensorView x, MatrixId w, TensorView y) override;
+    void matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) override;
+    void matmul_grouped(TensorView x_sorted, BankId b, TensorView offsets, TensorView y) override;
+    void matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorView offsets, TensorView y,
+                                  TensorView workspace) override;
+    void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) override;
+    void attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView k, TensorView v,
+                   int64_t kv_begin, TensorView gate, TensorView out) override;
+    void swiglu(TensorView gate, TensorView up, float limit, TensorView out) override;
+    void router_topk(const RouterConfig &cfg, TensorView logits, VectorId bias, TensorView expert_ids,
+                     TensorView weights) override;
+    void moe_sort_pairs(TensorView expert_ids, int64_t n_experts, TensorView offsets, TensorView sorted_pair,
+                        TensorView row_of_pair) override;
+    void moe_permute(TensorView x, TensorView sorted_pair, int64_t top_k, TensorView x_sorted) override;
+    void moe_combine(TensorView h, TensorView expert_out, TensorView row_of_pair, TensorView weights,
+                     TensorView shared, TensorView out) override;
+    void gather_rows(TensorView src, TensorView rows, TensorView dst) override;
+    void concat_cols(TensorView a, TensorView b, TensorView out) override;
+
+    BackendCounters counters() const override { return counters_; }
+    void reset_counters() override { counters_ = {}; }
+
+private:
+    const WeightRef &matrix(MatrixId id) const;
+    const WeightBankRef &bank(BankId id) const;
+    const HostVector &host_vector(VectorId id) const;
+
+    ThreadPool pool_;
+    std::vector<std::unique_ptr<std::byte[]>> buffers_;  // every alloc(), freed with the backend
+    std::vector<WeightRef> matrices_;                    // views into host memory the caller keeps alive
+    std::vector<WeightBankRef> banks_;
+    std::vector<HostVector> vectors_;
+    std::vector<RopeTable> rope_tables_;
+    BackendCounters counters_;
+};
+
+}  // namespace memra::cpu

@@ -1,0 +1,539 @@
+// The Step-3.5 forward recipe over the Backend interface: validation of a step's chunks, the per-step KV
+// transactions, the decoder layer (attention block, dense or MoE FFN), the MTP layer and the logits head.
+// Which op runs in which order lives here and nowhere else; how an op computes lives in the backend.
+#include "model/step35_forward.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "core/check.h"
+
+namespace memra::model {
+
+namespace {
+
+kv::KvLayerSpec kv_layer_spec(const LayerGeometry &g) {
+    return kv::KvLayerSpec{g.n_kv_heads, g.head_dim, g.attn == AttnKind::kSliding ? g.window : 0};
+}
+
+kv::KvCacheSpec make_spec(const Step35Config &cfg, int first, int count, kv::KvFormat k_format,
+                          kv::KvFormat v_format, int64_t capacity, int max_stage_rows) {
+    kv::KvCacheSpec spec;
+    for (int i = first; i < first + count; ++i) {
+        spec.layers.push_back(kv_layer_spec(cfg.layers[static_cast<size_t>(i)]));
+    }
+    spec.k_format = k_format;
+    spec.v_format = v_format;
+    spec.capacity = capacity;
+    spec.max_stage_rows = max_stage_rows;
+    return spec;
+}
+
+// Allocates a flat buffer of n elements.
+Result<TensorView> alloc_flat(Backend &backend, DType dtype, int64_t n) {
+    return backend.alloc(dtype, {std::max<int64_t>(n, 1)});
+}
+
+}  // namespace
+
+kv::KvCacheSpec trunk_kv_spec(const Step35Config &cfg, kv::KvFormat k_format, kv::KvFormat v_format,
+                              int64_t capacity, int max_stage_rows) {
+    return make_spec(cfg, 0, cfg.n_layers, k_format, v_format, capacity, max_stage_rows);
+}
+
+kv::KvCacheSpec mtp_kv_spec(const Step35Config &cfg, int mtp, kv::KvFormat k_format, kv::KvFormat v_format,
+                            int64_t capacity, int max_stage_rows) {
+    MEMRA_CHECK(mtp >= 0 && mtp < cfg.n_mtp_layers, "mtp_kv_spec: MTP layer {} of {}", mtp, cfg.n_mtp_layers);
+    return make_spec(cfg, cfg.n_layers + mtp, 1, k_format, v_format, capacity, max_stage_rows);
+}
+
+Result<Step35Forward> Step35Forward::create(Backend &backend, const Step35Model &model, const ForwardCapacity &cap) {
+    const Step35Config &cfg = model.cfg;
+    if (cap.max_tokens < 1 || cap.max_seqs < 1 || cap.max_context < 1 || cap.max_logit_rows < 0) {
+        return make_error("forward capacity: expected max_tokens, max_seqs, max_context >= 1 and max_logit_rows >= 0, "
+                          "found {}, {}, {}, {}",
+                          cap.max_tokens, cap.max_seqs, cap.max_context, cap.max_logit_rows);
+    }
+    if (cap.max_context > (int64_t{1} << 24)) {
+        return make_error("forward capacity: max_context {} exceeds 2^24 positions", cap.max_context);
+    }
+    if (model.layers.size() != cfg.layers.size()) {
+        return make_error("forward: the model binds {} layers, the config has {}", model.layers.size(),
+                          cfg.layers.size());
+    }
+    Step35Forward f;
+    f.backend_ = &backend;
+    f.model_ = &model;
+    f.cap_ = cap;
+    if (f.cap_.max_logit_rows == 0) f.cap_.max_logit_rows = cap.max_tokens;
+    f.eps_ = static_cast<float>(cfg.rms_norm_eps);
+
+    const int64_t T = cap.max_tokens;
+    const int64_t L = f.cap_.max_logit_rows;
+    const int64_t d = cfg.d_model;
+    int64_t q_w = 0, kv_w = 0, heads = 0, ff_w = 0, n_experts = 0, top_k = 0, d_expert = 0;
+    for (const LayerGeometry &g : cfg.layers) {
+        q_w = std::max<int64_t>(q_w, int64_t{g.n_heads} * g.head_dim);
+        kv_w = std::max<int64_t>(kv_w, int64_t{g.n_kv_heads} * g.head_dim);
+        heads = std::max<int64_t>(heads, g.n_heads);
+        ff_w = std::max<int64_t>({ff_w, g.d_ff, g.d_shared});
+        n_experts = std::max<int64_t>(n_experts, g.n_experts);
+        top_k = std::max<int64_t>(top_k, g.top_k);
+        d_expert = std::max<int64_t>(d_expert, g.d_expert);
+    }
+
+    // RoPE tables, one per distinct (rot_dim, theta, scaled) variant.
+    struct Variant {
+        int rot_dim;
+        double theta;
+        bool scaled;
+        RopeId id;
+    };
+    std::vector<Variant> variants;
+    RopeScalingParams llama3;
+    llama3.factor = cfg.rope_scaling.factor;
+    llama3.low_freq_factor = cfg.rope_scaling.low_freq_factor;
+    llama3.high_freq_factor = cfg.rope_scaling.high_freq_factor;
+    llama3.original_max_position_embeddings = static_cast<double>(cfg.rope_scaling.original_max_position_embeddings);
+    f.rope_.assign(cfg.layers.size(), RopeId{});
+    for (const LayerGeometry &g : cfg.layers) {
+        if (!g.uses_rope) continue;
+        const bool scaled = g.rope_scaled && cfg.rope_scaling.present;
+        auto it = std::find_if(variants.begin(), variants.end(), [&](const Variant &v) {
+            return v.rot_dim == g.rot_dim && v.theta == g.rope_theta && v.scaled == scaled;
+        });
+        if (it == variants.end()) {
+            auto id = backend.create_rope_table(g.rot_dim, g.rope_theta, scaled ? &llama3 : nullptr, cap.max_context);
+            if (!id) return wrap_error(fmt::format("layer {} RoPE table", g.index), id.error());
+            variants.push_back(Variant{g.rot_dim, g.rope_theta, scaled, *id});
+            it = variants.end() - 1;
+        }
+        f.rope_[static_cast<size_t>(g.index)] = it->id;
+    }
+
+    // Workspace of the canonical (row-parallel) products: the largest any layer needs.
+    int64_t ws = 0;
+    for (size_t i = 0; i < cfg.layers.size(); ++i) {
+        const LayerGeometry &g = cfg.layers[i];
+        const LayerWeights &w = model.layers[i];
+        ws = std::max(ws, backend.canonical_workspace_floats(T, w.attn.o));
+        if (g.ffn == FfnKind::kDense) {
+            ws = std::max(ws, backend.canonical_workspace_floats(T, w.mlp.down));
+        } else {
+            ws = std::max(ws, backend.canonical_workspace_floats(T, w.moe.shared.down));
+            ws = std::max(ws, backend.grouped_canonical_workspace_floats(T * g.top_k, w.moe.down));
+        }
+    }
+
+    struct Request {
+        TensorView *view;
+        DType dtype;
+        int64_t n;
+    };
+    const int64_t pairs = T * std::max<int64_t>(top_k, 1);
+    const Request requests[] = {
+        {&f.ids_, DType::kI32, T},
+        {&f.pos_, DType::kI64, T},
+        {&f.logit_rows_, DType::kI32, L},
+        {&f.x_, DType::kF32, T * d},
+        {&f.a_, DType::kF32, T * d},
+        {&f.f_, DType::kF32, T * d},
+        {&f.mtp_x_, DType::kF32, cfg.n_mtp_layers > 0 ? T * d : 1},
+        {&f.cat_, DType::kF32, cfg.n_mtp_layers > 0 ? T * 2 * d : 1},
+        {&f.q_, DType::kF32, T * q_w},
+        {&f.k_, DType::kF32, T * kv_w},
+        {&f.v_, DType::kF32, T * kv_w},
+        {&f.g_, DType::kF32, T * heads},
+        {&f.att_, DType::kF32, T * q_w},
+        {&f.k_ctx_, DType::kF32, cap.max_context * kv_w},
+        {&f.v_ctx_, DType::kF32, cap.max_context * kv_w},
+        {&f.ff_gate_, DType::kF32, T * ff_w},
+        {&f.ff_up_, DType::kF32, T * ff_w},
+        {&f.router_, DType::kF32, T * n_experts},
+        {&f.expert_ids_, DType::kI32, pairs},
+        {&f.expert_w_, DType::kF32, pairs},
+        {&f.offsets_, DType::kI32, n_experts + 1},
+        {&f.sorted_pair_, DType::kI32, pairs},
+        {&f.row_of_pair_, DType::kI32, pairs},
+        {&f.x_sorted_, DType::kF32, n_experts > 0 ? pairs * d : 1},
+        {&f.e_gate_, DType::kF32, pairs * d_expert},
+        {&f.e_up_, DType::kF32, pairs * d_expert},
+        {&f.e_out_, DType::kF32, n_experts > 0 ? pairs * d : 1},
+        {&f.x_logit_, DType::kF32, L * d},
+        {&f.logits_dev_, DType::kF32, L * cfg.vocab_size},
+        {&f.workspace_, DType::kF32, ws},
+    };
+    for (const Request &r : requests) {
+        auto v = alloc_flat(backend, r.dtype, r.n);
+        if (!v) return wrap_error("forward buffers", v.error());
+        *r.view = *v;
+    }
+    f.ids_host_.resize(static_cast<size_t>(T));
+    f.pos_host_.resize(static_cast<size_t>(T));
+    f.logit_rows_host_.resize(static_cast<size_t>(L));
+    f.kv_host_k_.resize(static_cast<size_t>(std::max(cap.max_context, T) * kv_w));
+    f.kv_host_v_.resize(f.kv_host_k_.size());
+    f.logits_host_.resize(static_cast<size_t>(L * cfg.vocab_size));
+    f.logit_row_begin_.reserve(static_cast<size_t>(cap.max_seqs + 1));
+    f.slots_.reserve(static_cast<size_t>(cap.max_seqs));
+    return f;
+}
+
+TensorView Step35Forward::mat(TensorView buf, int64_t rows, int64_t cols) const {
+    MEMRA_CHECK(rows >= 0 && cols >= 0 && rows * cols <= buf.numel(),
+                "forward buffer of {} elements viewed as [{}, {}]",
+                buf.numel(), rows, cols);
+    TensorView v = buf;
+    v.rank = 2;
+    v.shape = {rows, cols, 0, 0};
+    return v;
+}
+
+std::span<const float> Step35Forward::logits() const {
+    return {logits_host_.data(), static_cast<size_t>(n_logit_rows_ * model_->cfg.vocab_size)};
+}
+
+std::span<const int64_t> Step35Forward::logit_row_begin() const { return logit_row_begin_; }
+
+TensorView Step35Forward::hidden() const { return mat(x_, n_rows_, model_->cfg.d_model); }
+
+TensorView Step35Forward::mtp_hidden() const { return mat(mtp_x_, n_mtp_rows_, model_->cfg.d_model); }
+
+// Checks the slots (filled by step / mtp_step) against the capacity and their caches against the layers
+// [first_cache_layer, + n_cache_layers) of the config, then stages the step's ids, positions and logit rows.
+Result<void> Step35Forward::prepare_slots(int first_cache_layer, int n_cache_layers, int64_t n_rows,
+                                          std::span<const int32_t> ids) {
+    const Step35Config &cfg = model_->cfg;
+    if (n_rows > cap_.max_tokens) {
+        return make_error("step: {} tokens, the forward was prepared for at most {}", n_rows, cap_.max_tokens);
+    }
+    int64_t n_logits = 0;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+        const Slot &s = slots_[i];
+        const kv::KvCache &c = *s.cache;
+        for (size_t j = 0; j < i; ++j) {
+            if (slots_[j].cache == s.cache) return make_error("chunk {}: same KV cache as chunk {}", i, j);
+        }
+        if (c.n_layers() != n_cache_layers) {
+            return make_error("chunk {}: KV cache has {} layers, expected {}", i, c.n_layers(), n_cache_layers);
+        }
+        for (int l = 0; l < n_cache_layers; ++l) {
+            const kv::KvLayerSpec want = kv_layer_spec(cfg.layers[static_cast<size_t>(first_cache_layer + l)]);
+            const kv::KvLayerSpec &have = c.spec().layers[static_cast<size_t>(l)];
+            if (have.n_kv_heads != want.n_kv_heads || have.head_dim != want.head_dim || have.window != want.window) {
+                return make_error("chunk {}: KV cache layer {} is {} heads x {} window {}, layer {} needs {} x {} "
+                                  "window {}",
+                                  i, l, have.n_kv_heads, have.head_dim, have.window, first_cache_layer + l,
+                                  want.n_kv_heads, want.head_dim, want.window);
+            }
+        }
+        if (c.in_txn()) return make_error("chunk {}: KV cache has an open transaction", i);
+        if (s.n > c.spec().max_stage_rows) {
+            return make_error("chunk {}: {} tokens, the KV cache stages at most {} per step", i, s.n,
+                              c.spec().max_stage_rows);
+        }
+        const int64_t limit = std::min(c.capacity(), cap_.max_context);
+        if (s.pos0 + s.n > limit) {
+            return make_error("chunk {}: positions {} .. {} exceed the context limit {} (cache capacity {}, forward "
+                              "max_context {})",
+                              i, s.pos0, s.pos0 + s.n - 1, limit, c.capacity(), cap_.max_context);
+        }
+        if (s.commit < -1 || s.commit > s.n) {
+            return make_error("chunk {}: commit {} outside [-1, {}]", i, s.commit, s.n);
+        }
+        n_logits += s.all_logits ? s.n : 1;
+    }
+    if (n_logits > cap_.max_logit_rows) {
+        return make_error("step: {} logit rows, the forward was prepared for at most {}", n_logits,
+                          cap_.max_logit_rows);
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+        if (ids[i] < 0 || ids[i] >= cfg.vocab_size) {
+            return make_error("step: token id {} at row {} outside the vocabulary [0, {})", ids[i], i, cfg.vocab_size);
+        }
+    }
+    logit_row_begin_.clear();
+    int64_t lr = 0;
+    for (const Slot &s : slots_) {
+        logit_row_begin_.push_back(lr);
+        for (int64_t r = 0; r < s.n; ++r) {
+            pos_host_[static_cast<size_t>(s.row0 + r)] = s.pos0 + r;
+            if (s.all_logits || r == s.n - 1) {
+                logit_rows_host_[static_cast<size_t>(lr++)] = static_cast<int32_t>(s.row0 + r);
+            }
+        }
+    }
+    logit_row_begin_.push_back(lr);
+    n_logit_rows_ = lr;
+    backend_->copy_from_host(ids_host_.data(), ids_.row_slice(0, n_rows));
+    backend_->copy_from_host(pos_host_.data(), pos_.row_slice(0, n_rows));
+    backend_->copy_from_host(logit_rows_host_.data(), logit_rows_.row_slice(0, lr));
+    return {};
+}
+
+Result<void> Step35Forward::begin_all() {
+    for (size_t i = 0; i < slots_.size(); ++i) {
+        auto txn = slots_[i].cache->begin();
+        if (!txn) {
+            for (size_t j = 0; j < i; ++j) {
+                (void)slots_[j].cache->rollback(slots_[j].txn);
+            }
+            return wrap_error(fmt::format("chunk {}", i), txn.error());
+        }
+        slots_[i].txn = *txn;
+    }
+    return {};
+}
+
+void Step35Forward::rollback_all() {
+    for (Slot &s : slots_) {
+        auto r = s.cache->rollback(s.txn);
+        MEMRA_CHECK(r.has_value(), "forward: rollback failed: {}", r ? "" : r.error().message);
+    }
+}
+
+Result<void> Step35Forward::commit_all() {
+    for (size_t i = 0; i < slots_.size(); ++i) {
+        Slot &s = slots_[i];
+        auto r = s.cache->commit(s.txn, s.commit < 0 ? s.n : s.commit);
+        if (!r) {
+            for (size_t j = i; j < slots_.size(); ++j) {
+                (void)slots_[j].cache->rollback(slots_[j].txn);
+            }
+            return wrap_error(fmt::format("chunk {} commit", i), r.error());
+        }
+    }
+    return {};
+}
+
+Result<void> Step35Forward::attention_block(int layer, int cache_layer, TensorView x) {
+    const Step35Config &cfg = model_->cfg;
+    const LayerGeometry &g = cfg.layers[static_cast<size_t>(layer)];
+    const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
+    Backend &be = *backend_;
+    const int64_t n = x.rows();
+    const int64_t d = cfg.d_model;
+    const int64_t q_w = int64_t{g.n_heads} * g.head_dim;
+    const int64_t kv_w = int64_t{g.n_kv_heads} * g.head_dim;
+
+    const TensorView a = mat(a_, n, d);  // [n, d_model] RMSNorm_in(x)
+    be.rms_norm(x, w.input_norm, eps_, a);
+    const TensorView q = mat(q_, n, q_w);    // [n, n_heads * head_dim]
+    const TensorView k = mat(k_, n, kv_w);   // [n, n_kv_heads * head_dim]
+    const TensorView v = mat(v_, n, kv_w);   // [n, n_kv_heads * head_dim]
+    const TensorView gate = w.attn.g.valid() ? mat(g_, n, g.n_heads) : TensorView{};  // [n, n_heads] logits
+    be.matmul(a, w.attn.q, q);
+    be.matmul(a, w.attn.k, k);
+    be.matmul(a, w.attn.v, v);
+    if (w.attn.g.valid()) be.matmul(a, w.attn.g, gate);
+    be.rms_norm_heads(q, g.n_heads, g.head_dim, w.attn.q_norm, eps_);
+    be.rms_norm_heads(k, g.n_kv_heads, g.head_dim, w.attn.k_norm, eps_);
+    const TensorView pos = pos_.row_slice(0, n);  // [n] i64
+    const RopeId rope = rope_[static_cast<size_t>(layer)];
+    if (rope.valid()) {
+        be.rope(rope, q, g.n_heads, g.head_dim, pos);
+        be.rope(rope, k, g.n_kv_heads, g.head_dim, pos);
+    }
+
+    // Per sequence: stage the new K/V rows, then attend over the cache's rows read back in their stored
+    // format (the new ones included), so every chunking sees the same keys (rule 9).
+    const TensorView att = mat(att_, n, q_w);  // [n, n_heads * head_dim]
+    const AttentionParams params{g.n_heads, g.n_kv_heads, g.head_dim,
+                                 g.attn == AttnKind::kSliding ? int64_t{g.window} : 0};
+    for (const Slot &s : slots_) {
+        const int64_t r0 = s.row0;
+        const int64_t r1 = s.row0 + s.n;
+        const size_t staged = static_cast<size_t>(s.n * kv_w);
+        be.copy_to_host(k.row_slice(r0, r1), kv_host_k_.data());
+        be.copy_to_host(v.row_slice(r0, r1), kv_host_v_.data());
+        auto st = s.cache->stage(s.txn, cache_layer, {kv_host_k_.data(), staged}, {kv_host_v_.data(), staged}, s.n);
+        if (!st) return wrap_error(fmt::format("layer {} KV stage", layer), st.error());
+        const int64_t lo = params.window > 0 ? std::max<int64_t>(0, s.pos0 - params.window + 1) : 0;
+        const int64_t hi = s.pos0 + s.n;
+        const size_t ctx = static_cast<size_t>((hi - lo) * kv_w);
+        auto rd = s.cache->read(cache_layer, lo, hi, {kv_host_k_.data(), ctx}, {kv_host_v_.data(), ctx});
+        if (!rd) return wrap_error(fmt::format("layer {} KV read", layer), rd.error());
+        const TensorView k_ctx = mat(k_ctx_, hi - lo, kv_w);  // [hi - lo, n_kv_heads * head_dim]
+        const TensorView v_ctx = mat(v_ctx_, hi - lo, kv_w);
+        be.copy_from_host(kv_host_k_.data(), k_ctx);
+        be.copy_from_host(kv_host_v_.data(), v_ctx);
+        be.attention(params, q.row_slice(r0, r1), pos.row_slice(r0, r1), k_ctx, v_ctx, lo,
+                     gate.data != nullptr ? gate.row_slice(r0, r1) : TensorView{}, att.row_slice(r0, r1));
+    }
+
+    const TensorView o = mat(f_, n, d);  // [n, d_model] o_proj, canonical K blocks
+    be.matmul_canonical(att, w.attn.o, o, workspace_);
+    be.add_rms_norm(x, o, w.post_norm, eps_, x, a);  // x = h = x + attn; a = RMSNorm_post(h)
+    return {};
+}
+
+void Step35Forward::ffn_block(int layer, TensorView x) {
+    const Step35Config &cfg = model_->cfg;
+    const LayerGeometry &g = cfg.layers[static_cast<size_t>(layer)];
+    const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
+    Backend &be = *backend_;
+    const int64_t n = x.rows();
+    const int64_t d = cfg.d_model;
+    const TensorView a = mat(a_, n, d);  // [n, d_model] RMSNorm_post(h)
+    const TensorView out = mat(f_, n, d);
+
+    if (g.ffn == FfnKind::kDense) {
+        const TensorView gate = mat(ff_gate_, n, g.d_ff);  // [n, d_ff]
+        const TensorView up = mat(ff_up_, n, g.d_ff);
+        be.matmul(a, w.mlp.gate, gate);
+        be.matmul(a, w.mlp.up, up);
+        be.swiglu(gate, up, g.clamp_shared, gate);
+        be.matmul_canonical(gate, w.mlp.down, out, workspace_);
+        be.residual_add(x, out, x);
+        return;
+    }
+
+    const int64_t k = g.top_k;
+    const TensorView logits = mat(router_, n, g.n_experts);     // [n, n_experts] f32 router logits
+    const TensorView ids = mat(expert_ids_, n, k);              // [n, top_k] i32
+    const TensorView weights = mat(expert_w_, n, k);            // [n, top_k] f32
+    const TensorView offsets = mat(offsets_, g.n_experts + 1, 1);
+    const TensorView sorted_pair = mat(sorted_pair_, n * k, 1);  // [n * top_k] i32
+    const TensorView row_of_pair = mat(row_of_pair_, n * k, 1);
+    const TensorView x_sorted = mat(x_sorted_, n * k, d);       // [n * top_k, d_model], expert order
+    const TensorView e_gate = mat(e_gate_, n * k, g.d_expert);  // [n * top_k, d_expert]
+    const TensorView e_up = mat(e_up_, n * k, g.d_expert);
+    const TensorView e_out = mat(e_out_, n * k, d);             // [n * top_k, d_model]
+    be.matmul(a, w.moe.router, logits);
+    be.router_topk(RouterConfig{g.n_experts, k, cfg.norm_expert_weight,
+                                static_cast<float>(cfg.moe_router_scaling_factor)},
+                   logits, w.moe.router_bias, ids, weights);
+    be.moe_sort_pairs(ids, g.n_experts, offsets, sorted_pair, row_of_pair);
+    be.moe_permute(a, sorted_pair, k, x_sorted);
+    be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
+    be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
+    be.swiglu(e_gate, e_up, g.clamp_routed, e_gate);
+    be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
+
+    const TensorView s_gate = mat(ff_gate_, n, g.d_shared);  // [n, d_shared]
+    const TensorView s_up = mat(ff_up_, n, g.d_shared);
+    be.matmul(a, w.moe.shared.gate, s_gate);
+    be.matmul(a, w.moe.shared.up, s_up);
+    be.swiglu(s_gate, s_up, g.clamp_shared, s_gate);
+    be.matmul_canonical(s_gate, w.moe.shared.down, out, workspace_);
+    be.moe_combine(x, e_out, row_of_pair, weights, out, x);  // x = h + (routed + shared)
+}
+
+Result<void> Step35Forward::run_layer(int layer, int cache_layer, TensorView x) {
+    auto r = attention_block(layer, cache_layer, x);
+    if (!r) return r;
+    ffn_block(layer, x);
+    return {};
+}
+
+void Step35Forward::emit_logits(TensorView x, VectorId norm, MatrixId head) {
+    const int64_t d = model_->cfg.d_model;
+    const TensorView xl = mat(x_logit_, n_logit_rows_, d);  // [n_logit_rows, d_model]
+    const TensorView lg = mat(logits_dev_, n_logit_rows_, model_->cfg.vocab_size);
+    backend_->gather_rows(x, logit_rows_.row_slice(0, n_logit_rows_), xl);
+    backend_->rms_norm(xl, norm, eps_, xl);
+    backend_->matmul(xl, head, lg);
+    backend_->copy_to_host(lg, logits_host_.data());
+}
+
+Result<void> Step35Forward::step(std::span<const SeqChunk> chunks) {
+    const Step35Config &cfg = model_->cfg;
+    if (chunks.empty() || static_cast<int64_t>(chunks.size()) > cap_.max_seqs) {
+        return make_error("step: {} chunks, expected 1 .. {}", chunks.size(), cap_.max_seqs);
+    }
+    slots_.clear();
+    int64_t rows = 0;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+        const SeqChunk &c = chunks[i];
+        if (c.cache == nullptr) return make_error("chunk {}: no KV cache", i);
+        if (c.tokens.empty()) return make_error("chunk {}: no tokens", i);
+        const auto n = static_cast<int64_t>(c.tokens.size());
+        if (rows + n <= cap_.max_tokens) {
+            std::copy(c.tokens.begin(), c.tokens.end(), ids_host_.begin() + rows);
+        }
+        slots_.push_back(Slot{c.cache, {}, rows, n, c.cache->length(), c.all_logits, c.commit});
+        rows += n;
+    }
+    const size_t n_ids = static_cast<size_t>(std::min(rows, cap_.max_tokens));
+    auto ok = prepare_slots(0, cfg.n_layers, rows, {ids_host_.data(), n_ids});
+    if (!ok) return ok;
+    auto begun = begin_all();
+    if (!begun) return begun;
+
+    n_rows_ = rows;
+    const TensorView x = mat(x_, rows, cfg.d_model);  // [rows, d_model] residual stream
+    auto emb = backend_->embedding(model_->embed, ids_.row_slice(0, rows), x);
+    if (!emb) {
+        rollback_all();
+        return emb;
+    }
+    for (int layer = 0; layer < cfg.n_layers; ++layer) {
+        auto r = run_layer(layer, layer, x);
+        if (!r) {
+            rollback_all();
+            return r;
+        }
+    }
+    emit_logits(x, model_->final_norm, model_->lm_head);
+    return commit_all();
+}
+
+Result<void> Step35Forward::mtp_step(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev) {
+    const Step35Config &cfg = model_->cfg;
+    if (mtp < 0 || mtp >= cfg.n_mtp_layers) {
+        return make_error("mtp_step: MTP layer {} outside [0, {})", mtp, cfg.n_mtp_layers);
+    }
+    if (chunks.empty() || static_cast<int64_t>(chunks.size()) > cap_.max_seqs) {
+        return make_error("mtp_step: {} chunks, expected 1 .. {}", chunks.size(), cap_.max_seqs);
+    }
+    const int layer = cfg.n_layers + mtp;
+    const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
+    slots_.clear();
+    int64_t rows = 0;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+        const MtpChunk &c = chunks[i];
+        if (c.cache == nullptr) return make_error("chunk {}: no KV cache", i);
+        if (c.next_tokens.empty()) return make_error("chunk {}: no tokens", i);
+        const auto n = static_cast<int64_t>(c.next_tokens.size());
+        if (rows + n <= cap_.max_tokens) {
+            std::copy(c.next_tokens.begin(), c.next_tokens.end(), ids_host_.begin() + rows);
+        }
+        slots_.push_back(Slot{c.cache, {}, rows, n, c.cache->length(), c.all_logits, c.commit});
+        rows += n;
+    }
+    if (h_prev.dtype != DType::kF32 || h_prev.rows() != rows || h_prev.row_elems() != cfg.d_model) {
+        return make_error("mtp_step: h_prev is [{}, {}] {}, expected [{}, {}] F32", h_prev.rows(), h_prev.row_elems(),
+                          dtype_name(h_prev.dtype), rows, cfg.d_model);
+    }
+    const size_t n_ids = static_cast<size_t>(std::min(rows, cap_.max_tokens));
+    auto ok = prepare_slots(layer, 1, rows, {ids_host_.data(), n_ids});
+    if (!ok) return ok;
+    auto begun = begin_all();
+    if (!begun) return begun;
+
+    Backend &be = *backend_;
+    const int64_t d = cfg.d_model;
+    const TensorView e = mat(a_, rows, d);         // [rows, d_model] RMSNorm(Embed(next token); enorm)
+    const TensorView hh = mat(f_, rows, d);        // [rows, d_model] RMSNorm(h_prev; hnorm)
+    const TensorView cat = mat(cat_, rows, 2 * d);  // [rows, 2 * d_model] [e | hh]
+    const TensorView u = mat(mtp_x_, rows, d);     // [rows, d_model] the MTP layer's residual stream
+    auto emb = be.embedding(model_->embed, ids_.row_slice(0, rows), e);
+    if (!emb) {
+        rollback_all();
+        return emb;
+    }
+    be.rms_norm(e, w.mtp.enorm, eps_, e);
+    be.rms_norm(h_prev, w.mtp.hnorm, eps_, hh);  // h_prev is read before u (which it may alias) is written
+    be.concat_cols(e, hh, cat);
+    be.matmul(cat, w.mtp.eh_proj, u);
+    n_mtp_rows_ = rows;
+    auto r = run_layer(layer, 0, u);
+    if (!r) {
+        rollback_all();
+        return r;
+    }
+    emit_logits(u, w.mtp.head_norm, w.mtp.head);
+    return commit_all();
+}
+
+}  // namespace memra::model

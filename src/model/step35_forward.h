@@ -1,0 +1,135 @@
+// The Step-3.5 forward recipe (STEP35.md section 4), written once against the Backend interface: a step
+// runs a batch of sequences, each a chunk of new tokens at absolute positions with its own KV cache
+// (prefill = a chunk of many tokens, decode = one), and returns the logits of the requested positions.
+// The MTP (next-n) layers run through mtp_step (STEP35.md 4.8). Every buffer is allocated by create() for
+// a capacity; a step only fills them. A sequence's bits depend on nothing else in the batch (D2), on no
+// thread count (D5) and on no chunking of its prompt (DETERMINISM.md rule 9).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/result.h"
+#include "kv/kv_cache.h"
+#include "model/step35_config.h"
+#include "model/step35_model.h"
+
+namespace memra::model {
+
+// What create() sizes every buffer for.
+struct ForwardCapacity {
+    int64_t max_tokens = 0;      // new tokens per step, summed over the batch (>= 1)
+    int64_t max_seqs = 0;        // sequences per step (>= 1)
+    int64_t max_context = 0;     // positions a sequence may reach: RoPE tables and KV read-back (>= 1)
+    int64_t max_logit_rows = 0;  // logit rows per step; 0 means max_tokens
+};
+
+// The trunk KV cache spec of one sequence: layers 0 .. n_layers-1 of cfg, in cfg order.
+kv::KvCacheSpec trunk_kv_spec(const Step35Config &cfg, kv::KvFormat k_format, kv::KvFormat v_format,
+                              int64_t capacity, int max_stage_rows);
+// The KV cache spec of MTP layer `mtp` (0-based; config layer n_layers + mtp): one sliding layer.
+kv::KvCacheSpec mtp_kv_spec(const Step35Config &cfg, int mtp, kv::KvFormat k_format, kv::KvFormat v_format,
+                            int64_t capacity, int max_stage_rows);
+
+// One sequence's part of a trunk step.
+struct SeqChunk {
+    kv::KvCache *cache = nullptr;     // the sequence's trunk cache (trunk_kv_spec), no transaction open
+    std::span<const int32_t> tokens;  // new tokens, at positions cache->length() .. + tokens.size() - 1
+    bool all_logits = false;          // logits of every new token; false: of the last one only
+    int64_t commit = -1;              // staged rows to keep at the end of the step; -1: all of them
+};
+
+// One sequence's part of an MTP step: the draft pass at positions p = cache->length() .. takes the token
+// at p + 1 (next_tokens) and the pre-norm hidden state at p (a row of h_prev).
+struct MtpChunk {
+    kv::KvCache *cache = nullptr;          // the sequence's cache for this MTP layer (mtp_kv_spec)
+    std::span<const int32_t> next_tokens;  // tokens at positions p + 1
+    bool all_logits = false;
+    int64_t commit = -1;
+};
+
+class Step35Forward {
+public:
+    // Uploads the RoPE tables and allocates every buffer for `cap`. The backend and the model must outlive
+    // the forward. Refused: capacities out of range, a backend allocation failure, a RoPE table error.
+    static Result<Step35Forward> create(Backend &backend, const Step35Model &model, const ForwardCapacity &cap);
+
+    // Runs the trunk over the chunks (in order; their tokens form the step's rows). Per cache: one
+    // transaction, begun here, every trunk layer staged, commit(chunk.commit) at the end. Refused before
+    // anything runs (nothing changes): no chunks or more than max_seqs, an empty chunk, a missing or
+    // mismatched cache, a cache with an open transaction, the same cache twice, more tokens than
+    // max_tokens / the cache's max_stage_rows, positions past max_context or the cache's capacity, a token
+    // id outside the vocabulary, more logit rows than max_logit_rows, a commit outside [-1, tokens].
+    Result<void> step(std::span<const SeqChunk> chunks);
+
+    // The MTP layer `mtp` over the chunks. h_prev: [n_rows, d_model] f32 backend rows, one per next token
+    // in chunk order: hidden() of a trunk step, or mtp_hidden() of the previous MTP layer (chain 45 -> 46 ->
+    // 47). Refusals as step(), plus an MTP index out of range and an h_prev of the wrong shape.
+    Result<void> mtp_step(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev);
+
+    // Logits of the last step (trunk or MTP): [n_logit_rows, vocab_size] f32 on the host, rows in chunk
+    // order; chunk i owns rows logit_row_begin()[i] .. logit_row_begin()[i + 1]. Valid until the next step.
+    std::span<const float> logits() const;
+    std::span<const int64_t> logit_row_begin() const;
+    // Pre-norm output of the last trunk layer for every row of the last trunk step: [n_rows, d_model].
+    TensorView hidden() const;
+    // Pre-norm output of the last MTP step's layer: [n_rows, d_model].
+    TensorView mtp_hidden() const;
+
+    const ForwardCapacity &capacity() const { return cap_; }
+
+private:
+    struct Slot {  // one chunk of the running step
+        kv::KvCache *cache = nullptr;
+        kv::KvTxn txn;
+        int64_t row0 = 0;  // first row in the step's token matrix
+        int64_t n = 0;     // rows
+        int64_t pos0 = 0;  // absolute position of the first row
+        bool all_logits = false;
+        int64_t commit = -1;
+    };
+
+    Step35Forward() = default;
+    Result<void> prepare_slots(int first_cache_layer, int n_cache_layers, int64_t n_rows, std::span<const int32_t> ids);
+    Result<void> begin_all();
+    void rollback_all();
+    Result<void> commit_all();
+    Result<void> run_layer(int layer, int cache_layer, TensorView x);
+    Result<void> attention_block(int layer, int cache_layer, TensorView x);
+    void ffn_block(int layer, TensorView x);
+    void emit_logits(TensorView x, VectorId norm, MatrixId head);
+    TensorView mat(TensorView buf, int64_t rows, int64_t cols) const;
+
+    Backend *backend_ = nullptr;
+    const Step35Model *model_ = nullptr;
+    ForwardCapacity cap_;
+    float eps_ = 0.0f;
+    std::vector<RopeId> rope_;  // per config layer; invalid when the layer has no RoPE
+
+    // Backend buffers, flat, sized for the capacity; mat() views them with the step's shapes.
+    TensorView ids_, pos_, logit_rows_;       // [T] i32, [T] i64, [L] i32
+    TensorView x_, a_, f_, mtp_x_, cat_;      // [T, d] f32 (cat_: [T, 2d])
+    TensorView q_, k_, v_, g_, att_;          // [T, max q / kv / heads widths]
+    TensorView k_ctx_, v_ctx_;                // [max_context, max kv width]: keys read back from a cache
+    TensorView ff_gate_, ff_up_;              // [T, max(d_ff, d_shared)]
+    TensorView router_, expert_ids_, expert_w_, offsets_, sorted_pair_, row_of_pair_;
+    TensorView x_sorted_, e_gate_, e_up_, e_out_;  // [T * top_k, ...]
+    TensorView x_logit_, logits_dev_;              // [L, d], [L, vocab]
+    TensorView workspace_;                         // canonical products
+
+    // Host staging, sized for the capacity.
+    std::vector<int32_t> ids_host_;
+    std::vector<int64_t> pos_host_;
+    std::vector<int32_t> logit_rows_host_;
+    std::vector<float> kv_host_k_, kv_host_v_;  // [max(max_context, T) * max kv width]
+    std::vector<float> logits_host_;            // [L * vocab]
+    std::vector<int64_t> logit_row_begin_;      // [n_chunks + 1] of the last step
+    std::vector<Slot> slots_;                   // the running step's chunks (capacity max_seqs)
+    int64_t n_rows_ = 0;                        // rows of the last trunk step
+    int64_t n_mtp_rows_ = 0;                    // rows of the last MTP step
+    int64_t n_logit_rows_ = 0;
+};
+
+}  // namespace memra::model
