@@ -3,7 +3,7 @@
 # an ignored folder that the device tool carries to the GPU machine (which has no registries).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pkgs=(libpcre2-dev libpcre2-8-0 libfmt-dev libfmt9 nlohmann-json3-dev libexpected-dev libcli11-dev libgtest-dev libgmock-dev
+pkgs=(libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2 libfmt-dev libfmt9 nlohmann-json3-dev libexpected-dev libcli11-dev libgtest-dev libgmock-dev
       googletest libbenchmark-dev libbenchmark1debian)
 rm -rf .deps && mkdir -p .deps/debs .deps/root
 (cd .deps/debs && apt-get download "${pkgs[@]}" >/dev/null)

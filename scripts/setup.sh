@@ -10,7 +10,7 @@ mode=${1:-all}
 apt_packages=(
     build-essential cmake ninja-build clang libclang-rt-14-dev python3-venv
     libgtest-dev libgmock-dev libbenchmark-dev
-    nlohmann-json3-dev libcli11-dev libfmt-dev libexpected-dev libpcre2-dev
+    nlohmann-json3-dev libcli11-dev libfmt-dev libexpected-dev libpcre2-dev libutf8proc-dev
 )
 missing=()
 for p in "${apt_packages[@]}"; do
