@@ -1,12 +1,27 @@
 // memra: the command-line entry point. Subcommands live in cmd_*.cpp; this file only wires the
 // parser, maps parse failures to exit code 2, and runs the chosen action.
 #include <cstdio>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "cli/commands.h"
 
 int main(int argc, char **argv) {
     using namespace memra::cli;
+    // llama.cpp's multi-letter short flags, which CLI11 cannot declare: rewritten to their long names.
+    struct Alias {
+        const char *from;
+        const char *to;
+    };
+    static constexpr Alias kAliases[] = {{"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}};
+    std::vector<const char *> args(argv, argv + argc);
+    for (const char *&arg : args) {
+        for (const Alias &alias : kAliases) {
+            if (std::strcmp(arg, alias.from) == 0) arg = alias.to;
+        }
+    }
+
     CLI::App app{"memra: a deterministic inference engine for Step-3.5-class MoE models", "memra"};
     app.set_version_flag("--version", std::string("memra 0.1.0"));
     // At most one subcommand; a missing one is reported after parsing, so that an unknown word
@@ -15,10 +30,10 @@ int main(int argc, char **argv) {
     app.fallthrough(false);
 
     const std::vector<Command> commands = {add_inspect_command(app), add_plan_command(app),
-                                           add_make_tiny_command(app)};
+                                           add_make_tiny_command(app), add_run_command(app)};
 
     try {
-        app.parse(argc, argv);
+        app.parse(argc, args.data());
     } catch (const CLI::ParseError &e) {
         int code = app.exit(e);  // prints help / version / the parse error
         return e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success) ? code : kExitUsage;

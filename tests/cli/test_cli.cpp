@@ -248,7 +248,7 @@ TEST_F(CliTest, AppHelpListsEverySubcommand) {
     for (const char *flag : {"--help", "-h"}) {
         const RunResult r = run_memra({flag});
         EXPECT_EQ(r.exit_code, 0) << describe(r);
-        for (const char *word : {"Usage: memra", "--help", "--version", "inspect", "plan", "make-tiny"}) {
+        for (const char *word : {"Usage: memra", "--help", "--version", "inspect", "plan", "make-tiny", "run"}) {
             EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
         }
     }
@@ -760,3 +760,133 @@ TEST_F(CliTest, DefaultModelIsTheSeedZeroTinyCheckpoint) {
 }
 
 }  // namespace
+
+// ---- run ---------------------------------------------------------------------------------------------
+
+// The number N of "eval time = ... / N tokens" (generation), or -1 when the line is missing.
+long generated_tokens(const std::string &err) {
+    const size_t line = err.find("       eval time =");
+    if (line == std::string::npos) return -1;
+    const size_t slash = err.find("/ ", line);
+    return slash == std::string::npos ? -1 : std::stol(err.substr(slash + 2));
+}
+
+TEST_F(CliTest, RunGreedyStreamsTextAndPrintsTimingLines) {
+    const RunResult r = run_memra({"run", "-p", "Hello", "-n", "8", "--temp", "0"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.err, "prompt eval time = ")) << describe(r);
+    EXPECT_TRUE(contains(r.err, " tokens per second)\n")) << describe(r);
+    const long generated = generated_tokens(r.err);
+    EXPECT_GE(generated, 1) << describe(r);
+    EXPECT_LE(generated, 8) << describe(r);
+    ASSERT_FALSE(r.out.empty());
+    EXPECT_EQ(r.out.back(), '\n');
+    // Same settings through the environment mirrors: the same text.
+    const RunResult e = run_memra({"run"}, {{"MEMRA_PROMPT", "Hello"}, {"MEMRA_N_PREDICT", "8"}, {"MEMRA_TEMP", "0"}});
+    ASSERT_EQ(e.exit_code, 0) << describe(e);
+    EXPECT_EQ(e.out, r.out);
+}
+
+TEST_F(CliTest, RunSameSeedGivesTheSameTextAndAnotherSeedAnother) {
+    const std::vector<std::string> args = {"run", "-p", "The tiny model", "-n", "24", "--ignore-eos", "--temp", "1.5",
+                                           "--top-k", "0", "--top-p", "1", "--min-p", "0"};
+    auto with_seed = [&](const char *seed) {
+        std::vector<std::string> a = args;
+        a.insert(a.end(), {"-s", seed});
+        return run_memra(a);
+    };
+    const RunResult a = with_seed("7");
+    const RunResult b = with_seed("7");
+    const RunResult c = with_seed("8");
+    ASSERT_EQ(a.exit_code, 0) << describe(a);
+    ASSERT_EQ(b.exit_code, 0) << describe(b);
+    ASSERT_EQ(c.exit_code, 0) << describe(c);
+    EXPECT_EQ(generated_tokens(a.err), 24) << describe(a);
+    EXPECT_EQ(a.out, b.out);
+    EXPECT_NE(a.out, c.out);
+}
+
+TEST_F(CliTest, RunGreedyIsIndependentOfThreadsAndKvFlagSpellings) {
+    const std::vector<std::string> base = {"run", "-p", "Hello world", "-n", "16", "--ignore-eos", "--temp", "0"};
+    auto run_with = [&](std::vector<std::string> extra) {
+        std::vector<std::string> a = base;
+        a.insert(a.end(), extra.begin(), extra.end());
+        return run_memra(a);
+    };
+    const RunResult one = run_with({"-t", "1"});
+    const RunResult two = run_with({"--threads", "2"});
+    ASSERT_EQ(one.exit_code, 0) << describe(one);
+    ASSERT_EQ(two.exit_code, 0) << describe(two);
+    EXPECT_EQ(generated_tokens(one.err), 16) << describe(one);
+    EXPECT_EQ(one.out, two.out);
+    // The default KV format is bf16, under each of its spellings.
+    for (const auto &extra : std::vector<std::vector<std::string>>{
+             {"--kv-k", "bf16", "--kv-v", "bf16"}, {"-ctk", "bf16", "-ctv", "bf16"},
+             {"--cache-type-k", "bf16", "--cache-type-v", "bf16"}}) {
+        const RunResult r = run_with(extra);
+        ASSERT_EQ(r.exit_code, 0) << extra[0] << "\n" << describe(r);
+        EXPECT_EQ(r.out, one.out) << extra[0];
+    }
+    const RunResult f32 = run_with({"--kv-k", "f32", "--kv-v", "f32"});
+    ASSERT_EQ(f32.exit_code, 0) << describe(f32);
+    EXPECT_EQ(generated_tokens(f32.err), 16) << describe(f32);
+}
+
+TEST_F(CliTest, RunZeroTokensOnlyEvaluatesThePrompt) {
+    const RunResult r = run_memra({"run", "-p", "Hello", "-n", "0"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_EQ(r.out, "\n");
+    EXPECT_TRUE(contains(r.err, "prompt eval time = ")) << describe(r);
+    EXPECT_EQ(generated_tokens(r.err), 0) << describe(r);
+}
+
+TEST_F(CliTest, RunRefusesBadFlagValues) {
+    struct Case {
+        std::vector<std::string> args;
+        int exit_code;
+        std::string fragment;
+    };
+    const std::vector<Case> cases = {
+        {{"--kv-k", "q4_0"}, 2, "--kv-k"},
+        {{"-ctv", "fp16"}, 2, "--kv-v"},
+        {{"--temp", "-1"}, 2, "--temp"},
+        {{"--top-k", "-3"}, 2, "--top-k"},
+        {{"--min-p", "2"}, 2, "--min-p"},
+        {{"-n", "-2"}, 2, "--n-predict"},
+        {{"-t", "0"}, 2, "--threads"},
+        {{"-s", "-1"}, 2, "--seed"},
+        {{"--top-p", "0"}, 1, "error: sampling top_p: expected a value in (0, 1] (1 = off), found 0"},
+        {{"--repeat-penalty", "0"}, 1, "error: sampling repetition_penalty"},
+        {{"-n", "5000"}, 1, "error: prompt too long: 3 prompt tokens + 5000 to generate exceed the model's "
+                            "context length 4096"},
+    };
+    for (const Case &c : cases) {
+        std::vector<std::string> args = {"run", "-p", "Hi"};
+        args.insert(args.end(), c.args.begin(), c.args.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, c.exit_code) << c.args[0] << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
+        EXPECT_EQ(r.out, "") << describe(r);
+    }
+    RunResult r = run_memra({"run"});
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_TRUE(contains(r.err, "--prompt")) << describe(r);
+    r = run_memra({"run", (dir_ / "missing").string(), "-p", "Hi"});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "error: " + (dir_ / "missing" / "config.json").string())) << describe(r);
+}
+
+TEST_F(CliTest, RunHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
+    const RunResult r = run_memra({"run", "--help"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    for (const char *word :
+         {"Usage: memra run", "MODEL_DIR", "MEMRA_MODEL", "-p,--prompt", "MEMRA_PROMPT", "-n,--n-predict,--predict",
+          "MEMRA_N_PREDICT", "--temp,--temperature", "MEMRA_TEMP", "--top-k", "MEMRA_TOP_K", "--top-p", "MEMRA_TOP_P",
+          "--min-p", "MEMRA_MIN_P", "--repeat-penalty", "MEMRA_REPEAT_PENALTY", "--repeat-last-n",
+          "MEMRA_REPEAT_LAST_N", "--presence-penalty", "MEMRA_PRESENCE_PENALTY", "--frequency-penalty",
+          "MEMRA_FREQUENCY_PENALTY", "-s,--seed", "MEMRA_SEED", "--kv-k,--cache-type-k", "MEMRA_KV_K",
+          "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv", "-t,--threads", "MEMRA_THREADS", "--ignore-eos",
+          "MEMRA_IGNORE_EOS", "=64", "=0.8", "=40", "=0.95", "=0.05", "=bf16"}) {
+        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
+    }
+}

@@ -1,0 +1,211 @@
+// `memra run [MODEL_DIR] -p TEXT`: one-shot generation on the CPU backend. Tokenizes the prompt, prefills it
+// in one step, then samples and decodes token by token, streaming complete UTF-8 text to stdout as it comes,
+// and ends with llama.cpp-style timing lines on stderr.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "backend/cpu/cpu_backend.h"
+#include "cli/commands.h"
+#include "io/safetensors.h"
+#include "kv/kv_cache.h"
+#include "kv/kv_format.h"
+#include "model/step35_config.h"
+#include "model/step35_forward.h"
+#include "model/step35_model.h"
+#include "runtime/sampler.h"
+#include "text/tokenizer.h"
+
+namespace memra::cli {
+namespace {
+
+struct RunOptions {
+    std::string model_dir;
+    std::string prompt;
+    int n_predict = 64;  // -1: until EOS or the model's context length
+    runtime::SamplingParams sampling;
+    std::string kv_k = "bf16";
+    std::string kv_v = "bf16";
+    int threads = 1;
+    bool ignore_eos = false;
+};
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// "prompt eval time =    12.34 ms /     5 tokens (    2.47 ms per token,   405.19 tokens per second)"
+std::string timing_line(const char *label, double ms, int64_t tokens) {
+    if (tokens == 0) return fmt::format("{} = {:8.2f} ms / {:5} tokens\n", label, ms, tokens);
+    const double per_token = ms / static_cast<double>(tokens);
+    const double per_second = ms > 0.0 ? 1000.0 * static_cast<double>(tokens) / ms : 0.0;
+    return fmt::format("{} = {:8.2f} ms / {:5} tokens ({:8.2f} ms per token, {:8.2f} tokens per second)\n", label,
+                       ms, tokens, per_token, per_second);
+}
+
+void write_out(const std::string &text) {
+    if (text.empty()) return;
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+}
+
+int run_generate(const RunOptions &opt) {
+    auto sampler_check = runtime::validate_sampling_params(opt.sampling);
+    if (!sampler_check) return report_error(sampler_check.error().message);
+    auto k_format = kv::parse_kv_format(opt.kv_k);
+    if (!k_format) return report_error("--kv-k: " + k_format.error().message);
+    auto v_format = kv::parse_kv_format(opt.kv_v);
+    if (!v_format) return report_error("--kv-v: " + v_format.error().message);
+
+    const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
+    if (dir.empty()) return kExitInvalidInput;
+    auto cfg = model::load_step35_config(dir);
+    if (!cfg) return report_error(cfg.error().message);
+    auto tok = text::Tokenizer::load(dir);
+    if (!tok) return report_error(tok.error().message);
+
+    // BOS as tokenizer_config.json's add_bos_token says; special tokens written in the prompt are parsed.
+    auto encoded = tok->encode(opt.prompt, text::EncodeOptions{false, true});
+    if (!encoded) return report_error(fmt::format("prompt: {}", encoded.error().message));
+    std::vector<int32_t> context;
+    if (tok->add_bos_token() && tok->bos_id()) context.push_back(*tok->bos_id());
+    context.insert(context.end(), encoded->begin(), encoded->end());
+    const auto n_prompt = static_cast<int64_t>(context.size());
+    if (n_prompt == 0) return report_error("prompt: no tokens to evaluate (empty prompt and no BOS token)");
+    for (const int32_t id : context) {
+        if (id >= cfg->vocab_size) {
+            return report_error(fmt::format("prompt: token id {} is outside the model's vocabulary of {}", id,
+                                            cfg->vocab_size));
+        }
+    }
+    if (n_prompt + std::max(opt.n_predict, 0) > cfg->context_length) {
+        return report_error(fmt::format("prompt too long: {} prompt tokens + {} to generate exceed the model's "
+                                        "context length {}",
+                                        n_prompt, opt.n_predict, cfg->context_length));
+    }
+    const int64_t n_predict = opt.n_predict >= 0 ? opt.n_predict : cfg->context_length - n_prompt;
+    const int64_t capacity = n_prompt + n_predict;
+
+    std::vector<int32_t> eos(cfg->eos_token_ids.begin(), cfg->eos_token_ids.end());
+    if (eos.empty()) eos.assign(tok->eos_ids().begin(), tok->eos_ids().end());
+    const auto is_eos = [&eos](int32_t id) { return std::find(eos.begin(), eos.end(), id) != eos.end(); };
+
+    auto ckpt = io::Checkpoint::open(dir);
+    if (!ckpt) return report_error(ckpt.error().message);
+    cpu::CpuBackend backend(opt.threads);
+    auto mdl = model::bind_step35_model(backend, *ckpt, *cfg);
+    if (!mdl) return report_error(mdl.error().message);
+    auto fwd = model::Step35Forward::create(backend, *mdl, model::ForwardCapacity{n_prompt, 1, capacity, 0});
+    if (!fwd) return report_error(fwd.error().message);
+    auto cache = kv::KvCache::create(
+        model::trunk_kv_spec(*cfg, *k_format, *v_format, capacity, static_cast<int>(n_prompt)));
+    if (!cache) return report_error(fmt::format("KV cache ({} tokens): {}", capacity, cache.error().message));
+    auto sampler = runtime::Sampler::create(cfg->vocab_size, opt.sampling);
+    if (!sampler) return report_error(sampler.error().message);
+    context.reserve(static_cast<size_t>(capacity));
+
+    const auto t_prompt = std::chrono::steady_clock::now();
+    model::SeqChunk chunk{&*cache, context, false, -1};
+    if (auto r = fwd->step(std::span(&chunk, 1)); !r) return report_error(r.error().message);
+    const double prompt_ms = ms_since(t_prompt);
+
+    // Each sampled token is counted; an EOS ends the loop unprinted and unevaluated, the last token is not fed.
+    const auto t_gen = std::chrono::steady_clock::now();
+    text::StreamDecoder decoder = tok->stream_decoder();
+    int64_t generated = 0;
+    for (int64_t i = 0; i < n_predict; ++i) {
+        const auto position = static_cast<int64_t>(context.size());
+        const int32_t next = sampler->sample(fwd->logits(), context, 0, position);
+        ++generated;
+        if (!opt.ignore_eos && is_eos(next)) break;
+        write_out(decoder.feed(next));
+        context.push_back(next);
+        if (i + 1 == n_predict) break;
+        chunk = model::SeqChunk{&*cache, std::span(&context.back(), 1), false, -1};
+        if (auto r = fwd->step(std::span(&chunk, 1)); !r) return report_error(r.error().message);
+    }
+    write_out(decoder.flush() + "\n");
+    const double gen_ms = ms_since(t_gen);
+
+    std::fputs(timing_line("prompt eval time", prompt_ms, n_prompt).c_str(), stderr);
+    std::fputs(timing_line("       eval time", gen_ms, generated).c_str(), stderr);
+    return kExitOk;
+}
+
+}  // namespace
+
+Command add_run_command(CLI::App &app) {
+    auto opt = std::make_shared<RunOptions>();
+    const unsigned hw = std::thread::hardware_concurrency();
+    opt->threads = hw > 0 ? static_cast<int>(hw) : 1;
+    runtime::SamplingParams &s = opt->sampling;
+
+    CLI::App *sub = app.add_subcommand("run", "Generate text from a prompt (CPU backend), streaming it to stdout");
+    add_model_dir_option(*sub, opt->model_dir);
+    sub->add_option("-p,--prompt", opt->prompt, "Prompt text")->envname("MEMRA_PROMPT")->required();
+    sub->add_option("-n,--n-predict,--predict", opt->n_predict,
+                    "Tokens to generate (-1 = until EOS or the model's context length)")
+        ->envname("MEMRA_N_PREDICT")
+        ->check(CLI::Range(-1, std::numeric_limits<int>::max()))
+        ->capture_default_str();
+    sub->add_option("--temp,--temperature", s.temperature, "Temperature (0 = greedy)")
+        ->envname("MEMRA_TEMP")
+        ->check(CLI::Range(0.0f, std::numeric_limits<float>::max()))
+        ->capture_default_str();
+    sub->add_option("--top-k", s.top_k, "Top-k (0 = off)")
+        ->envname("MEMRA_TOP_K")
+        ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()))
+        ->capture_default_str();
+    sub->add_option("--top-p", s.top_p, "Top-p, nucleus (1 = off)")
+        ->envname("MEMRA_TOP_P")
+        ->check(CLI::Range(0.0f, 1.0f))
+        ->capture_default_str();
+    sub->add_option("--min-p", s.min_p, "Min-p, relative to the most likely token (0 = off)")
+        ->envname("MEMRA_MIN_P")
+        ->check(CLI::Range(0.0f, 1.0f))
+        ->capture_default_str();
+    sub->add_option("--repeat-penalty", s.repetition_penalty, "Repetition penalty (1 = off)")
+        ->envname("MEMRA_REPEAT_PENALTY")
+        ->check(CLI::Range(0.0f, std::numeric_limits<float>::max()))
+        ->capture_default_str();
+    sub->add_option("--repeat-last-n", s.penalty_last_n,
+                    "Context tokens the penalties look at (0 = none, -1 = the whole context)")
+        ->envname("MEMRA_REPEAT_LAST_N")
+        ->check(CLI::Range(-1, std::numeric_limits<int32_t>::max()))
+        ->capture_default_str();
+    sub->add_option("--presence-penalty", s.presence_penalty, "Presence penalty (0 = off)")
+        ->envname("MEMRA_PRESENCE_PENALTY")
+        ->capture_default_str();
+    sub->add_option("--frequency-penalty", s.frequency_penalty, "Frequency penalty (0 = off)")
+        ->envname("MEMRA_FREQUENCY_PENALTY")
+        ->capture_default_str();
+    sub->add_option("-s,--seed", s.seed, "Sampling seed (same seed and settings give the same text)")
+        ->envname("MEMRA_SEED")
+        ->check(uint64_validator())
+        ->capture_default_str();
+    const std::vector<std::string> kv_formats = {"f32", "bf16", "q8_0", "q5_1"};
+    sub->add_option("--kv-k,--cache-type-k", opt->kv_k, "KV cache format of the keys (also -ctk)")
+        ->envname("MEMRA_KV_K")
+        ->check(CLI::IsMember(kv_formats))
+        ->capture_default_str();
+    sub->add_option("--kv-v,--cache-type-v", opt->kv_v, "KV cache format of the values (also -ctv)")
+        ->envname("MEMRA_KV_V")
+        ->check(CLI::IsMember(kv_formats))
+        ->capture_default_str();
+    sub->add_option("-t,--threads", opt->threads, "CPU threads (default: the hardware threads)")
+        ->envname("MEMRA_THREADS")
+        ->check(positive_int_validator())
+        ->capture_default_str();
+    sub->add_flag("--ignore-eos", opt->ignore_eos, "Keep generating past end-of-sequence tokens")
+        ->envname("MEMRA_IGNORE_EOS");
+    return {sub, [opt]() { return run_generate(*opt); }};
+}
+
+}  // namespace memra::cli

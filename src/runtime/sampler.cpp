@@ -1,0 +1,240 @@
+// Sampler: the penalty / temperature / top-k / top-p / min-p chain over a prepared workspace, and the
+// Gumbel-max draw from Philox4x32-10 noise keyed by (seed, sequence, position, token id).
+#include "runtime/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "core/check.h"
+#include "core/float_formats.h"
+#include "core/math.h"
+
+namespace memra::runtime {
+
+Result<void> validate_sampling_params(const SamplingParams &p) {
+    if (!std::isfinite(p.temperature) || p.temperature < 0.0f) {
+        return make_error("sampling temperature: expected a finite value >= 0, found {}", p.temperature);
+    }
+    if (p.top_k < 0) return make_error("sampling top_k: expected an integer >= 0 (0 = off), found {}", p.top_k);
+    if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
+        return make_error("sampling top_p: expected a value in (0, 1] (1 = off), found {}", p.top_p);
+    }
+    if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
+        return make_error("sampling min_p: expected a value in [0, 1] (0 = off), found {}", p.min_p);
+    }
+    if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0.0f) {
+        return make_error("sampling repetition_penalty: expected a finite value > 0 (1 = off), found {}",
+                          p.repetition_penalty);
+    }
+    if (!std::isfinite(p.presence_penalty)) {
+        return make_error("sampling presence_penalty: expected a finite value, found {}", p.presence_penalty);
+    }
+    if (!std::isfinite(p.frequency_penalty)) {
+        return make_error("sampling frequency_penalty: expected a finite value, found {}", p.frequency_penalty);
+    }
+    if (p.penalty_last_n < -1) {
+        return make_error("sampling penalty_last_n: expected an integer >= -1 (-1 = whole context), found {}",
+                          p.penalty_last_n);
+    }
+    return {};
+}
+
+std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
+    constexpr uint64_t kM0 = 0xD2511F53u;
+    constexpr uint64_t kM1 = 0xCD9E8D57u;
+    constexpr uint32_t kW0 = 0x9E3779B9u;  // golden ratio
+    constexpr uint32_t kW1 = 0xBB67AE85u;  // sqrt(3) - 1
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k[0] += kW0;
+            k[1] += kW1;
+        }
+        const uint64_t p0 = kM0 * c[0];
+        const uint64_t p1 = kM1 * c[2];
+        const auto hi0 = static_cast<uint32_t>(p0 >> 32);
+        const auto lo0 = static_cast<uint32_t>(p0);
+        const auto hi1 = static_cast<uint32_t>(p1 >> 32);
+        const auto lo1 = static_cast<uint32_t>(p1);
+        c = {hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0};
+    }
+    return c;
+}
+
+float log_f32(float x) {
+    if (x != x) return x + x;
+    if (x < 0.0f) return u32_as_f32(0x7fc00000u);
+    if (x == 0.0f) return u32_as_f32(0xff800000u);
+    if (x == u32_as_f32(0x7f800000u)) return x;
+    int e = 0;
+    if (x < u32_as_f32(0x00800000u)) {  // subnormal: scale into the normal range (exact)
+        x = x * 8388608.0f;
+        e = -23;
+    }
+    const uint32_t bits = f32_as_u32(x);
+    e += static_cast<int>(bits >> 23) - 127;
+    float m = u32_as_f32((bits & 0x007fffffu) | 0x3f800000u);  // [1, 2)
+    if (m > 1.41421356f) {  // centre the mantissa on 1: m in [sqrt(1/2), sqrt(2)]
+        m = m * 0.5f;
+        e += 1;
+    }
+    // log m = 2 atanh(s), s = (m - 1) / (m + 1), |s| <= 0.1716: the odd series to s^11 leaves < 1e-10.
+    const float s = (m - 1.0f) / (m + 1.0f);
+    const float z = s * s;
+    float q = 1.0f / 11.0f;
+    q = q * z + 1.0f / 9.0f;
+    q = q * z + 1.0f / 7.0f;
+    q = q * z + 1.0f / 5.0f;
+    q = q * z + 1.0f / 3.0f;
+    const float log_m = 2.0f * (s + (s * z) * q);
+    const float kLn2Hi = u32_as_f32(0x3f317200u);  // 15 significant bits: e * kLn2Hi is exact
+    const float kLn2Lo = u32_as_f32(0x35bfbe8eu);
+    const auto ef = static_cast<float>(e);
+    return ef * kLn2Hi + (log_m + ef * kLn2Lo);
+}
+
+float philox_uniform(uint64_t seed, uint64_t seq_id, int64_t position, int32_t id) {
+    MEMRA_CHECK(position >= 0 && position <= int64_t{0xffffffff}, "position {} outside [0, 2^32)", position);
+    MEMRA_CHECK(id >= 0, "token id {} < 0", id);
+    const std::array<uint32_t, 4> counter = {static_cast<uint32_t>(id) / 4u, static_cast<uint32_t>(position),
+                                             static_cast<uint32_t>(seq_id), static_cast<uint32_t>(seq_id >> 32)};
+    const std::array<uint32_t, 2> key = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+    const uint32_t word = philox4x32_10(counter, key)[static_cast<size_t>(id) % 4];
+    // 23 bits + 0.5 fit a float exactly: u in [2^-24, 1 - 2^-24], never 0 or 1.
+    return (static_cast<float>(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
+}
+
+float gumbel_noise(uint64_t seed, uint64_t seq_id, int64_t position, int32_t id) {
+    return -log_f32(-log_f32(philox_uniform(seed, seq_id, position, id)));
+}
+
+Result<Sampler> Sampler::create(int32_t vocab_size, const SamplingParams &params) {
+    if (vocab_size < 1) return make_error("sampler vocab_size: expected >= 1, found {}", vocab_size);
+    if (auto ok = validate_sampling_params(params); !ok) return tl::unexpected(ok.error());
+    Sampler s;
+    s.params_ = params;
+    s.vocab_size_ = vocab_size;
+    const auto n = static_cast<size_t>(vocab_size);
+    s.work_.assign(n, 0.0f);
+    s.score_.assign(n, 0.0f);
+    s.weight_.assign(n, 0.0f);
+    s.order_.assign(n, 0);
+    s.count_.assign(n, 0);
+    return s;
+}
+
+void Sampler::apply_penalties(std::span<const float> logits, std::span<const int32_t> context) {
+    MEMRA_CHECK(static_cast<int64_t>(logits.size()) == vocab_size_, "logits: expected {} values, found {}",
+                vocab_size_, logits.size());
+    const float kNegInf = -std::numeric_limits<float>::infinity();
+    for (size_t i = 0; i < logits.size(); ++i) work_[i] = logits[i] != logits[i] ? kNegInf : logits[i];
+
+    const SamplingParams &p = params_;
+    const bool active = p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
+    if (!active || p.penalty_last_n == 0 || context.empty()) return;
+    size_t window = context.size();
+    if (p.penalty_last_n > 0) window = std::min(window, static_cast<size_t>(p.penalty_last_n));
+    const std::span<const int32_t> recent = context.last(window);
+    for (const int32_t t : recent) {
+        MEMRA_CHECK(t >= 0 && t < vocab_size_, "context token {} outside [0, {})", t, vocab_size_);
+        ++count_[static_cast<size_t>(t)];
+    }
+    // Each distinct token once; clearing its count on the way leaves count_ all zero for the next call.
+    for (const int32_t t : recent) {
+        int32_t &c = count_[static_cast<size_t>(t)];
+        if (c == 0) continue;
+        float &l = work_[static_cast<size_t>(t)];
+        l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
+        l = l - static_cast<float>(c) * p.frequency_penalty - p.presence_penalty;
+        c = 0;
+    }
+}
+
+int32_t Sampler::greedy() const {
+    int32_t best = 0;
+    for (int32_t i = 1; i < vocab_size_; ++i) {
+        if (work_[static_cast<size_t>(i)] > work_[static_cast<size_t>(best)]) best = i;
+    }
+    return best;
+}
+
+bool Sampler::before(int32_t a, int32_t b) const {
+    const float sa = score_[static_cast<size_t>(a)];
+    const float sb = score_[static_cast<size_t>(b)];
+    return sa > sb || (sa == sb && a < b);
+}
+
+std::span<const int32_t> Sampler::candidates(std::span<const float> logits, std::span<const int32_t> context) {
+    apply_penalties(logits, context);
+    const SamplingParams &p = params_;
+    if (p.temperature == 0.0f) {
+        order_[0] = greedy();
+        n_candidates_ = 1;
+        return std::span<const int32_t>(order_.data(), 1);
+    }
+    for (size_t i = 0; i < work_.size(); ++i) score_[i] = work_[i] / p.temperature;
+    std::iota(order_.begin(), order_.end(), 0);
+    const auto cmp = [this](int32_t a, int32_t b) { return before(a, b); };
+    int64_t n = vocab_size_;
+    if (p.top_k > 0 && p.top_k < n) {
+        n = p.top_k;
+        std::nth_element(order_.begin(), order_.begin() + n, order_.end(), cmp);
+    }
+    std::sort(order_.begin(), order_.begin() + n, cmp);
+
+    // A largest score of +-Inf (all -Inf, or an overflowing logit / temperature): the lowest id holding it.
+    const float top = score_[static_cast<size_t>(order_[0])];
+    if (!std::isfinite(top)) {
+        n_candidates_ = 1;
+        return std::span<const int32_t>(order_.data(), 1);
+    }
+    // Unnormalised probabilities exp(score - top), summed in descending order; the top one is exactly 1.
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        const auto id = static_cast<size_t>(order_[static_cast<size_t>(i)]);
+        weight_[id] = exp_f32(score_[id] - top);
+        sum += weight_[id];
+    }
+    if (p.top_p < 1.0f) {
+        float cumulative = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            cumulative += weight_[static_cast<size_t>(order_[static_cast<size_t>(i)])] / sum;
+            if (cumulative >= p.top_p) {
+                n = i + 1;
+                break;
+            }
+        }
+    }
+    if (p.min_p > 0.0f) {
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            const int32_t id = order_[static_cast<size_t>(i)];
+            if (weight_[static_cast<size_t>(id)] >= p.min_p) order_[static_cast<size_t>(kept++)] = id;
+        }
+        n = kept;  // >= 1: the top token's weight is 1
+    }
+    n_candidates_ = n;
+    return std::span<const int32_t>(order_.data(), static_cast<size_t>(n));
+}
+
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> context, uint64_t seq_id,
+                        int64_t position) {
+    MEMRA_CHECK(position >= 0 && position <= int64_t{0xffffffff}, "position {} outside [0, 2^32)", position);
+    const std::span<const int32_t> kept = candidates(logits, context);
+    if (kept.size() == 1) return kept[0];
+    // Gumbel-max over the survivors: argmax(score + G) is a draw from softmax(score) restricted to them.
+    const float top = score_[static_cast<size_t>(kept[0])];
+    int32_t best = -1;
+    float best_key = 0.0f;
+    for (const int32_t id : kept) {
+        const float key = (score_[static_cast<size_t>(id)] - top) + gumbel_noise(params_.seed, seq_id, position, id);
+        if (best < 0 || key > best_key || (key == best_key && id < best)) {
+            best = id;
+            best_key = key;
+        }
+    }
+    return best;
+}
+
+}  // namespace memra::runtime

@@ -1,0 +1,358 @@
+// Sampler tests: Philox known answers, log_f32 accuracy, greedy ties, each filter alone on hand-made logits
+// (exact surviving sets), the penalties, seeded determinism independent of other calls, and the empirical
+// distribution of 20000 seeded draws against the softmax (chi-square, deterministic for the fixed seed).
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "runtime/sampler.h"
+
+namespace memra::runtime {
+namespace {
+
+using Ids = std::vector<int32_t>;
+
+SamplingParams plain(float temperature = 1.0f) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.top_k = 0;
+    p.top_p = 1.0f;
+    p.min_p = 0.0f;
+    p.repetition_penalty = 1.0f;
+    p.penalty_last_n = 64;
+    p.seed = 42;
+    return p;
+}
+
+Sampler make(int32_t vocab, const SamplingParams &p) {
+    auto s = Sampler::create(vocab, p);
+    EXPECT_TRUE(s.has_value()) << (s ? "" : s.error().message);
+    return std::move(*s);
+}
+
+Ids survivors(Sampler s, const std::vector<float> &logits, const Ids &context = {}) {
+    const auto kept = s.candidates(logits, context);
+    return Ids(kept.begin(), kept.end());
+}
+
+// Logits whose softmax is proportional to `weights`.
+std::vector<float> logits_of(const std::vector<double> &weights) {
+    std::vector<float> out;
+    for (double w : weights) out.push_back(static_cast<float>(std::log(w)));
+    return out;
+}
+
+TEST(Philox, KnownAnswers) {
+    // Random123's published philox4x32_10 test vectors.
+    EXPECT_EQ(philox4x32_10({0, 0, 0, 0}, {0, 0}),
+              (std::array<uint32_t, 4>{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}));
+    EXPECT_EQ(philox4x32_10({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu}),
+              (std::array<uint32_t, 4>{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}));
+    EXPECT_EQ(philox4x32_10({0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, {0xa4093822u, 0x299f31d0u}),
+              (std::array<uint32_t, 4>{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}));
+}
+
+TEST(Philox, UniformIsOpenIntervalAndKeyed) {
+    double sum = 0.0;
+    for (int32_t id = 0; id < 4000; ++id) {
+        const float u = philox_uniform(1, 2, 3, id);
+        ASSERT_GT(u, 0.0f);
+        ASSERT_LT(u, 1.0f);
+        sum += u;
+    }
+    EXPECT_NEAR(sum / 4000.0, 0.5, 0.02);
+    // Lanes of one Philox block are distinct tokens; every key part changes the value.
+    EXPECT_NE(philox_uniform(1, 2, 3, 0), philox_uniform(1, 2, 3, 1));
+    EXPECT_NE(philox_uniform(1, 2, 3, 5), philox_uniform(2, 2, 3, 5));
+    EXPECT_NE(philox_uniform(1, 2, 3, 5), philox_uniform(1, 3, 3, 5));
+    EXPECT_NE(philox_uniform(1, 2, 3, 5), philox_uniform(1, 2, 4, 5));
+    EXPECT_NE(philox_uniform(1, uint64_t{1} << 32, 3, 5), philox_uniform(1, 0, 3, 5));
+    EXPECT_NE(philox_uniform(uint64_t{1} << 32, 2, 3, 5), philox_uniform(0, 2, 3, 5));
+    // The exact word: counter (5 / 4, 3, 2, 0), key (1, 0), lane 1, top 23 bits.
+    const uint32_t word = philox4x32_10({1, 3, 2, 0}, {1, 0})[1];
+    EXPECT_EQ(philox_uniform(1, 2, 3, 5), (static_cast<float>(word >> 9) + 0.5f) / 8388608.0f);
+}
+
+TEST(LogF32, MatchesLibmAndSpecialValues) {
+    double worst = 0.0;
+    for (float x = 1e-30f; x < 1e30f; x *= 1.0137f) {
+        const double want = std::log(static_cast<double>(x));
+        const double err = std::fabs(static_cast<double>(log_f32(x)) - want);
+        worst = std::max(worst, err / std::max(std::fabs(want), 1e-30));
+    }
+    for (float x = 0.5f; x < 2.0f; x += 1.0f / 4096.0f) {  // near 1, where log is small: relative error
+        const double want = std::log(static_cast<double>(x));
+        if (want == 0.0) continue;
+        worst = std::max(worst, std::fabs(static_cast<double>(log_f32(x)) - want) / std::fabs(want));
+    }
+    EXPECT_LT(worst, 4e-7);
+    EXPECT_EQ(log_f32(1.0f), 0.0f);
+    EXPECT_NEAR(log_f32(1e-40f), std::log(1e-40), 1e-5);  // subnormal
+    EXPECT_EQ(log_f32(0.0f), -std::numeric_limits<float>::infinity());
+    EXPECT_EQ(log_f32(std::numeric_limits<float>::infinity()), std::numeric_limits<float>::infinity());
+    EXPECT_TRUE(std::isnan(log_f32(-1.0f)));
+    EXPECT_TRUE(std::isnan(log_f32(std::numeric_limits<float>::quiet_NaN())));
+}
+
+TEST(Sampler, GreedyTakesArgmaxWithTiesToLowerId) {
+    Sampler s = make(5, plain(0.0f));
+    const std::vector<float> logits = {1.0f, 3.0f, 2.0f, 3.0f, -1.0f};
+    for (uint64_t seq = 0; seq < 5; ++seq) EXPECT_EQ(s.sample(logits, {}, seq, 7), 1);
+    EXPECT_EQ(survivors(s, logits), (Ids{1}));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_EQ(s.sample(std::vector<float>{nan, -5.0f, nan, -4.0f, -4.0f}, {}, 0, 0), 3);
+    const float inf = std::numeric_limits<float>::infinity();
+    EXPECT_EQ(s.sample(std::vector<float>{-inf, -inf, -inf, -inf, -inf}, {}, 0, 0), 0);
+}
+
+TEST(Sampler, NoFilterKeepsEverythingInProbabilityOrder) {
+    Sampler s = make(5, plain());
+    EXPECT_EQ(survivors(s, {0.5f, 2.0f, 1.0f, 2.0f, -1.0f}), (Ids{1, 3, 2, 0, 4}));
+}
+
+TEST(Sampler, TopKAlone) {
+    const std::vector<float> logits = {0.5f, 2.0f, 1.0f, 2.0f, -1.0f};
+    SamplingParams p = plain();
+    p.top_k = 1;
+    Sampler s1 = make(5, p);
+    EXPECT_EQ(survivors(s1, logits), (Ids{1}));  // tie at the boundary: lower id
+    p.top_k = 3;
+    Sampler s3 = make(5, p);
+    EXPECT_EQ(survivors(s3, logits), (Ids{1, 3, 2}));
+    p.top_k = 5;
+    Sampler s5 = make(5, p);
+    EXPECT_EQ(survivors(s5, logits), (Ids{1, 3, 2, 0, 4}));
+    p.top_k = 100;  // larger than the vocabulary: off
+    Sampler s100 = make(5, p);
+    EXPECT_EQ(survivors(s100, logits), (Ids{1, 3, 2, 0, 4}));
+    // Only survivors are ever drawn.
+    p.top_k = 2;
+    Sampler s2 = make(5, p);
+    for (int64_t pos = 0; pos < 200; ++pos) {
+        const int32_t t = s2.sample(logits, {}, 0, pos);
+        ASSERT_TRUE(t == 1 || t == 3) << t;
+    }
+}
+
+TEST(Sampler, TopPAlone) {
+    const std::vector<float> logits = logits_of({0.1, 0.5, 0.15, 0.25});  // sorted: 1 (.5), 3 (.25), 2, 0
+    SamplingParams p = plain();
+    p.top_p = 0.1f;
+    EXPECT_EQ(survivors(make(4, p), logits), (Ids{1}));
+    p.top_p = 0.7f;
+    EXPECT_EQ(survivors(make(4, p), logits), (Ids{1, 3}));
+    p.top_p = 0.8f;
+    EXPECT_EQ(survivors(make(4, p), logits), (Ids{1, 3, 2}));
+    p.top_p = 0.95f;
+    EXPECT_EQ(survivors(make(4, p), logits), (Ids{1, 3, 2, 0}));
+    // Temperature comes first: at 0.5 the probabilities are (1, 0.25, 0.09, 0.04) / 1.38, so 0.8 needs two.
+    p.top_p = 0.8f;
+    p.temperature = 0.5f;
+    EXPECT_EQ(survivors(make(4, p), logits), (Ids{1, 3}));
+}
+
+TEST(Sampler, TopPRenormalisesAfterTopK) {
+    const std::vector<float> logits = logits_of({0.1, 0.5, 0.15, 0.25});
+    SamplingParams p = plain();
+    p.top_k = 2;      // (0.5, 0.25) -> (2/3, 1/3)
+    p.top_p = 0.65f;  // 2/3 alone reaches it; without renormalising, 0.5 would not
+    EXPECT_EQ(survivors(make(4, p), logits), (Ids{1}));
+}
+
+TEST(Sampler, MinPAlone) {
+    const std::vector<float> logits = logits_of({0.2, 1.0, 0.3, 0.5, 0.04});  // relative to the top token
+    SamplingParams p = plain();
+    p.min_p = 0.6f;
+    EXPECT_EQ(survivors(make(5, p), logits), (Ids{1}));
+    p.min_p = 0.4f;
+    EXPECT_EQ(survivors(make(5, p), logits), (Ids{1, 3}));
+    p.min_p = 0.25f;
+    EXPECT_EQ(survivors(make(5, p), logits), (Ids{1, 3, 2}));
+    p.min_p = 0.1f;
+    EXPECT_EQ(survivors(make(5, p), logits), (Ids{1, 3, 2, 0}));
+    p.min_p = 1.0f;
+    EXPECT_EQ(survivors(make(5, p), logits), (Ids{1}));
+    // After temperature 0.5 the ratios are squared: 0.25, 0.09, 0.04, ... so 0.2 keeps two.
+    p.min_p = 0.2f;
+    p.temperature = 0.5f;
+    EXPECT_EQ(survivors(make(5, p), logits), (Ids{1, 3}));
+}
+
+TEST(Sampler, RepetitionPenaltyDividesPositiveAndMultipliesNegative) {
+    SamplingParams p = plain(0.0f);
+    p.repetition_penalty = 2.0f;
+    Sampler s = make(5, p);
+    const std::vector<float> logits = {2.0f, -1.0f, 0.5f, 3.0f, 0.0f};
+    (void)s.candidates(logits, Ids{0, 1, 0, 4});
+    const auto out = s.penalized_logits();
+    EXPECT_EQ(std::vector<float>(out.begin(), out.end()), (std::vector<float>{1.0f, -2.0f, 0.5f, 3.0f, 0.0f}));
+    // Greedy follows the penalised logits.
+    EXPECT_EQ(s.sample(std::vector<float>{3.0f, 2.5f, 0.0f, 0.0f, 0.0f}, Ids{0}, 0, 1), 1);
+    EXPECT_EQ(s.sample(std::vector<float>{3.0f, 2.5f, 0.0f, 0.0f, 0.0f}, Ids{}, 0, 1), 0);
+}
+
+TEST(Sampler, FrequencyAndPresencePenaltiesAndWindow) {
+    SamplingParams p = plain(0.0f);
+    p.frequency_penalty = 0.5f;
+    p.presence_penalty = 0.25f;
+    p.penalty_last_n = -1;
+    const std::vector<float> logits = {2.0f, -1.0f, 0.5f, 3.0f, 0.0f};
+    const Ids context = {0, 1, 0, 3};
+    Sampler all = make(5, p);
+    for (int call = 0; call < 2; ++call) {  // the counts are cleared between calls
+        (void)all.candidates(logits, context);
+        const auto out = all.penalized_logits();
+        EXPECT_EQ(std::vector<float>(out.begin(), out.end()),
+                  (std::vector<float>{2.0f - 1.0f - 0.25f, -1.0f - 0.5f - 0.25f, 0.5f, 3.0f - 0.75f, 0.0f}));
+    }
+    p.penalty_last_n = 2;  // only {0, 3}, once each
+    Sampler last2 = make(5, p);
+    (void)last2.candidates(logits, context);
+    auto out = last2.penalized_logits();
+    EXPECT_EQ(std::vector<float>(out.begin(), out.end()),
+              (std::vector<float>{2.0f - 0.75f, -1.0f, 0.5f, 3.0f - 0.75f, 0.0f}));
+    p.penalty_last_n = 0;  // none
+    Sampler none = make(5, p);
+    (void)none.candidates(logits, context);
+    out = none.penalized_logits();
+    EXPECT_EQ(std::vector<float>(out.begin(), out.end()), logits);
+}
+
+TEST(Sampler, SeededAndIndependentOfOtherCalls) {
+    const std::vector<float> logits = {0.0f, 0.3f, -0.2f, 0.1f, 0.25f, -0.1f, 0.05f, 0.2f};
+    const std::vector<float> other = {2.0f, -1.0f, 0.0f, 0.5f, 0.0f, 1.0f, 0.0f, -3.0f};
+    const SamplingParams p = plain();
+    Sampler alone = make(8, p);
+    Ids reference;
+    for (int64_t pos = 0; pos < 100; ++pos) reference.push_back(alone.sample(logits, {}, 7, pos));
+
+    // The same (seed, seq, position) with other sequences sampled in between, in another order.
+    Sampler busy = make(8, p);
+    Ids interleaved(100);
+    for (int64_t pos = 99; pos >= 0; --pos) {
+        (void)busy.sample(other, Ids{1, 2}, 3, pos);
+        interleaved[static_cast<size_t>(pos)] = busy.sample(logits, {}, 7, pos);
+        (void)busy.sample(logits, {}, 8, pos + 1);
+    }
+    EXPECT_EQ(interleaved, reference);
+
+    // Another sequence, or another seed, gives another stream.
+    Ids seq8;
+    Ids seed43;
+    SamplingParams q = p;
+    q.seed = 43;
+    Sampler reseeded = make(8, q);
+    for (int64_t pos = 0; pos < 100; ++pos) {
+        seq8.push_back(alone.sample(logits, {}, 8, pos));
+        seed43.push_back(reseeded.sample(logits, {}, 7, pos));
+    }
+    EXPECT_NE(seq8, reference);
+    EXPECT_NE(seed43, reference);
+    // A near-uniform distribution over 8 tokens visits all of them in 100 draws.
+    std::vector<int> seen(8, 0);
+    for (int32_t t : reference) seen[static_cast<size_t>(t)] = 1;
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), 8);
+}
+
+double chi_square(const std::vector<int> &counts, const std::vector<double> &expected_probs, int draws) {
+    double chi2 = 0.0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+        const double e = expected_probs[i] * draws;
+        if (e == 0.0) {
+            if (counts[i] != 0) return std::numeric_limits<double>::infinity();
+            continue;
+        }
+        chi2 += (counts[i] - e) * (counts[i] - e) / e;
+    }
+    return chi2;
+}
+
+std::vector<double> softmax(const std::vector<float> &logits, double temperature, size_t keep) {
+    std::vector<double> p(logits.size(), 0.0);
+    std::vector<size_t> idx(logits.size());
+    std::iota(idx.begin(), idx.end(), size_t{0});
+    std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return logits[a] > logits[b]; });
+    double sum = 0.0;
+    for (size_t i = 0; i < keep; ++i) sum += std::exp(logits[idx[i]] / temperature);
+    for (size_t i = 0; i < keep; ++i) p[idx[i]] = std::exp(logits[idx[i]] / temperature) / sum;
+    return p;
+}
+
+TEST(Sampler, EmpiricalDistributionMatchesSoftmax) {
+    const std::vector<float> logits = {0.0f, 0.5f, 1.0f, -1.0f, 2.0f, 0.25f, -0.5f, 1.5f};
+    constexpr int kDraws = 20000;
+    // Critical chi-square values at p = 0.001: 7 degrees of freedom 24.32, 2 degrees 13.82.
+    struct Case {
+        float temperature;
+        int32_t top_k;
+        double bound;
+    };
+    for (const Case c : {Case{1.0f, 0, 24.32}, Case{2.0f, 0, 24.32}, Case{1.0f, 3, 13.82}}) {
+        SamplingParams p = plain(c.temperature);
+        p.top_k = c.top_k;
+        Sampler s = make(8, p);
+        std::vector<int> counts(8, 0);
+        for (int i = 0; i < kDraws; ++i) ++counts[static_cast<size_t>(s.sample(logits, {}, 0, i))];
+        const auto want = softmax(logits, c.temperature, c.top_k > 0 ? size_t(c.top_k) : logits.size());
+        const double chi2 = chi_square(counts, want, kDraws);
+        EXPECT_LT(chi2, c.bound) << "temperature " << c.temperature << " top_k " << c.top_k;
+        // The statistic has power: the same counts are far from a uniform distribution.
+        EXPECT_GT(chi_square(counts, std::vector<double>(8, 1.0 / 8), kDraws), 1000.0);
+    }
+}
+
+TEST(Sampler, RefusesBadParameters) {
+    struct Case {
+        SamplingParams p;
+        std::string fragment;
+    };
+    std::vector<Case> cases;
+    SamplingParams p = plain();
+    p.temperature = -0.5f;
+    cases.push_back({p, "sampling temperature: expected a finite value >= 0, found -0.5"});
+    p = plain();
+    p.temperature = std::numeric_limits<float>::infinity();
+    cases.push_back({p, "sampling temperature"});
+    p = plain();
+    p.top_k = -1;
+    cases.push_back({p, "sampling top_k: expected an integer >= 0 (0 = off), found -1"});
+    p = plain();
+    p.top_p = 0.0f;
+    cases.push_back({p, "sampling top_p: expected a value in (0, 1] (1 = off), found 0"});
+    p = plain();
+    p.top_p = 1.5f;
+    cases.push_back({p, "found 1.5"});
+    p = plain();
+    p.min_p = -0.1f;
+    cases.push_back({p, "sampling min_p: expected a value in [0, 1] (0 = off), found -0.1"});
+    p = plain();
+    p.repetition_penalty = 0.0f;
+    cases.push_back({p, "sampling repetition_penalty: expected a finite value > 0 (1 = off), found 0"});
+    p = plain();
+    p.presence_penalty = std::numeric_limits<float>::quiet_NaN();
+    cases.push_back({p, "sampling presence_penalty: expected a finite value"});
+    p = plain();
+    p.frequency_penalty = -std::numeric_limits<float>::infinity();
+    cases.push_back({p, "sampling frequency_penalty: expected a finite value"});
+    p = plain();
+    p.penalty_last_n = -2;
+    cases.push_back({p, "sampling penalty_last_n: expected an integer >= -1 (-1 = whole context), found -2"});
+    for (const Case &c : cases) {
+        auto s = Sampler::create(4, c.p);
+        ASSERT_FALSE(s.has_value()) << c.fragment;
+        EXPECT_NE(s.error().message.find(c.fragment), std::string::npos) << s.error().message;
+    }
+    auto empty = Sampler::create(0, plain());
+    ASSERT_FALSE(empty.has_value());
+    EXPECT_NE(empty.error().message.find("sampler vocab_size: expected >= 1, found 0"), std::string::npos);
+    EXPECT_TRUE(validate_sampling_params(SamplingParams{}).has_value());
+}
+
+}  // namespace
+}  // namespace memra::runtime
