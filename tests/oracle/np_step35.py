@@ -96,15 +96,51 @@ def apply_rope(x, positions, inv_freq):
     return np.concatenate([a * cos - b * sin, b * cos + a * sin, rest], axis=-1)
 
 
+def _f16(x):
+    return x.astype(np.float16).astype(np.float32)
+
+
+def ggml_q8_0_round(x):
+    """x rounded through ggml's q8_0 (blocks of 32 along the last dim: d = amax/127 kept as f16, q = roundf(x/d))."""
+    b = x.reshape(-1, 32).astype(np.float32)
+    d = np.abs(b).max(1, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    y = b * inv
+    q = np.sign(y) * np.floor(np.abs(y) + np.float32(0.5))  # roundf: half away from zero
+    return (q * _f16(d)).reshape(x.shape).astype(x.dtype)
+
+
+def ggml_q5_1_round(x):
+    """x rounded through ggml's q5_1 (blocks of 32: d = (max-min)/31 and m = min kept as f16)."""
+    b = x.reshape(-1, 32).astype(np.float32)
+    lo, hi = b.min(1, keepdims=True), b.max(1, keepdims=True)
+    d = (hi - lo) / np.float32(31)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.minimum(np.floor((b - lo) * inv + np.float32(0.5)), 31)
+    return (q * _f16(d) + _f16(lo)).reshape(x.shape).astype(x.dtype)
+
+
+def llama_cpp_kv_round(k_round, v_round):
+    """attn_round for Step35Numpy reproducing llama.cpp's CPU attention over a quantized KV cache: K and V
+    rounded to their cache types, and Q rounded like K because ggml's CPU dot product converts the
+    f32 operand to the quantized operand's vec_dot type (q8_0 for a q8_0 K cache)."""
+    def attn_round(q, k, v):
+        return k_round(q), k_round(k), v_round(v)
+    return attn_round
+
+
 class Step35Numpy:
     """Prefill of one sequence through the Step-3.5 blocks, recording router and clamp statistics.
 
     `weights` maps checkpoint names to arrays (load_checkpoint tuples or plain arrays); every weight
-    is converted to `dtype` (float32 by default, float64 for a tighter reference)."""
+    is converted to `dtype` (float32 by default, float64 for a tighter reference). `attn_round`, if
+    given, maps (q, k, v) [T, heads, head_dim] after RoPE to what the attention actually consumes
+    (e.g. llama_cpp_kv_round for a quantized KV cache)."""
 
-    def __init__(self, cfg, weights, dtype=np.float32):
+    def __init__(self, cfg, weights, dtype=np.float32, attn_round=None):
         self.cfg = cfg
         self.dtype = dtype
+        self.attn_round = attn_round
         self.w = {n: (t[2] if isinstance(t, tuple) else t).astype(dtype) for n, t in weights.items()
                   if not n.endswith("_scale_inv")}
         self.eps = cfg["rms_norm_eps"]
@@ -135,6 +171,8 @@ class Step35Numpy:
         k = rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps)
         q, k = apply_rope(q, pos, self.inv_freq[layer]), apply_rope(k, pos, self.inv_freq[layer])
         v = (a @ w[p + "self_attn.v_proj.weight"].T).reshape(n_tok, n_kv, hd)
+        if self.attn_round is not None:
+            q, k, v = self.attn_round(q, k, v)
         k, v = np.repeat(k, n_q // n_kv, axis=1), np.repeat(v, n_q // n_kv, axis=1)  # q head h -> kv head h // group
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd).astype(self.dtype)
         visible = pos[None, :] <= pos[:, None]
