@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything memra needs (Debian packages, the PyPI oracles into .venv), builds, and
-# runs the main job on the embedded default model. Idempotent: a second run only rebuilds.
+# runs the main job (memra run) on the embedded default model. Idempotent: a second run only rebuilds.
 #   scripts/setup.sh          install + build + run the main job
 #   scripts/setup.sh deps     install only (used by scripts/test.sh)
 set -euo pipefail
@@ -38,5 +38,5 @@ fi
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMRA_WERROR=ON >/dev/null
 cmake --build build -j"$(nproc)"
-# The main job: until memra generates text, it is the model summary of the embedded default model.
-build/memra inspect
+# The main job: generate from the embedded default model on the CPU engine (greedy, so repeatable).
+build/memra run --prompt "The quick brown fox" -n 32 --temp 0
