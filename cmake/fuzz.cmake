@@ -21,7 +21,6 @@ set(fuzz_flags -g -O1 -ffp-contract=off)
 add_library(memra_fuzz_support STATIC ${core_srcs} ${io_srcs} ${text_srcs} ${model_srcs})
 target_include_directories(memra_fuzz_support PUBLIC ${PROJECT_SOURCE_DIR}/src ${NLOHMANN_JSON_INCLUDE}
                                                      ${TL_EXPECTED_INCLUDE} ${PCRE2_INCLUDE} ${UTF8PROC_INCLUDE})
-target_compile_definitions(memra_fuzz_support PUBLIC MEMRA_HAVE_UTF8PROC=1)
 # The library is instrumented for coverage and the sanitizers but carries no main (fuzzer-no-link).
 target_compile_options(memra_fuzz_support PRIVATE ${fuzz_flags} -fsanitize=fuzzer-no-link,address,undefined)
 target_link_libraries(memra_fuzz_support PUBLIC fmt::fmt Threads::Threads ${PCRE2_LIB} ${UTF8PROC_LIB})

@@ -32,6 +32,7 @@ memra_test_dir(cli memra)
 if(TARGET memra_cli_tests)
     add_dependencies(memra_cli_tests memra_cli default_model)
 endif()
+add_dependencies(memra_text_tests memra_cli)  # its tiny-tokenizer suite runs `memra make-tiny`
 if(MEMRA_HAVE_CUDA)
     memra_test_dir(cuda memra_cuda)
 endif()

@@ -6,9 +6,7 @@
 
 #include <fmt/format.h>
 
-#ifdef MEMRA_HAVE_UTF8PROC
 #include <utf8proc.h>
-#endif
 
 #include "core/check.h"
 #include "text/byte_level.h"
@@ -57,15 +55,10 @@ Result<Normalizer> Normalizer::from_json(const Json &value, const std::string &p
         return n;
     }
     if (*type != "NFC" && *type != "NFKC") return unsupported(path, *type);
-#ifdef MEMRA_HAVE_UTF8PROC
     n.forms_.push_back(*type == "NFC" ? NormalForm::kNfc : NormalForm::kNfkc);
     return n;
-#else
-    return make_error("{}.type: \"{}\" needs utf8proc, which this memra build does not link", path, *type);
-#endif
 }
 
-#ifdef MEMRA_HAVE_UTF8PROC
 namespace {
 
 bool is_barrier(char32_t cp) {
@@ -89,11 +82,9 @@ void normalize_segment(std::string_view text, NormalForm form, std::string &out)
 }
 
 }  // namespace
-#endif
 
 std::string Normalizer::apply(std::string_view text) const {
     std::string out(text);
-#ifdef MEMRA_HAVE_UTF8PROC
     // Code points HF's tables lack are starters without decomposition or composition for it, so
     // the text between them normalizes independently, and they stay as they are.
     for (NormalForm form : forms_) {
@@ -110,9 +101,6 @@ std::string Normalizer::apply(std::string_view text) const {
         normalize_segment(std::string_view(out).substr(seg), form, next);
         out.swap(next);
     }
-#else
-    MEMRA_CHECK(forms_.empty(), "normalizer without utf8proc");
-#endif
     return out;
 }
 

@@ -245,19 +245,12 @@ def tokenizers_dirs(tmp_path_factory):
             "features": build_features(root, False), "features_nfkc": build_features(root, True)}
 
 
-def tool_has_utf8proc(tok_dir, tmp_path):
-    r = subprocess.run([str(TOOL), "decode", str(tok_dir), "/dev/null", str(tmp_path / "x.json")],
-                       capture_output=True, text=True, timeout=60)
-    return "needs utf8proc" not in r.stderr
-
 # ---- tests ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["tiny", "deepseek", "gpt2", "features", "features_nfkc"])
 def test_encode_decode_match_hf(name, tokenizers_dirs, tmp_path):
     d = tokenizers_dirs[name]
-    if name == "features_nfkc" and not tool_has_utf8proc(d, tmp_path):
-        pytest.skip("memra_text built without utf8proc: NFC/NFKC normalizers refused")
     hf = Tokenizer.from_file(str(d / "tokenizer.json"))
     specials = special_contents(d)
     # The three tokenizers the model family uses get the full corpus; the feature tokenizers (slow in

@@ -45,7 +45,6 @@ TEST(PreTokenizer, StringSplitAndDigitRuns) {
 }
 
 TEST(Normalizer, NfcNfkcWithHuggingFacesUnicodeTables) {
-#ifdef MEMRA_HAVE_UTF8PROC
     auto nfkc = Normalizer::from_json({{"type", "NFKC"}}, "normalizer");
     auto nfc =
         Normalizer::from_json({{"type", "Sequence"}, {"normalizers", json::array({{{"type", "NFC"}}})}}, "normalizer");
@@ -57,9 +56,6 @@ TEST(Normalizer, NfcNfkcWithHuggingFacesUnicodeTables) {
     EXPECT_EQ(nfkc->apply(in), "fi \u00E9 \U0001FBF6 a\U0001E130\u0316 x\u0316\u0301");
     EXPECT_EQ(nfc->apply(in), "\uFB01 \u00E9 \U0001FBF6 a\U0001E130\u0316 x\u0316\u0301");
     EXPECT_EQ(nfc->apply(std::string("a\0b", 3)), std::string("a\0b", 3));
-#else
-    GTEST_SKIP() << "memra_text built without utf8proc";
-#endif
 }
 
 TEST(PostProcessor, TemplateSequenceAndByteLevel) {
