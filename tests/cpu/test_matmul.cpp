@@ -16,21 +16,9 @@
 #include "core/float_formats.h"
 #include "core/fp8_block.h"
 
-// Counts every call of the global operator new in this test executable, so a test can show that the
-// kernels allocate nothing (matmul.h: callers pass all workspaces). Forwarding to malloc/free is what the
-// default operators do.
-namespace {
-std::atomic<int64_t> g_new_calls{0};
-}  // namespace
-
-void *operator new(std::size_t size) {
-    g_new_calls.fetch_add(1, std::memory_order_relaxed);
-    if (void *p = std::malloc(size == 0 ? 1 : size)) return p;
-    throw std::bad_alloc();
-}
-// Not inlined, so GCC does not pair a free() it can see with a new-expression at the call site.
-[[gnu::noinline]] void operator delete(void *p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void *p, std::size_t) noexcept { std::free(p); }
+// Counts every allocation in this test executable, so a test can show that the kernels allocate nothing
+// (matmul.h: callers pass all workspaces).
+#include "alloc_counter.h"
 
 namespace memra::cpu {
 namespace {
@@ -520,10 +508,10 @@ TEST(CpuMatmulCanonical, CanonicalDiffersFromThePlainMatmul) {
 }
 
 TEST(CpuMatmul, KernelsDoNotAllocate) {
-    const int64_t before_probe = g_new_calls.load();
+    const int64_t before_probe = g_allocations.load();
     void *volatile probe = ::operator new(16);  // the counter sees allocations at all
     ::operator delete(probe);
-    ASSERT_EQ(g_new_calls.load(), before_probe + 1);
+    ASSERT_EQ(g_allocations.load(), before_probe + 1);
 
     ThreadPool pool(3);
     const TestWeight w = make_weight(DType::kF8E4M3, 70, 1280, 97);
@@ -533,7 +521,7 @@ TEST(CpuMatmul, KernelsDoNotAllocate) {
     std::vector<float> y(static_cast<size_t>(n_tokens * 70));
     std::vector<float> ws(static_cast<size_t>(matmul_canonical_workspace_floats(n_tokens, wr)));
     std::vector<float> sums(static_cast<size_t>(2 * n_tokens * 70));
-    const int64_t before = g_new_calls.load();
+    const int64_t before = g_allocations.load();
     matmul(pool, x.data(), n_tokens, wr, y.data());
     matmul(pool, x.data(), 1, wr, y.data());
     matmul_rows(pool, x.data(), n_tokens, wr, 3, 60, y.data(), 70);
@@ -541,7 +529,7 @@ TEST(CpuMatmul, KernelsDoNotAllocate) {
     canonical_tree_reduce(ws.data(), 0, 4, n_tokens * 70, sums.data());
     canonical_tree_combine(sums.data(), 2, n_tokens * 70, y.data());
     matmul_canonical(pool, x.data(), n_tokens, wr, y.data(), ws.data());
-    EXPECT_EQ(g_new_calls.load() - before, 0);
+    EXPECT_EQ(g_allocations.load() - before, 0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,45 +14,7 @@
 #include "kv/kv_cache.h"
 #include "kv_test_util.h"
 
-namespace {
-
-// The replacement operators are global by definition, so the counter they bump has to be too.
-std::atomic<int64_t> g_allocations{0};
-
-void *counted_malloc(std::size_t size) {
-    g_allocations.fetch_add(1, std::memory_order_relaxed);
-    return std::malloc(size == 0 ? 1 : size);
-}
-
-void *counted_aligned(std::size_t size, std::align_val_t align) {
-    g_allocations.fetch_add(1, std::memory_order_relaxed);
-    const auto a = static_cast<std::size_t>(align);
-    const std::size_t rounded = (size + a - 1) / a * a;
-    return std::aligned_alloc(a, rounded == 0 ? a : rounded);
-}
-
-}  // namespace
-
-void *operator new(std::size_t size) {
-    if (void *p = counted_malloc(size)) return p;
-    throw std::bad_alloc();
-}
-void *operator new[](std::size_t size) { return ::operator new(size); }
-void *operator new(std::size_t size, const std::nothrow_t &) noexcept { return counted_malloc(size); }
-void *operator new[](std::size_t size, const std::nothrow_t &) noexcept { return counted_malloc(size); }
-void *operator new(std::size_t size, std::align_val_t align) {
-    if (void *p = counted_aligned(size, align)) return p;
-    throw std::bad_alloc();
-}
-void *operator new[](std::size_t size, std::align_val_t align) { return ::operator new(size, align); }
-void operator delete(void *p) noexcept { std::free(p); }
-void operator delete[](void *p) noexcept { std::free(p); }
-void operator delete(void *p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void *p, std::size_t) noexcept { std::free(p); }
-void operator delete(void *p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void *p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void *p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void *p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#include "alloc_counter.h"
 
 namespace memra::kv {
 namespace {

@@ -42,12 +42,22 @@ using U8x16 = uint8_t __attribute__((vector_size(16)));
 
 [[gnu::always_inline]] inline U32x16 splat(uint32_t u) { return U32x16{} + u; }
 
+// Bit reinterpretation between same-size vectors. Not std::bit_cast: g++ 12's UBSan instruments
+// __builtin_bit_cast of vector types as a load through a null pointer (a false report).
+template <class To, class From>
+[[gnu::always_inline]] inline To vec_bits(From v) {
+    static_assert(sizeof(To) == sizeof(From));
+    To t;
+    std::memcpy(&t, &v, sizeof(t));
+    return t;
+}
+
 // Exact widening of 16 stored elements, without branches so it stays in vector registers. Each lane
 // equals core/float_formats.h's scalar conversion bit for bit (pinned by the tests over every pattern).
 [[gnu::always_inline]] inline F32x16 widen_bf16(const uint16_t *p) {
     U16x16 h;
     std::memcpy(&h, p, sizeof(h));
-    return std::bit_cast<F32x16>(__builtin_convertvector(h, U32x16) << 16);
+    return vec_bits<F32x16>(__builtin_convertvector(h, U32x16) << 16);
 }
 
 [[gnu::always_inline]] inline F32x16 widen_f16(const uint16_t *p) {
@@ -61,10 +71,10 @@ using U8x16 = uint8_t __attribute__((vector_size(16)));
     // Exponent 31: Inf or NaN with its payload.
     const U32x16 special = (mag << 13) | 0x7f800000u;
     // Exponent 0: mantissa * 2^-24, exact through an integer conversion (no denormal arithmetic).
-    const F32x16 sub = __builtin_convertvector(std::bit_cast<I32x16>(mag), F32x16) * 0x1p-24f;
+    const F32x16 sub = __builtin_convertvector(vec_bits<I32x16>(mag), F32x16) * 0x1p-24f;
     U32x16 bits = mag >= 0x7c00u ? special : normal;
-    bits = mag < 0x400u ? std::bit_cast<U32x16>(sub) : bits;
-    return std::bit_cast<F32x16>(bits | sign);
+    bits = mag < 0x400u ? vec_bits<U32x16>(sub) : bits;
+    return vec_bits<F32x16>(bits | sign);
 }
 
 [[gnu::always_inline]] inline F32x16 widen_fp8_e4m3(const uint8_t *p) {
@@ -75,10 +85,10 @@ using U8x16 = uint8_t __attribute__((vector_size(16)));
     const U32x16 sign = (c & 0x80u) << 24;
     const U32x16 mag = c & 0x7fu;
     const U32x16 normal = (mag << 20) + (120u << 23);  // exponent bias 7 -> 127
-    const F32x16 sub = __builtin_convertvector(std::bit_cast<I32x16>(mag), F32x16) * 0x1p-9f;
-    U32x16 bits = mag < 8u ? std::bit_cast<U32x16>(sub) : normal;
+    const F32x16 sub = __builtin_convertvector(vec_bits<I32x16>(mag), F32x16) * 0x1p-9f;
+    U32x16 bits = mag < 8u ? vec_bits<U32x16>(sub) : normal;
     bits = mag == 0x7fu ? splat(0x7fc00000u) : bits;  // S.1111.111 is NaN (e4m3fn has no infinities)
-    return std::bit_cast<F32x16>(bits | sign);
+    return vec_bits<F32x16>(bits | sign);
 }
 
 // Elements [k, k + 16) of a weight row.
