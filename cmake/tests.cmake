@@ -51,15 +51,21 @@ endforeach()
 # Python oracle suites (ml_dtypes, gguf, safetensors, tokenizers), run from the project's venv.
 set(MEMRA_PYTHON ${PROJECT_SOURCE_DIR}/.venv/bin/python CACHE FILEPATH "Python with the oracle packages")
 # The model oracles (transformers, llama.cpp: requirements-oracle.txt) are registered only when the
-# venv has them; CMake says so loudly when it does not.
+# venv has them; CMake says so loudly when it does not, and fails with MEMRA_REQUIRE_ORACLES (CI).
+option(MEMRA_REQUIRE_ORACLES "Fail configuration when the model oracles are not installed" OFF)
+set(memra_heavy_oracle_tests test_hf_oracle test_engine_oracle test_bench_vs_llamacpp)
 execute_process(COMMAND ${MEMRA_PYTHON} -c "import torch, transformers, llama_cpp"
                 RESULT_VARIABLE memra_heavy_oracles_missing OUTPUT_QUIET ERROR_QUIET)
+if(memra_heavy_oracles_missing AND MEMRA_REQUIRE_ORACLES)
+    message(FATAL_ERROR "torch / transformers / llama_cpp are not in ${MEMRA_PYTHON}: "
+                        "run scripts/setup.sh (MEMRA_REQUIRE_ORACLES is on)")
+endif()
 file(GLOB py_tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/oracle/test_*.py)
 foreach(py ${py_tests})
     get_filename_component(name ${py} NAME_WE)
-    if(name STREQUAL "test_hf_oracle" AND memra_heavy_oracles_missing)
+    if(name IN_LIST memra_heavy_oracle_tests AND memra_heavy_oracles_missing)
         message(WARNING "oracle.${name} not registered: torch / transformers / llama_cpp are not in "
-                        "${MEMRA_PYTHON} (pip install -r requirements-oracle.txt)")
+                        "${MEMRA_PYTHON} (scripts/setup.sh installs requirements-oracle.txt)")
         continue()
     endif()
     add_test(NAME oracle.${name}

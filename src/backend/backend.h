@@ -80,6 +80,15 @@ struct AttentionParams {
     int64_t window = 0;      // sliding window incl. the current position; 0 = full causal
 };
 
+// What the attention query is rounded to before its dot products with the keys (Backend::round_rows):
+// GGML's semantics, where a key type's dot product takes the other operand in that type's partner type
+// (vec_dot_type), so a memra KV cache gives the bits' meaning llama.cpp gives the same cache type.
+enum class RowRounding {
+    kNone,  // f32 keys: the query as computed
+    kBf16,  // bf16 keys: the query rounded to bf16 (nearest even)
+    kQ8,    // q8_0 keys (partner q8_0) and q5_1 keys (partner q8_1, the same values): GGML q8_0 blocks of 32
+};
+
 struct RouterConfig {
     int64_t n_experts = 0;
     int64_t top_k = 0;
@@ -159,6 +168,9 @@ public:
     // out: [n_q, n_heads * head_dim].
     virtual void attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView k, TensorView v,
                            int64_t kv_begin, TensorView gate, TensorView out) = 0;
+    // x rounded in place (RowRounding; kNone leaves it untouched): cpu::round_rows. x: [n, d] f32, d a
+    // multiple of 32 for kQ8.
+    virtual void round_rows(TensorView x, RowRounding r) = 0;
     // SwiGLU with the Step clamp (limit 0 = off): cpu::swiglu. gate, up, out: [n, d_ff].
     virtual void swiglu(TensorView gate, TensorView up, float limit, TensorView out) = 0;
     // Sigmoid top-k router with selection-only bias: cpu::router_topk. logits: [n, n_experts] f32;

@@ -306,6 +306,17 @@ Result<void> Step35Forward::commit_all() {
     return {};
 }
 
+RowRounding query_rounding(kv::KvFormat k_format) {
+    switch (k_format) {
+    case kv::KvFormat::kF32: return RowRounding::kNone;
+    case kv::KvFormat::kBf16: return RowRounding::kBf16;
+    case kv::KvFormat::kQ8_0:
+    case kv::KvFormat::kQ5_1: return RowRounding::kQ8;
+    }
+    MEMRA_CHECK(false, "query_rounding: unknown KV format {}", static_cast<int>(k_format));
+    return RowRounding::kNone;
+}
+
 Result<void> Step35Forward::attention_block(int layer, int cache_layer, TensorView x) {
     const Step35Config &cfg = model_->cfg;
     const LayerGeometry &g = cfg.layers[static_cast<size_t>(layer)];
@@ -357,6 +368,8 @@ Result<void> Step35Forward::attention_block(int layer, int cache_layer, TensorVi
         const TensorView v_ctx = mat(v_ctx_, hi - lo, kv_w);
         be.copy_from_host(kv_host_k_.data(), k_ctx);
         be.copy_from_host(kv_host_v_.data(), v_ctx);
+        const RowRounding q_round = query_rounding(s.cache->spec().k_format);
+        if (q_round != RowRounding::kNone) be.round_rows(q.row_slice(r0, r1), q_round);
         be.attention(params, q.row_slice(r0, r1), pos.row_slice(r0, r1), k_ctx, v_ctx, lo,
                      gate.data != nullptr ? gate.row_slice(r0, r1) : TensorView{}, att.row_slice(r0, r1));
     }

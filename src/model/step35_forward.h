@@ -33,6 +33,10 @@ kv::KvCacheSpec trunk_kv_spec(const Step35Config &cfg, kv::KvFormat k_format, kv
 kv::KvCacheSpec mtp_kv_spec(const Step35Config &cfg, int mtp, kv::KvFormat k_format, kv::KvFormat v_format,
                             int64_t capacity, int max_stage_rows);
 
+// What attention rounds the query to for a K cache format: GGML's dot-product partner of the key type
+// (f32: none, bf16: bf16, q8_0 / q5_1: q8 blocks), so a cache type means what it means in llama.cpp.
+RowRounding query_rounding(kv::KvFormat k_format);
+
 // One sequence's part of a trunk step.
 struct SeqChunk {
     kv::KvCache *cache = nullptr;     // the sequence's trunk cache (trunk_kv_spec), no transaction open

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cpu/ops_elementwise.h"
+#include "core/float_formats.h"
 #include "core/math.h"
 #include "cpu/ops_test_util.h"
 
@@ -66,6 +67,37 @@ TEST(OpsElementwise, ResidualAdd) {
         residual_add(pool, a.data(), b.data(), rows, d, out.data());
         for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(bits(out[i]), bits(a[i] + b[i]));
     }
+}
+
+TEST(OpsRoundRows, Bf16AndQ8MatchTheirFormatsAndNoneIsExact) {
+    const int64_t rows = 7, d = 96;  // 3 q8 blocks per row
+    std::vector<float> x = random_floats(rows * d, 5, -3.0f, 3.0f);
+    x[5] = 0.0f;
+    for (int64_t j = 32; j < 64; ++j) x[static_cast<size_t>(d + j)] = 0.0f;  // an all-zero block: d = 0
+    // Expected values spelled from the storage formats: bf16 bits, GGML's q8_0 block (scale amax / 127 in f16,
+    // codes roundf(x / d) with the reciprocal taken in f32).
+    std::vector<float> want_bf16(x.size()), want_q8(x.size());
+    for (size_t i = 0; i < x.size(); ++i) want_bf16[i] = bf16_to_f32(f32_to_bf16(x[i]));
+    for (size_t b = 0; b < x.size(); b += 32) {
+        float amax = 0.0f;
+        for (size_t j = b; j < b + 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const float scale = amax / 127.0f;
+        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        const float scale16 = f16_to_f32(f32_to_f16(scale));
+        for (size_t j = b; j < b + 32; ++j) want_q8[j] = std::round(x[j] * inv) * scale16;
+    }
+    for (int threads : kThreadCounts) {
+        ThreadPool pool(threads);
+        std::vector<float> y = x;
+        round_rows(pool, y.data(), rows, d, RowRounding::kNone);
+        MEMRA_EXPECT_SAME_BITS(y, x);
+        round_rows(pool, y.data(), rows, d, RowRounding::kBf16);
+        MEMRA_EXPECT_SAME_BITS(y, want_bf16);
+        y = x;
+        round_rows(pool, y.data(), rows, d, RowRounding::kQ8);
+        MEMRA_EXPECT_SAME_BITS(y, want_q8);
+    }
+    EXPECT_GT(bit_mismatches(want_q8, x), rows * d / 2);  // the rounding is real
 }
 
 // Independent spelling of the documented SwiGLU order.

@@ -63,8 +63,8 @@ def cache_dir():
 def llama_cpp_source():
     """Directory holding the vendored llama.cpp converter of the installed llama-cpp-python version.
 
-    $MEMRA_LLAMA_CPP_SRC may name an unpacked llama.cpp tree; otherwise the matching sdist is fetched
-    once with `pip download` and its converter files are unpacked under cache_dir()."""
+    $MEMRA_LLAMA_CPP_SRC may name an unpacked llama.cpp tree; otherwise the converter files are unpacked
+    once under cache_dir() from the matching sdist, which scripts/setup.sh downloads to cache_dir()/sdist."""
     if "MEMRA_LLAMA_CPP_SRC" in os.environ:
         src = Path(os.environ["MEMRA_LLAMA_CPP_SRC"])
         if not (src / "convert_hf_to_gguf.py").is_file():
@@ -77,12 +77,9 @@ def llama_cpp_source():
         return src
     sdist_dir = cache_dir() / "sdist"
     sdist = sdist_dir / f"llama_cpp_python-{version}.tar.gz"
-    if not sdist.is_file():
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                            "--dest", str(sdist_dir), f"llama-cpp-python=={version}"],
-                           capture_output=True, text=True)
-        if r.returncode != 0 or not sdist.is_file():
-            raise RuntimeError(f"pip download of the llama-cpp-python {version} sdist failed:\n{r.stderr}")
+    if not sdist.is_file():  # nothing is downloaded at test time: scripts/setup.sh fetches the sdist
+        raise FileNotFoundError(f"{sdist} not found: run scripts/setup.sh (it keeps the llama-cpp-python "
+                                f"sdist for its converter) or set MEMRA_LLAMA_CPP_SRC")
     prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix) and
@@ -111,7 +108,8 @@ def convert_to_gguf(model_dir, out_path, outtype="f32"):
     return r.stderr
 
 
-KV_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+KV_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "bf16": 30,  # GGML_TYPE_BF16 (no constant in llama_cpp)
+            "q8_0": llama_cpp.GGML_TYPE_Q8_0,
             "q5_1": llama_cpp.GGML_TYPE_Q5_1}
 
 

@@ -3,15 +3,14 @@
 # clamps) on the tiny BF16 and FP8 checkpoints: every prompt position, then greedy decode steps through the
 # KV cache. Reports the max relative error (max |diff| / max |logit|).
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from np_step35 import Step35Numpy, float32_weights, load_checkpoint
-from oracle_util import build_tool
+from oracle_util import build_tool, make_tiny, rel_err
+from oracle_util import run_forward_tool as run_tool
 
 SEED = 7
 N_PROMPT = 40  # longer than the tiny preset's 16-token sliding window
@@ -19,32 +18,10 @@ N_DECODE = 6
 TOL = 1e-4  # f32 activations vs a float64 reference
 
 
-def make_tiny(out_dir, dtype):
-    exe = os.environ.get("MEMRA_EXE") or str(Path(os.environ.get("MEMRA_BUILD_DIR", "build")) / "memra")
-    assert Path(exe).is_file(), f"memra CLI not found at {exe}: set MEMRA_EXE"
-    r = subprocess.run([exe, "make-tiny", str(out_dir), "--preset", "tiny", "--dtype", dtype, "--seed", str(SEED)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return out_dir
-
-
-def run_tool(model_dir, ids, tmp_path, *flags):
-    ids_file, out_file = tmp_path / "ids.bin", tmp_path / "logits.bin"
-    ids_file.write_bytes(np.asarray(ids, dtype="<i4").tobytes())
-    proc = subprocess.run([build_tool("memra_forward_tool"), str(model_dir), str(ids_file), str(out_file), *flags],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return np.frombuffer(out_file.read_bytes(), dtype="<f4"), proc.stdout
-
-
-def rel_err(a, ref):
-    return float(np.abs(a - ref).max() / np.abs(ref).max())
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_forward")
-    return {d: make_tiny(root / d, d) for d in ("bf16", "fp8")}
+    return {d: make_tiny(root / d, d, SEED) for d in ("bf16", "fp8")}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +54,24 @@ def test_decode_matches_numpy(variant, ckpt, prompt, tmp_path):
     err = rel_err(ours, ref[N_PROMPT - 1:])
     print(f"{variant}: decode max relative error {err:.3e} over {N_DECODE} steps")
     assert err < TOL
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+def test_mtp_matches_numpy(variant, ckpt, prompt, tmp_path):
+    """The MTP layer (STEP35.md 4.8) over the prompt: token p+1 with the trunk's hidden state at p."""
+    cfg = json.loads((ckpt[variant] / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    ours, _ = run_tool(ckpt[variant], prompt, tmp_path, "--all-positions", "--mtp", "--threads", "2")
+    ours = ours.reshape(2 * N_PROMPT - 1, vocab)
+    ref_model = Step35Numpy(cfg, float32_weights(load_checkpoint(ckpt[variant])), np.float64)
+    h = ref_model.trunk(prompt)
+    ref, _, _ = ref_model.mtp_logits(prompt, h)
+    err = rel_err(ours[N_PROMPT:], ref)
+    print(f"{variant}: MTP max relative error {err:.3e} over {N_PROMPT - 1} positions")
+    assert err < TOL
+    assert np.array_equal(ours[N_PROMPT:].argmax(-1), ref.argmax(-1))
+    # The MTP head really is another function of the sequence than the trunk head.
+    assert rel_err(ours[1:N_PROMPT], ref) > 100 * TOL
 
 
 def test_tool_is_thread_invariant_and_comparison_can_fail(ckpt, prompt, tmp_path):

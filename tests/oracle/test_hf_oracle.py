@@ -6,9 +6,6 @@
 # Needs the oracle packages of requirements-oracle.txt; skips when they are not installed.
 import copy
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +18,7 @@ pytest.importorskip("transformers.models.step3p7",
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
+from oracle_util import make_tiny, rel_err  # noqa: E402
 from hf_step35 import hf_greedy, hf_logits, load_hf_model  # noqa: E402
 from np_step35 import (Step35Numpy, dequantize_fp8, float32_weights, ggml_q5_1_round, ggml_q8_0_round,  # noqa: E402
                        llama_cpp_kv_round, load_checkpoint, rope_inv_freq)
@@ -36,26 +34,10 @@ TEXT = ("The lighthouse keeper counted 12 ships; 灯塔守望者 wrote 🙂 in h
 N_GREEDY = 16
 
 
-def rel_err(a, ref):
-    return float(np.abs(a - ref).max() / np.abs(ref).max())
-
-
-def make_tiny(out_dir, dtype):
-    exe = os.environ.get("MEMRA_EXE", "")
-    if not exe or not Path(exe).is_file():
-        build = Path(os.environ.get("MEMRA_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
-        exe = str(build / "memra")
-    assert Path(exe).is_file(), f"memra CLI not found at {exe}: set MEMRA_EXE"
-    r = subprocess.run([exe, "make-tiny", str(out_dir), "--preset", "tiny", "--dtype", dtype, "--seed", str(SEED)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return out_dir
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {d: make_tiny(root / d, d) for d in ("bf16", "fp8")}
+    return {d: make_tiny(root / d, d, SEED) for d in ("bf16", "fp8")}
 
 
 @pytest.fixture(scope="module")

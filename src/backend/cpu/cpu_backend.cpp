@@ -306,6 +306,11 @@ void CpuBackend::attention(const AttentionParams &p, TensorView q, TensorView q_
                    gated ? f32(gate) : nullptr, p.n_heads, f32(out));
 }
 
+void CpuBackend::round_rows(TensorView x, RowRounding r) {
+    ++counters_.launches;
+    cpu::round_rows(pool_, f32(x), x.rows(), x.row_elems(), r);
+}
+
 void CpuBackend::swiglu(TensorView gate, TensorView up, float limit, TensorView out) {
     ++counters_.launches;
     check_same_shape("swiglu", gate, up);

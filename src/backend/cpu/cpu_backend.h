@@ -51,6 +51,7 @@ public:
     void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) override;
     void attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView k, TensorView v,
                    int64_t kv_begin, TensorView gate, TensorView out) override;
+    void round_rows(TensorView x, RowRounding r) override;
     void swiglu(TensorView gate, TensorView up, float limit, TensorView out) override;
     void router_topk(const RouterConfig &cfg, TensorView logits, VectorId bias, TensorView expert_ids,
                      TensorView weights) override;

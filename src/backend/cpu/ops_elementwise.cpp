@@ -7,6 +7,7 @@
 #include "core/check.h"
 #include "core/float_formats.h"
 #include "core/math.h"
+#include "core/quant_blocks.h"
 
 namespace memra::cpu {
 
@@ -43,6 +44,26 @@ void residual_add(ThreadPool &pool, const float *a, const float *b, int64_t n_ro
     MEMRA_CHECK(n_rows >= 0 && d > 0, "residual_add: bad shape [{}, {}]", n_rows, d);
     detail::parallel_rows(pool, n_rows, d, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin * d; i < end * d; ++i) out[i] = a[i] + b[i];
+    });
+}
+
+void round_rows(ThreadPool &pool, float *x, int64_t n_rows, int64_t d, RowRounding r) {
+    MEMRA_CHECK(n_rows >= 0 && d > 0, "round_rows: bad shape [{}, {}]", n_rows, d);
+    MEMRA_CHECK(r != RowRounding::kQ8 || d % kQuantBlock == 0, "round_rows: q8 rows need d % {} == 0, got {}",
+                kQuantBlock, d);
+    if (r == RowRounding::kNone) return;
+    detail::parallel_rows(pool, n_rows, d, [&](int64_t begin, int64_t end) {
+        float *p = x + begin * d;
+        float *const stop = x + end * d;
+        if (r == RowRounding::kBf16) {
+            for (; p < stop; ++p) *p = bf16_to_f32(f32_to_bf16(*p));
+            return;
+        }
+        for (; p < stop; p += kQuantBlock) {
+            BlockQ8_0 block;
+            quantize_row_q8_0(p, &block, kQuantBlock);
+            q8_0_dequant_block(block, p);
+        }
     });
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "backend/backend.h"
 #include "core/dtype.h"
 #include "core/result.h"
 #include "core/thread_pool.h"
@@ -19,6 +20,12 @@ Result<void> embedding_lookup(ThreadPool &pool, const void *table, DType dtype, 
 
 // residual_add: out = a + b, one rounded fp32 add per element. a, b, out: [n_rows, d] f32; out may equal a or b.
 void residual_add(ThreadPool &pool, const float *a, const float *b, int64_t n_rows, int64_t d, float *out);
+
+// round_rows: x <- x rounded in place, row by row (RowRounding, backend/backend.h). kBf16: f32_to_bf16 then
+// back (round to nearest even). kQ8: each block of 32 along a row through GGML's reference q8_0
+// (quantize_row_q8_0: d = amax / 127, codes roundf(x / d), d kept as f16) and back (code * f16 d).
+// x: [n_rows, d] f32; d % 32 == 0 for kQ8 (a checked invariant).
+void round_rows(ThreadPool &pool, float *x, int64_t n_rows, int64_t d, RowRounding r);
 
 // swiglu: for each row t and column j, with g = gate[t * in_stride + j], u = up[t * in_stride + j]:
 //   act = silu_f32(g)                                   (= g * sigmoid_f32(g), core/math.h)
