@@ -18,14 +18,6 @@ namespace memra::cli {
 namespace {
 
 // 196.96B -> "196.96 B", 11534336 -> "11.53 M".
-std::string human_count(int64_t n) {
-    const double v = static_cast<double>(n);
-    if (n >= 1'000'000'000) return fmt::format("{:.2f} B", v / 1e9);
-    if (n >= 1'000'000) return fmt::format("{:.2f} M", v / 1e6);
-    if (n >= 1'000) return fmt::format("{:.2f} K", v / 1e3);
-    return fmt::format("{}", n);
-}
-
 std::string human_bytes(uint64_t n) {
     const double v = static_cast<double>(n);
     if (n >= (uint64_t{1} << 30)) return fmt::format("{:.2f} GiB", v / double(uint64_t{1} << 30));

@@ -7,14 +7,11 @@
 #include <limits>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 
-#include "backend/cpu/cpu_backend.h"
 #include "cli/commands.h"
-#include "io/safetensors.h"
 #include "kv/kv_cache.h"
 #include "kv/kv_format.h"
 #include "model/step35_config.h"
@@ -97,12 +94,10 @@ int run_generate(const RunOptions &opt) {
     if (eos.empty()) eos.assign(tok->eos_ids().begin(), tok->eos_ids().end());
     const auto is_eos = [&eos](int32_t id) { return std::find(eos.begin(), eos.end(), id) != eos.end(); };
 
-    auto ckpt = io::Checkpoint::open(dir);
-    if (!ckpt) return report_error(ckpt.error().message);
-    cpu::CpuBackend backend(opt.threads);
-    auto mdl = model::bind_step35_model(backend, *ckpt, *cfg);
-    if (!mdl) return report_error(mdl.error().message);
-    auto fwd = model::Step35Forward::create(backend, *mdl, model::ForwardCapacity{n_prompt, 1, capacity, 0});
+    auto cpu_model = load_cpu_model(dir, *cfg, opt.threads);
+    if (!cpu_model) return report_error(cpu_model.error().message);
+    auto fwd = model::Step35Forward::create(*cpu_model->backend, cpu_model->model,
+                                            model::ForwardCapacity{n_prompt, 1, capacity, 0});
     if (!fwd) return report_error(fwd.error().message);
     auto cache = kv::KvCache::create(
         model::trunk_kv_spec(*cfg, *k_format, *v_format, capacity, static_cast<int>(n_prompt)));
@@ -143,8 +138,7 @@ int run_generate(const RunOptions &opt) {
 
 Command add_run_command(CLI::App &app) {
     auto opt = std::make_shared<RunOptions>();
-    const unsigned hw = std::thread::hardware_concurrency();
-    opt->threads = hw > 0 ? static_cast<int>(hw) : 1;
+    opt->threads = default_threads();
     runtime::SamplingParams &s = opt->sampling;
 
     CLI::App *sub = app.add_subcommand("run", "Generate text from a prompt (CPU backend), streaming it to stdout");
@@ -190,19 +184,8 @@ Command add_run_command(CLI::App &app) {
         ->envname("MEMRA_SEED")
         ->check(uint64_validator())
         ->capture_default_str();
-    const std::vector<std::string> kv_formats = {"f32", "bf16", "q8_0", "q5_1"};
-    sub->add_option("--kv-k,--cache-type-k", opt->kv_k, "KV cache format of the keys (also -ctk)")
-        ->envname("MEMRA_KV_K")
-        ->check(CLI::IsMember(kv_formats))
-        ->capture_default_str();
-    sub->add_option("--kv-v,--cache-type-v", opt->kv_v, "KV cache format of the values (also -ctv)")
-        ->envname("MEMRA_KV_V")
-        ->check(CLI::IsMember(kv_formats))
-        ->capture_default_str();
-    sub->add_option("-t,--threads", opt->threads, "CPU threads (default: the hardware threads)")
-        ->envname("MEMRA_THREADS")
-        ->check(positive_int_validator())
-        ->capture_default_str();
+    add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
+    add_threads_option(*sub, opt->threads);
     sub->add_flag("--ignore-eos", opt->ignore_eos, "Keep generating past end-of-sequence tokens")
         ->envname("MEMRA_IGNORE_EOS");
     return {sub, [opt]() { return run_generate(*opt); }};

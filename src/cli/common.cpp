@@ -1,9 +1,13 @@
-// Helpers shared by the subcommands: the embedded default model and error reporting.
+// Helpers shared by the subcommands: the embedded default model, error reporting, numeric validators,
+// the CPU engine's options and loading a checkpoint onto the CPU backend.
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -62,6 +66,47 @@ CLI::Validator uint64_validator() {
 
 CLI::Validator positive_int_validator() {
     return integer_validator(1, static_cast<uint64_t>(std::numeric_limits<int>::max()), "POSITIVE");
+}
+
+std::string human_count(int64_t n) {
+    const double v = static_cast<double>(n);
+    if (n >= 1'000'000'000) return fmt::format("{:.2f} B", v / 1e9);
+    if (n >= 1'000'000) return fmt::format("{:.2f} M", v / 1e6);
+    if (n >= 1'000) return fmt::format("{:.2f} K", v / 1e3);
+    return fmt::format("{}", n);
+}
+
+int default_threads() {
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+void add_threads_option(CLI::App &sub, int &threads) {
+    sub.add_option("-t,--threads", threads, "CPU threads (default: the hardware threads)")
+        ->envname("MEMRA_THREADS")
+        ->check(positive_int_validator())
+        ->capture_default_str();
+}
+
+void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v) {
+    const std::vector<std::string> kv_formats = {"f32", "bf16", "q8_0", "q5_1"};
+    sub.add_option("--kv-k,--cache-type-k", kv_k, "KV cache format of the keys (also -ctk)")
+        ->envname("MEMRA_KV_K")
+        ->check(CLI::IsMember(kv_formats))
+        ->capture_default_str();
+    sub.add_option("--kv-v,--cache-type-v", kv_v, "KV cache format of the values (also -ctv)")
+        ->envname("MEMRA_KV_V")
+        ->check(CLI::IsMember(kv_formats))
+        ->capture_default_str();
+}
+
+Result<CpuModel> load_cpu_model(const std::filesystem::path &dir, const model::Step35Config &cfg, int n_threads) {
+    auto ckpt = io::Checkpoint::open(dir);
+    if (!ckpt) return tl::unexpected(ckpt.error());
+    auto backend = std::make_unique<cpu::CpuBackend>(n_threads);
+    auto mdl = model::bind_step35_model(*backend, *ckpt, cfg);
+    if (!mdl) return tl::unexpected(mdl.error());
+    return CpuModel{std::move(*ckpt), std::move(backend), std::move(*mdl)};
 }
 
 int report_error(const std::string &message) {

@@ -1,7 +1,7 @@
 // End-to-end tests of the `memra` executable: each test runs the built binary as a subprocess (no shell),
 // captures stdout, stderr and the exit status, and checks the exit-code contract (0 ok, 1 invalid input,
 // 2 usage), the help texts, inspect/plan/make-tiny on generated and deliberately broken checkpoints, and
-// the progress lines on a non-terminal stderr.
+// the progress lines on a non-terminal stderr, run and bench on the embedded default model.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -9,13 +9,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -248,7 +251,8 @@ TEST_F(CliTest, AppHelpListsEverySubcommand) {
     for (const char *flag : {"--help", "-h"}) {
         const RunResult r = run_memra({flag});
         EXPECT_EQ(r.exit_code, 0) << describe(r);
-        for (const char *word : {"Usage: memra", "--help", "--version", "inspect", "plan", "make-tiny", "run"}) {
+        for (const char *word :
+             {"Usage: memra", "--help", "--version", "inspect", "plan", "make-tiny", "run", "bench"}) {
             EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
         }
     }
@@ -309,7 +313,11 @@ TEST_F(CliTest, UnknownSubcommandIsAUsageError) {
 
 TEST_F(CliTest, UnknownFlagIsAUsageError) {
     const std::vector<std::vector<std::string>> calls = {
-        {"--bogus"}, {"inspect", "--bogus"}, {"plan", "--bogus"}, {"make-tiny", (dir_ / "x").string(), "--bogus"}};
+        {"--bogus"},
+        {"inspect", "--bogus"},
+        {"plan", "--bogus"},
+        {"make-tiny", (dir_ / "x").string(), "--bogus"},
+        {"bench", "--bogus"}};
     for (const std::vector<std::string> &args : calls) {
         const RunResult r = run_memra(args);
         EXPECT_EQ(r.exit_code, 2) << args.front() << "\n" << describe(r);
@@ -887,6 +895,191 @@ TEST_F(CliTest, RunHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
           "MEMRA_FREQUENCY_PENALTY", "-s,--seed", "MEMRA_SEED", "--kv-k,--cache-type-k", "MEMRA_KV_K",
           "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv", "-t,--threads", "MEMRA_THREADS", "--ignore-eos",
           "MEMRA_IGNORE_EOS", "=64", "=0.8", "=40", "=0.95", "=0.05", "=bf16"}) {
+        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
+    }
+}
+
+// ---- bench -------------------------------------------------------------------------------------------
+
+namespace {
+
+// The cells of a Markdown table row "| a | b |", trimmed.
+std::vector<std::string> table_cells(const std::string &row) {
+    std::vector<std::string> cells;
+    size_t begin = row.find('|');
+    while (begin != std::string::npos) {
+        const size_t end = row.find('|', begin + 1);
+        if (end == std::string::npos) break;
+        std::string cell = row.substr(begin + 1, end - begin - 1);
+        cell.erase(0, cell.find_first_not_of(' '));
+        cell.erase(cell.find_last_not_of(' ') + 1);
+        cells.push_back(cell);
+        begin = end;
+    }
+    return cells;
+}
+
+std::vector<std::string> lines_of(const std::string &text) {
+    std::vector<std::string> lines;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    return lines;
+}
+
+}  // namespace
+
+TEST_F(CliTest, BenchPrintsALlamaBenchMarkdownTable) {
+    const RunResult r = run_memra({"bench", "-p", "8", "-n", "4", "-r", "2", "-t", "1"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const std::vector<std::string> lines = lines_of(r.out);
+    ASSERT_EQ(lines.size(), 4u) << describe(r);
+    EXPECT_EQ(table_cells(lines[0]),
+              (std::vector<std::string>{"model", "params", "dtype", "threads", "kv", "test", "t/s"}));
+    // Numbers right-aligned, text left-aligned, every row as wide as the header.
+    EXPECT_EQ(table_cells(lines[1])[1].back(), ':') << lines[1];
+    EXPECT_EQ(table_cells(lines[1])[2].back(), '-') << lines[1];
+    const std::vector<std::string> tests = {"pp8", "tg4"};
+    for (size_t i = 0; i < tests.size(); ++i) {
+        const std::vector<std::string> cells = table_cells(lines[2 + i]);
+        ASSERT_EQ(cells.size(), 7u) << lines[2 + i];
+        EXPECT_EQ(cells[0], default_model().string());
+        EXPECT_EQ(cells[1], "8.86 M");  // the 8860672 parameters make-tiny reports
+        EXPECT_EQ(cells[2], "bf16");
+        EXPECT_EQ(cells[3], "1");
+        EXPECT_EQ(cells[4], "bf16/bf16");
+        EXPECT_EQ(cells[5], tests[i]);
+        // "mean ± stddev" of tokens/s, both with two decimals.
+        const size_t pm = cells[6].find(" ± ");
+        ASSERT_NE(pm, std::string::npos) << cells[6];
+        EXPECT_GT(std::stod(cells[6].substr(0, pm)), 0.0) << cells[6];
+        EXPECT_GE(std::stod(cells[6].substr(pm + 4)), 0.0) << cells[6];
+        EXPECT_EQ(cells[6][pm - 3], '.') << cells[6];
+        EXPECT_EQ(lines[2 + i].size(), lines[0].size() + 1) << "the row's one '±' is two bytes wide";
+    }
+    EXPECT_TRUE(contains(r.err, "memra bench: pp8: warm-up + 2 runs\n")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "memra bench: tg4: warm-up + 2 runs\n")) << describe(r);
+}
+
+TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
+    const RunResult r =
+        run_memra({"bench", "-p", "8", "-n", "4", "-r", "3", "-t", "2", "--kv-k", "f32", "-ctv", "q8_0", "-o", "json"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const Json report = Json::parse(r.out);
+    ASSERT_TRUE(report.is_array());
+    ASSERT_EQ(report.size(), 2u);
+    const std::vector<std::tuple<std::string, int, int>> tests = {{"pp8", 8, 0}, {"tg4", 0, 4}};
+    for (size_t i = 0; i < tests.size(); ++i) {
+        const Json &t = report[i];
+        const auto &[name, n_prompt, n_gen] = tests[i];
+        EXPECT_EQ(t.size(), 13u) << t.dump();
+        EXPECT_EQ(t.at("model"), default_model().string());
+        EXPECT_EQ(t.at("n_params"), 8860672);
+        EXPECT_EQ(t.at("dtype"), "bf16");
+        EXPECT_EQ(t.at("threads"), 2);
+        EXPECT_EQ(t.at("type_k"), "f32");
+        EXPECT_EQ(t.at("type_v"), "q8_0");
+        EXPECT_EQ(t.at("test"), name);
+        EXPECT_EQ(t.at("n_prompt"), n_prompt);
+        EXPECT_EQ(t.at("n_gen"), n_gen);
+        EXPECT_EQ(t.at("reps"), 3);
+        // avg_ts and stddev_ts are the mean and sample stddev of each run's tokens / seconds.
+        const std::vector<double> ms = t.at("samples_ms").get<std::vector<double>>();
+        ASSERT_EQ(ms.size(), 3u);
+        std::vector<double> ts;
+        for (const double m : ms) {
+            EXPECT_GT(m, 0.0);
+            ts.push_back(1000.0 * (n_prompt + n_gen) / m);
+        }
+        const double mean = (ts[0] + ts[1] + ts[2]) / 3.0;
+        double sq = 0.0;
+        for (const double x : ts) sq += (x - mean) * (x - mean);
+        EXPECT_NEAR(t.at("avg_ts").get<double>(), mean, 1e-9 * mean);
+        EXPECT_NEAR(t.at("stddev_ts").get<double>(), std::sqrt(sq / 2.0), 1e-9 * mean);
+    }
+}
+
+TEST_F(CliTest, BenchSkipsATestOfSizeZero) {
+    RunResult r = run_memra({"bench", "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "json"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    Json report = Json::parse(r.out);
+    ASSERT_EQ(report.size(), 1u);
+    EXPECT_EQ(report[0].at("test"), "tg2");
+    EXPECT_EQ(report[0].at("stddev_ts"), 0.0);  // one run: no spread
+    r = run_memra({"bench", "-p", "3", "-n", "0", "-r", "1", "-t", "1"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    ASSERT_EQ(lines_of(r.out).size(), 3u) << describe(r);
+    EXPECT_EQ(table_cells(lines_of(r.out)[2])[5], "pp3");
+}
+
+TEST_F(CliTest, BenchPrintTokensIsSeededAndDrawsOnlyRealTokens) {
+    auto tokens = [&](const std::vector<std::string> &args, const EnvVars &env = {}) {
+        std::vector<std::string> a = {"bench", "--print-tokens"};
+        a.insert(a.end(), args.begin(), args.end());
+        const RunResult r = run_memra(a, env);
+        EXPECT_EQ(r.exit_code, 0) << describe(r);
+        EXPECT_EQ(r.err, "") << describe(r);  // nothing is loaded or run
+        return Json::parse(r.out);
+    };
+    const Json a = tokens({"-p", "200", "-s", "5"});
+    const Json b = tokens({}, {{"MEMRA_N_PROMPT", "200"}, {"MEMRA_SEED", "5"}, {"MEMRA_PRINT_TOKENS", "1"}});
+    const Json c = tokens({"-p", "200", "--seed", "6"});
+    const Json d = tokens({"-p", "0", "-s", "5"});
+    EXPECT_EQ(a, b);
+    EXPECT_NE(a.at("prompt"), c.at("prompt"));
+    const std::vector<int32_t> ids = a.at("prompt").get<std::vector<int32_t>>();
+    ASSERT_EQ(ids.size(), 200u);
+    EXPECT_EQ(a.at("gen_first"), ids[0]);
+    EXPECT_EQ(d.at("prompt").size(), 0u);
+    EXPECT_EQ(d.at("gen_first"), ids[0]);
+    // The default model's tokenizer has 739 tokens; its embedding's 1024 rows include padding never drawn.
+    int32_t lo = ids[0], hi = ids[0];
+    for (const int32_t id : ids) {
+        lo = std::min(lo, id);
+        hi = std::max(hi, id);
+    }
+    EXPECT_GE(lo, 0);
+    EXPECT_LT(hi, 739);
+    EXPECT_GT(hi - lo, 600) << "200 uniform draws cover most of the range";
+}
+
+TEST_F(CliTest, BenchRefusesBadFlagValues) {
+    struct Case {
+        std::vector<std::string> args;
+        int exit_code;
+        std::string fragment;
+    };
+    const std::vector<Case> cases = {
+        {{"-p", "-1"}, 2, "--n-prompt"},
+        {{"-n", "x"}, 2, "--n-gen"},
+        {{"-r", "0"}, 2, "--repetitions"},
+        {{"-t", "0"}, 2, "--threads"},
+        {{"-o", "csv"}, 2, "--output"},
+        {{"-ctk", "q4_0"}, 2, "--kv-k"},
+        {{"--kv-v", "f16"}, 2, "--kv-v"},
+        {{"-s", "-1"}, 2, "--seed"},
+        {{"-p", "0", "-n", "0"}, 2, "error: nothing to measure: -p and -n are both 0\n"},
+        {{"-p", "5000"}, 1, "error: -p 5000: the test needs 5000 positions, more than the model's context length 4096"},
+        {{"-p", "0", "-n", "4097"}, 1, "error: -n 4097: the test needs 4097 positions"},
+        {{(dir_ / "missing").string()}, 1, "error: " + (dir_ / "missing" / "config.json").string()},
+    };
+    for (const Case &c : cases) {
+        std::vector<std::string> args = {"bench"};
+        args.insert(args.end(), c.args.begin(), c.args.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, c.exit_code) << c.args[0] << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
+        EXPECT_EQ(r.out, "") << describe(r);
+    }
+}
+
+TEST_F(CliTest, BenchHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
+    const RunResult r = run_memra({"bench", "--help"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    for (const char *word :
+         {"Usage: memra bench", "MODEL_DIR", "MEMRA_MODEL", "-p,--n-prompt", "MEMRA_N_PROMPT", "=512", "-n,--n-gen",
+          "MEMRA_N_GEN", "=128", "-r,--repetitions", "MEMRA_REPETITIONS", "=5", "-t,--threads", "MEMRA_THREADS",
+          "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv", "=bf16",
+          "-s,--seed", "MEMRA_SEED", "-o,--output", "MEMRA_OUTPUT", "=md", "--print-tokens", "MEMRA_PRINT_TOKENS"}) {
         EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
     }
 }
