@@ -40,6 +40,35 @@ struct HostBank {
     int64_t block_cols = 128;
 };
 
+// The part of a HostMatrix one upload holds: what a tensor-parallel rank keeps of it (parallel/plan).
+// Output rows [row_begin, row_end) are a column-parallel shard (heads, d_ff, vocabulary rows); K columns
+// [col_begin, col_end) a row-parallel shard, which must be whole canonical blocks (K / 8 columns each)
+// forming an aligned subtree of the canonical tree (1, 2, 4 or 8 blocks, starting at a multiple of their
+// count). The held part keeps the matrix's absolute positions (fp8 scale tiles, K chunk cuts, block
+// numbers), so every product over it gives exactly the TP = 1 values of its part.
+struct MatrixWindow {
+    int64_t row_begin = 0;
+    int64_t row_end = 0;
+    int64_t col_begin = 0;
+    int64_t col_end = 0;
+
+    static MatrixWindow whole(const HostMatrix &m) { return MatrixWindow{0, m.rows, 0, m.cols}; }
+};
+
+// The part of a HostBank one upload holds: experts [expert_begin, expert_end) (EP: the experts a rank owns)
+// and, of each, rows [row_begin, row_end) and K columns [col_begin, col_end) as for MatrixWindow (without
+// EP: every expert's d_expert slice).
+struct BankWindow {
+    int64_t expert_begin = 0;
+    int64_t expert_end = 0;
+    int64_t row_begin = 0;
+    int64_t row_end = 0;
+    int64_t col_begin = 0;
+    int64_t col_end = 0;
+
+    static BankWindow whole(const HostBank &b) { return BankWindow{0, b.n_experts, 0, b.rows, 0, b.cols}; }
+};
+
 // A vector: an RMSNorm weight (kBF16 or kF32, applied as (1 + w)) or the router's selection bias (kF32).
 struct HostVector {
     DType dtype = DType::kBF16;
@@ -119,12 +148,17 @@ public:
     // unsupported dtype, non-positive sizes, a missing fp8 scale.
     virtual Result<MatrixId> upload_matrix(const HostMatrix &m) = 0;
     virtual Result<BankId> upload_bank(const HostBank &b) = 0;
+    // A window of a matrix or bank (a TP rank's shard; the whole one uploads as upload_matrix / upload_bank).
+    // Refused besides: an empty window or one outside the tensor, a K window that is not an aligned subtree
+    // of whole canonical blocks. A K-windowed matrix serves only the row-parallel products.
+    virtual Result<MatrixId> upload_matrix_window(const HostMatrix &m, const MatrixWindow &w) = 0;
+    virtual Result<BankId> upload_bank_window(const HostBank &b, const BankWindow &w) = 0;
     virtual Result<VectorId> upload_vector(const HostVector &v) = 0;
     // The cos/sin table of one RoPE variant for positions [0, n_positions), built on the host
     // (cpu::rope_inv_freq, cpu::rope_table_build) and made resident. llama3 == nullptr: plain RoPE.
     virtual Result<RopeId> create_rope_table(int64_t rot_dim, double theta, const RopeScalingParams *llama3,
                                              int64_t n_positions) = 0;
-    // Floats of workspace matmul_canonical needs for n_rows rows of w.
+    // Floats of workspace matmul_canonical needs for n_rows rows of w (scaled to the blocks w holds).
     virtual int64_t canonical_workspace_floats(int64_t n_rows, MatrixId w) const = 0;
     // Floats of workspace matmul_grouped_canonical needs for n_rows sorted rows of bank b.
     virtual int64_t grouped_canonical_workspace_floats(int64_t n_rows, BankId b) const = 0;
@@ -150,15 +184,26 @@ public:
     virtual void residual_add(TensorView a, TensorView b, TensorView out) = 0;
     // Column-parallel product y = x . W^T (cpu::matmul). x: [n, cols]; y: [n, rows].
     virtual void matmul(TensorView x, MatrixId w, TensorView y) = 0;
-    // Row-parallel product over the 8 canonical K blocks (cpu::matmul_canonical).
-    // workspace: canonical_workspace_floats(n, w) f32.
+    // Row-parallel product over the canonical K blocks w holds (cpu::matmul_canonical): all 8 for a whole
+    // matrix (the TP = 1 product), the rank's aligned subtree sum for a K window (finished across ranks by
+    // canonical_combine). x: [n, K columns held]; y: [n, rows]; workspace: canonical_workspace_floats(n, w).
     virtual void matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) = 0;
     // Grouped column-parallel product over an expert bank: rows offsets[e] .. offsets[e + 1] of x_sorted
-    // go through expert e. x_sorted: [n_pairs, cols]; offsets: [n_experts + 1] i32; y: [n_pairs, rows].
+    // go through expert e. x_sorted: [n_pairs, cols]; offsets: [n_experts + 1] i32 over every expert of
+    // the layer; y: [n_pairs, rows held]. A bank window of experts [e0, e1) runs only rows offsets[e0] ..
+    // offsets[e1] and leaves the other rows of y untouched.
     virtual void matmul_grouped(TensorView x_sorted, BankId b, TensorView offsets, TensorView y) = 0;
-    // The same with each expert's product row-parallel over its 8 canonical K blocks (expert down_proj).
+    // The same with each expert's product row-parallel over the canonical K blocks the bank holds (expert
+    // down_proj): all 8 for whole experts, a TP rank's subtree sum for a K window. x_sorted: [n_pairs, K held].
     virtual void matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorView offsets, TensorView y,
                                           TensorView workspace) = 0;
+    // Finishes row-parallel products from the TP ranks' subtree sums, gathered in rank order
+    // (cpu::canonical_tree_combine): out = the canonical tree over them. subtree_sums: [tp, ...] with tp
+    // 1, 2, 4 or 8, each rank's slot holding out.numel() values ([n, d] row-major); out: [n, d].
+    virtual void canonical_combine(TensorView subtree_sums, TensorView out) = 0;
+    // Joins column shards gathered in rank order (exact copies): out[t, s * w + j] = shards[s, t, j].
+    // shards: [n_shards, n, w]; out: [n, n_shards * w]. (The LM head's vocabulary slices -> [n, vocab].)
+    virtual void join_col_shards(TensorView shards, TensorView out) = 0;
     // NeoX RoPE in place over dims [0, rot_dim) of every head: cpu::rope_apply. x: [n, n_heads * head_dim];
     // positions: [n] i64, each inside the table (an invariant the caller checks).
     virtual void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) = 0;

@@ -204,10 +204,9 @@ int run_bench(const BenchOptions &opt) {
         std::fputs("error: nothing to measure: -p and -n are both 0\n", stderr);
         return kExitUsage;
     }
-    auto k_format = kv::parse_kv_format(opt.kv_k);
-    if (!k_format) return report_error("--kv-k: " + k_format.error().message);
-    auto v_format = kv::parse_kv_format(opt.kv_v);
-    if (!v_format) return report_error("--kv-v: " + v_format.error().message);
+    auto kv_formats = parse_kv_format_options(opt.kv_k, opt.kv_v);
+    if (!kv_formats) return report_error(kv_formats.error().message);
+    const auto [k_format, v_format] = *kv_formats;
 
     const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
     if (dir.empty()) return kExitInvalidInput;
@@ -245,13 +244,13 @@ int run_bench(const BenchOptions &opt) {
     facts.n_params = model::compute_model_stats(*cfg).total_params;
     facts.dtype = cfg->is_fp8() ? "fp8" : "bf16";
     facts.threads = opt.threads;
-    facts.type_k = kv::kv_format_name(*k_format);
-    facts.type_v = kv::kv_format_name(*v_format);
+    facts.type_k = kv::kv_format_name(k_format);
+    facts.type_v = kv::kv_format_name(v_format);
 
     std::vector<TestResult> tests;
     if (opt.n_prompt > 0) {
         TestResult t{fmt::format("pp{}", opt.n_prompt), opt.n_prompt, 0, {}, 0.0, 0.0};
-        const kv::KvCacheSpec spec = model::trunk_kv_spec(*cfg, *k_format, *v_format, opt.n_prompt, opt.n_prompt);
+        const kv::KvCacheSpec spec = model::trunk_kv_spec(*cfg, k_format, v_format, opt.n_prompt, opt.n_prompt);
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {  // rep -1: the warm-up
             auto ms = time_prompt(*fwd, spec, tokens.prompt);
@@ -263,7 +262,7 @@ int run_bench(const BenchOptions &opt) {
     }
     if (opt.n_gen > 0) {
         TestResult t{fmt::format("tg{}", opt.n_gen), 0, opt.n_gen, {}, 0.0, 0.0};
-        const kv::KvCacheSpec spec = model::trunk_kv_spec(*cfg, *k_format, *v_format, opt.n_gen, 1);
+        const kv::KvCacheSpec spec = model::trunk_kv_spec(*cfg, k_format, v_format, opt.n_gen, 1);
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {
             auto ms = time_generation(*fwd, spec, tokens.gen_first, opt.n_gen);

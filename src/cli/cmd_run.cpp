@@ -56,10 +56,9 @@ void write_out(const std::string &text) {
 int run_generate(const RunOptions &opt) {
     auto sampler_check = runtime::validate_sampling_params(opt.sampling);
     if (!sampler_check) return report_error(sampler_check.error().message);
-    auto k_format = kv::parse_kv_format(opt.kv_k);
-    if (!k_format) return report_error("--kv-k: " + k_format.error().message);
-    auto v_format = kv::parse_kv_format(opt.kv_v);
-    if (!v_format) return report_error("--kv-v: " + v_format.error().message);
+    auto kv_formats = parse_kv_format_options(opt.kv_k, opt.kv_v);
+    if (!kv_formats) return report_error(kv_formats.error().message);
+    const auto [k_format, v_format] = *kv_formats;
 
     const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
     if (dir.empty()) return kExitInvalidInput;
@@ -100,7 +99,7 @@ int run_generate(const RunOptions &opt) {
                                             model::ForwardCapacity{n_prompt, 1, capacity, 0});
     if (!fwd) return report_error(fwd.error().message);
     auto cache = kv::KvCache::create(
-        model::trunk_kv_spec(*cfg, *k_format, *v_format, capacity, static_cast<int>(n_prompt)));
+        model::trunk_kv_spec(*cfg, k_format, v_format, capacity, static_cast<int>(n_prompt)));
     if (!cache) return report_error(fmt::format("KV cache ({} tokens): {}", capacity, cache.error().message));
     auto sampler = runtime::Sampler::create(cfg->vocab_size, opt.sampling);
     if (!sampler) return report_error(sampler.error().message);

@@ -7,12 +7,14 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <CLI/CLI.hpp>
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/result.h"
 #include "io/safetensors.h"
+#include "kv/kv_format.h"
 #include "model/step35_config.h"
 #include "model/step35_model.h"
 
@@ -65,6 +67,9 @@ int default_threads();
 // -ctv/--kv-v/--cache-type-v (f32, bf16, q8_0, q5_1; parsed later with kv::parse_kv_format).
 void add_threads_option(CLI::App &sub, int &threads);
 void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v);
+// The two formats those options name; the error names the option ("--kv-k: ...").
+Result<std::pair<kv::KvFormat, kv::KvFormat>> parse_kv_format_options(const std::string &kv_k,
+                                                                       const std::string &kv_v);
 
 // A checkpoint bound to the CPU backend: what run and bench execute. Members are destroyed in reverse
 // order: the model's handles belong to the backend, whose weights are views into the checkpoint's mmap.

@@ -100,6 +100,15 @@ void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v) 
         ->capture_default_str();
 }
 
+Result<std::pair<kv::KvFormat, kv::KvFormat>> parse_kv_format_options(const std::string &kv_k,
+                                                                       const std::string &kv_v) {
+    auto k = kv::parse_kv_format(kv_k);
+    if (!k) return make_error("--kv-k: {}", k.error().message);
+    auto v = kv::parse_kv_format(kv_v);
+    if (!v) return make_error("--kv-v: {}", v.error().message);
+    return std::pair{*k, *v};
+}
+
 Result<CpuModel> load_cpu_model(const std::filesystem::path &dir, const model::Step35Config &cfg, int n_threads) {
     auto ckpt = io::Checkpoint::open(dir);
     if (!ckpt) return tl::unexpected(ckpt.error());

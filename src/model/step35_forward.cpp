@@ -1,6 +1,8 @@
 // The Step-3.5 forward recipe over the Backend interface: validation of a step's chunks, the per-step KV
 // transactions, the decoder layer (attention block, dense or MoE FFN), the MTP layer and the logits head.
-// Which op runs in which order lives here and nowhere else; how an op computes lives in the backend.
+// Which op runs in which order lives here and nowhere else; how an op computes lives in the backend. On a
+// tensor-parallel rank the same recipe runs over the rank's shard; the three exchanges (row-parallel
+// subtree sums, EP expert rows, logit slices) go through all_gather / broadcast below and nowhere else.
 #include "model/step35_forward.h"
 
 #include <algorithm>
@@ -47,7 +49,65 @@ kv::KvCacheSpec mtp_kv_spec(const Step35Config &cfg, int mtp, kv::KvFormat k_for
     return make_spec(cfg, cfg.n_layers + mtp, 1, k_format, v_format, capacity, max_stage_rows);
 }
 
+namespace {
+
+// Narrows the spec of layers [first, first + count) to the rank's KV heads.
+kv::KvCacheSpec rank_spec(kv::KvCacheSpec spec, const parallel::RankPlan &rank, int first) {
+    MEMRA_CHECK(first + static_cast<int>(spec.layers.size()) <= static_cast<int>(rank.layers.size()),
+                "rank KV spec: layers [{}, {}) of a rank holding {}", first, first + spec.layers.size(),
+                rank.layers.size());
+    for (size_t i = 0; i < spec.layers.size(); ++i) {
+        spec.layers[i].n_kv_heads = rank.layers[static_cast<size_t>(first) + i].kv_heads.size();
+    }
+    return spec;
+}
+
+}  // namespace
+
+kv::KvCacheSpec trunk_kv_spec(const Step35Config &cfg, const parallel::RankPlan &rank, kv::KvFormat k_format,
+                              kv::KvFormat v_format, int64_t capacity, int max_stage_rows) {
+    return rank_spec(trunk_kv_spec(cfg, k_format, v_format, capacity, max_stage_rows), rank, 0);
+}
+
+kv::KvCacheSpec mtp_kv_spec(const Step35Config &cfg, const parallel::RankPlan &rank, int mtp, kv::KvFormat k_format,
+                            kv::KvFormat v_format, int64_t capacity, int max_stage_rows) {
+    return rank_spec(mtp_kv_spec(cfg, mtp, k_format, v_format, capacity, max_stage_rows), rank, cfg.n_layers + mtp);
+}
+
 Result<Step35Forward> Step35Forward::create(Backend &backend, const Step35Model &model, const ForwardCapacity &cap) {
+    if (!model.shard.whole) {
+        return make_error("forward: the model is the shard of TP rank {} of {}; create its forward with a RankContext",
+                          model.shard.rank.tp_rank, model.shard.tp);
+    }
+    return create_impl(backend, model, cap, nullptr);
+}
+
+Result<Step35Forward> Step35Forward::create(Backend &backend, const Step35Model &model, const ForwardCapacity &cap,
+                                            const RankContext &ctx) {
+    if (ctx.plan == nullptr || ctx.comm == nullptr) {
+        return make_error("forward: a rank context needs the plan and the rank's communicator");
+    }
+    const parallel::ParallelPlan &plan = *ctx.plan;
+    if (model.shard.whole) {
+        return make_error("forward: the model was bound whole; bind it for rank {} of the plan to run it on a rank",
+                          ctx.rank);
+    }
+    if (plan.request.pipeline_stages != 1 || plan.request.tp != model.shard.tp || plan.request.ep != model.shard.ep ||
+        ctx.rank != model.shard.rank.rank) {
+        return make_error("forward: rank {} of a plan with tp={} ep={} ({} stages), but the model is the shard of rank "
+                          "{} of tp={} ep={}",
+                          ctx.rank, plan.request.tp, plan.request.ep, plan.request.pipeline_stages,
+                          model.shard.rank.rank, model.shard.tp, model.shard.ep);
+    }
+    if (ctx.comm->size() != plan.request.tp || ctx.comm->rank() != ctx.rank) {
+        return make_error("forward: the communicator is rank {} of {}, the context rank {} of tp={}", ctx.comm->rank(),
+                          ctx.comm->size(), ctx.rank, plan.request.tp);
+    }
+    return create_impl(backend, model, cap, ctx.comm);
+}
+
+Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35Model &model,
+                                                 const ForwardCapacity &cap, parallel::Communicator *comm) {
     const Step35Config &cfg = model.cfg;
     if (cap.max_tokens < 1 || cap.max_seqs < 1 || cap.max_context < 1 || cap.max_logit_rows < 0) {
         return make_error("forward capacity: expected max_tokens, max_seqs, max_context >= 1 and max_logit_rows >= 0, "
@@ -67,19 +127,34 @@ Result<Step35Forward> Step35Forward::create(Backend &backend, const Step35Model 
     f.cap_ = cap;
     if (f.cap_.max_logit_rows == 0) f.cap_.max_logit_rows = cap.max_tokens;
     f.eps_ = static_cast<float>(cfg.rms_norm_eps);
+    f.comm_ = comm;
+    f.tp_ = model.shard.tp;
+    f.tp_rank_ = model.shard.rank.tp_rank;
+    f.ep_ = model.shard.ep;
+
+    // What this forward computes of each layer: all of it, or what the rank's plan gives it.
+    for (const LayerGeometry &g : cfg.layers) {
+        LayerDims dims{g.n_heads, g.n_kv_heads, g.d_ff, g.d_expert, parallel::Range{0, g.n_experts}};
+        if (!model.shard.whole) {
+            const parallel::RankLayerPlan &rl = model.shard.rank.layers[static_cast<size_t>(g.index)];
+            dims = LayerDims{rl.q_heads.size(), rl.kv_heads.size(), rl.ff.size(), rl.d_expert.size(), rl.experts};
+        }
+        f.dims_.push_back(dims);
+    }
 
     const int64_t T = cap.max_tokens;
     const int64_t L = f.cap_.max_logit_rows;
     const int64_t d = cfg.d_model;
     int64_t q_w = 0, kv_w = 0, heads = 0, ff_w = 0, n_experts = 0, top_k = 0, d_expert = 0;
     for (const LayerGeometry &g : cfg.layers) {
-        q_w = std::max<int64_t>(q_w, int64_t{g.n_heads} * g.head_dim);
-        kv_w = std::max<int64_t>(kv_w, int64_t{g.n_kv_heads} * g.head_dim);
-        heads = std::max<int64_t>(heads, g.n_heads);
-        ff_w = std::max<int64_t>({ff_w, g.d_ff, g.d_shared});
+        const LayerDims &dims = f.dims_[static_cast<size_t>(g.index)];
+        q_w = std::max<int64_t>(q_w, dims.n_heads * g.head_dim);
+        kv_w = std::max<int64_t>(kv_w, dims.n_kv_heads * g.head_dim);
+        heads = std::max<int64_t>(heads, dims.n_heads);
+        ff_w = std::max<int64_t>({ff_w, dims.d_ff, int64_t{g.d_shared}});
         n_experts = std::max<int64_t>(n_experts, g.n_experts);
         top_k = std::max<int64_t>(top_k, g.top_k);
-        d_expert = std::max<int64_t>(d_expert, g.d_expert);
+        d_expert = std::max<int64_t>(d_expert, dims.d_expert);
     }
 
     // RoPE tables, one per distinct (rot_dim, theta, scaled) variant.
@@ -168,6 +243,16 @@ Result<Step35Forward> Step35Forward::create(Backend &backend, const Step35Model 
         if (!v) return wrap_error("forward buffers", v.error());
         *r.view = *v;
     }
+    if (comm != nullptr) {
+        // One slot per rank: the row-parallel subtree sums ([n, d] per token row, [n * top_k, d] per routed
+        // pair without EP) and the logit slices ([L, vocab / tp]).
+        const int64_t rows = f.ep_ ? T : std::max(T, pairs);
+        const int64_t n = std::max(f.tp_ * rows * d, L * cfg.vocab_size);
+        auto v = alloc_flat(backend, DType::kF32, n);
+        if (!v) return wrap_error("forward gather buffer", v.error());
+        f.gather_ = *v;
+        if (f.ep_) f.offsets_host_.resize(static_cast<size_t>(n_experts + 1));
+    }
     f.ids_host_.resize(static_cast<size_t>(T));
     f.pos_host_.resize(static_cast<size_t>(T));
     f.logit_rows_host_.resize(static_cast<size_t>(L));
@@ -199,10 +284,10 @@ TensorView Step35Forward::hidden() const { return mat(x_, n_rows_, model_->cfg.d
 
 TensorView Step35Forward::mtp_hidden() const { return mat(mtp_x_, n_mtp_rows_, model_->cfg.d_model); }
 
-// Checks the slots (filled by step / mtp_step) against the capacity and their caches against the layers
-// [first_cache_layer, + n_cache_layers) of the config, then stages the step's ids, positions and logit rows.
-Result<void> Step35Forward::prepare_slots(int first_cache_layer, int n_cache_layers, int64_t n_rows,
-                                          std::span<const int32_t> ids) {
+// Checks the slots (filled by load_*_slots) against the capacity and their caches against the layers
+// [first_cache_layer, + n_cache_layers) of the config (at this rank's KV width). Changes nothing visible.
+Result<void> Step35Forward::check_slots(int first_cache_layer, int n_cache_layers, int64_t n_rows,
+                                        std::span<const int32_t> ids) {
     const Step35Config &cfg = model_->cfg;
     if (n_rows > cap_.max_tokens) {
         return make_error("step: {} tokens, the forward was prepared for at most {}", n_rows, cap_.max_tokens);
@@ -218,7 +303,9 @@ Result<void> Step35Forward::prepare_slots(int first_cache_layer, int n_cache_lay
             return make_error("chunk {}: KV cache has {} layers, expected {}", i, c.n_layers(), n_cache_layers);
         }
         for (int l = 0; l < n_cache_layers; ++l) {
-            const kv::KvLayerSpec want = kv_layer_spec(cfg.layers[static_cast<size_t>(first_cache_layer + l)]);
+            const size_t layer = static_cast<size_t>(first_cache_layer + l);
+            kv::KvLayerSpec want = kv_layer_spec(cfg.layers[layer]);
+            want.n_kv_heads = static_cast<int>(dims_[layer].n_kv_heads);
             const kv::KvLayerSpec &have = c.spec().layers[static_cast<size_t>(l)];
             if (have.n_kv_heads != want.n_kv_heads || have.head_dim != want.head_dim || have.window != want.window) {
                 return make_error("chunk {}: KV cache layer {} is {} heads x {} window {}, layer {} needs {} x {} "
@@ -252,6 +339,11 @@ Result<void> Step35Forward::prepare_slots(int first_cache_layer, int n_cache_lay
             return make_error("step: token id {} at row {} outside the vocabulary [0, {})", ids[i], i, cfg.vocab_size);
         }
     }
+    return {};
+}
+
+// Stages the checked step's ids, positions and logit rows on the backend.
+void Step35Forward::stage_inputs(int64_t n_rows) {
     logit_row_begin_.clear();
     int64_t lr = 0;
     for (const Slot &s : slots_) {
@@ -268,7 +360,6 @@ Result<void> Step35Forward::prepare_slots(int first_cache_layer, int n_cache_lay
     backend_->copy_from_host(ids_host_.data(), ids_.row_slice(0, n_rows));
     backend_->copy_from_host(pos_host_.data(), pos_.row_slice(0, n_rows));
     backend_->copy_from_host(logit_rows_host_.data(), logit_rows_.row_slice(0, lr));
-    return {};
 }
 
 Result<void> Step35Forward::begin_all() {
@@ -321,35 +412,39 @@ Result<void> Step35Forward::attention_block(int layer, int cache_layer, TensorVi
     const Step35Config &cfg = model_->cfg;
     const LayerGeometry &g = cfg.layers[static_cast<size_t>(layer)];
     const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
+    const LayerDims &dims = dims_[static_cast<size_t>(layer)];
     Backend &be = *backend_;
     const int64_t n = x.rows();
     const int64_t d = cfg.d_model;
-    const int64_t q_w = int64_t{g.n_heads} * g.head_dim;
-    const int64_t kv_w = int64_t{g.n_kv_heads} * g.head_dim;
+    // On a TP rank: its query heads and the KV heads they read; the whole layer otherwise.
+    const int64_t n_heads = dims.n_heads;
+    const int64_t n_kv_heads = dims.n_kv_heads;
+    const int64_t q_w = n_heads * g.head_dim;
+    const int64_t kv_w = n_kv_heads * g.head_dim;
 
     const TensorView a = mat(a_, n, d);  // [n, d_model] RMSNorm_in(x)
     be.rms_norm(x, w.input_norm, eps_, a);
     const TensorView q = mat(q_, n, q_w);    // [n, n_heads * head_dim]
     const TensorView k = mat(k_, n, kv_w);   // [n, n_kv_heads * head_dim]
     const TensorView v = mat(v_, n, kv_w);   // [n, n_kv_heads * head_dim]
-    const TensorView gate = w.attn.g.valid() ? mat(g_, n, g.n_heads) : TensorView{};  // [n, n_heads] logits
+    const TensorView gate = w.attn.g.valid() ? mat(g_, n, n_heads) : TensorView{};  // [n, n_heads] logits
     be.matmul(a, w.attn.q, q);
     be.matmul(a, w.attn.k, k);
     be.matmul(a, w.attn.v, v);
     if (w.attn.g.valid()) be.matmul(a, w.attn.g, gate);
-    be.rms_norm_heads(q, g.n_heads, g.head_dim, w.attn.q_norm, eps_);
-    be.rms_norm_heads(k, g.n_kv_heads, g.head_dim, w.attn.k_norm, eps_);
+    be.rms_norm_heads(q, n_heads, g.head_dim, w.attn.q_norm, eps_);
+    be.rms_norm_heads(k, n_kv_heads, g.head_dim, w.attn.k_norm, eps_);
     const TensorView pos = pos_.row_slice(0, n);  // [n] i64
     const RopeId rope = rope_[static_cast<size_t>(layer)];
     if (rope.valid()) {
-        be.rope(rope, q, g.n_heads, g.head_dim, pos);
-        be.rope(rope, k, g.n_kv_heads, g.head_dim, pos);
+        be.rope(rope, q, n_heads, g.head_dim, pos);
+        be.rope(rope, k, n_kv_heads, g.head_dim, pos);
     }
 
     // Per sequence: stage the new K/V rows, then attend over the cache's rows read back in their stored
     // format (the new ones included), so every chunking sees the same keys (rule 9).
     const TensorView att = mat(att_, n, q_w);  // [n, n_heads * head_dim]
-    const AttentionParams params{g.n_heads, g.n_kv_heads, g.head_dim,
+    const AttentionParams params{n_heads, n_kv_heads, g.head_dim,
                                  g.attn == AttnKind::kSliding ? int64_t{g.window} : 0};
     for (const Slot &s : slots_) {
         const int64_t r0 = s.row0;
@@ -375,15 +470,18 @@ Result<void> Step35Forward::attention_block(int layer, int cache_layer, TensorVi
     }
 
     const TensorView o = mat(f_, n, d);  // [n, d_model] o_proj, canonical K blocks
-    be.matmul_canonical(att, w.attn.o, o, workspace_);
+    if (auto ok = row_parallel(att, w.attn.o, o, "o_proj"); !ok) {
+        return wrap_error(fmt::format("layer {}", layer), ok.error());
+    }
     be.add_rms_norm(x, o, w.post_norm, eps_, x, a);  // x = h = x + attn; a = RMSNorm_post(h)
     return {};
 }
 
-void Step35Forward::ffn_block(int layer, TensorView x) {
+Result<void> Step35Forward::ffn_block(int layer, TensorView x) {
     const Step35Config &cfg = model_->cfg;
     const LayerGeometry &g = cfg.layers[static_cast<size_t>(layer)];
     const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
+    const LayerDims &dims = dims_[static_cast<size_t>(layer)];
     Backend &be = *backend_;
     const int64_t n = x.rows();
     const int64_t d = cfg.d_model;
@@ -391,16 +489,19 @@ void Step35Forward::ffn_block(int layer, TensorView x) {
     const TensorView out = mat(f_, n, d);
 
     if (g.ffn == FfnKind::kDense) {
-        const TensorView gate = mat(ff_gate_, n, g.d_ff);  // [n, d_ff]
-        const TensorView up = mat(ff_up_, n, g.d_ff);
+        const TensorView gate = mat(ff_gate_, n, dims.d_ff);  // [n, d_ff] (a TP rank: its d_ff slice)
+        const TensorView up = mat(ff_up_, n, dims.d_ff);
         be.matmul(a, w.mlp.gate, gate);
         be.matmul(a, w.mlp.up, up);
         be.swiglu(gate, up, g.clamp_shared, gate);
-        be.matmul_canonical(gate, w.mlp.down, out, workspace_);
+        if (auto ok = row_parallel(gate, w.mlp.down, out, "down_proj"); !ok) {
+            return wrap_error(fmt::format("layer {}", layer), ok.error());
+        }
         be.residual_add(x, out, x);
-        return;
+        return {};
     }
 
+    // Routing is replicated: every rank computes the same router bits, selections and sorted pairs.
     const int64_t k = g.top_k;
     const TensorView logits = mat(router_, n, g.n_experts);     // [n, n_experts] f32 router logits
     const TensorView ids = mat(expert_ids_, n, k);              // [n, top_k] i32
@@ -409,8 +510,6 @@ void Step35Forward::ffn_block(int layer, TensorView x) {
     const TensorView sorted_pair = mat(sorted_pair_, n * k, 1);  // [n * top_k] i32
     const TensorView row_of_pair = mat(row_of_pair_, n * k, 1);
     const TensorView x_sorted = mat(x_sorted_, n * k, d);       // [n * top_k, d_model], expert order
-    const TensorView e_gate = mat(e_gate_, n * k, g.d_expert);  // [n * top_k, d_expert]
-    const TensorView e_up = mat(e_up_, n * k, g.d_expert);
     const TensorView e_out = mat(e_out_, n * k, d);             // [n * top_k, d_model]
     be.matmul(a, w.moe.router, logits);
     be.router_topk(RouterConfig{g.n_experts, k, cfg.norm_expert_weight,
@@ -418,44 +517,148 @@ void Step35Forward::ffn_block(int layer, TensorView x) {
                    logits, w.moe.router_bias, ids, weights);
     be.moe_sort_pairs(ids, g.n_experts, offsets, sorted_pair, row_of_pair);
     be.moe_permute(a, sorted_pair, k, x_sorted);
-    be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
-    be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
-    be.swiglu(e_gate, e_up, g.clamp_routed, e_gate);
-    be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
+    if (auto ok = routed_experts(layer, x_sorted, offsets, e_out); !ok) {
+        return wrap_error(fmt::format("layer {}", layer), ok.error());
+    }
 
+    // The shared expert is replicated: every rank computes it whole.
     const TensorView s_gate = mat(ff_gate_, n, g.d_shared);  // [n, d_shared]
     const TensorView s_up = mat(ff_up_, n, g.d_shared);
     be.matmul(a, w.moe.shared.gate, s_gate);
     be.matmul(a, w.moe.shared.up, s_up);
     be.swiglu(s_gate, s_up, g.clamp_shared, s_gate);
     be.matmul_canonical(s_gate, w.moe.shared.down, out, workspace_);
-    be.moe_combine(x, e_out, row_of_pair, weights, out, x);  // x = h + (routed + shared)
+    be.moe_combine(x, e_out, row_of_pair, weights, out, x);  // x = h + (routed + shared), canonical slot order
+    return {};
+}
+
+// e_out[p] = expert(x_sorted[p]) for every sorted pair p, on every rank, with the TP = 1 bits.
+Result<void> Step35Forward::routed_experts(int layer, TensorView x_sorted, TensorView offsets, TensorView e_out) {
+    const LayerGeometry &g = model_->cfg.layers[static_cast<size_t>(layer)];
+    const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
+    const LayerDims &dims = dims_[static_cast<size_t>(layer)];
+    Backend &be = *backend_;
+    const int64_t n_pairs = x_sorted.rows();
+    const TensorView e_gate = mat(e_gate_, n_pairs, dims.d_expert);  // [n * top_k, d_expert held]
+    const TensorView e_up = mat(e_up_, n_pairs, dims.d_expert);
+
+    if (!ep_) {
+        // Whole experts (TP = 1), or every expert's d_expert slice: gate/up are per-column products, and
+        // the down_proj is row-parallel over the rank's canonical blocks, finished like o_proj.
+        be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
+        be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
+        be.swiglu(e_gate, e_up, g.clamp_routed, e_gate);
+        if (comm_ == nullptr) {
+            be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
+            return {};
+        }
+        const TensorView all = gathered(e_out.numel());
+        be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, own_slot(all, n_pairs, e_out.row_elems()),
+                                    workspace_);
+        if (auto ok = all_gather(all, "expert down_proj"); !ok) return ok;
+        be.canonical_combine(all, e_out);
+        return {};
+    }
+
+    // EP: the owner computes its experts' pairs whole (all 8 blocks, the full tree, locally), so its rows
+    // are the TP = 1 rows. The sorted pairs of one owner are contiguous (owners hold contiguous experts and
+    // pairs are sorted by expert), and routing is replicated, so every rank knows each owner's row range:
+    // one broadcast per owner lands its rows in place, in sorted order, and the combine below is unchanged.
+    // (An all-gather would need capacity-padded slots, tp times the bytes, and a repack; the price here is
+    // reading the tiny offsets array back to the host once per MoE layer.)
+    be.copy_to_host(offsets, offsets_host_.data());
+    const parallel::Range own = dims.experts;
+    const int64_t r0 = offsets_host_[static_cast<size_t>(own.begin)];
+    const int64_t r1 = offsets_host_[static_cast<size_t>(own.end)];
+    be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
+    be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
+    be.swiglu(e_gate.row_slice(r0, r1), e_up.row_slice(r0, r1), g.clamp_routed, e_gate.row_slice(r0, r1));
+    be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
+    for (int owner = 0; owner < tp_; ++owner) {
+        const parallel::Range experts = parallel::experts_of(owner, g.n_experts, tp_);
+        const int64_t b0 = offsets_host_[static_cast<size_t>(experts.begin)];
+        const int64_t b1 = offsets_host_[static_cast<size_t>(experts.end)];
+        if (b1 == b0) continue;  // every rank skips the same owners
+        if (auto ok = broadcast(e_out.row_slice(b0, b1), owner, "expert rows"); !ok) return ok;
+    }
+    return {};
 }
 
 Result<void> Step35Forward::run_layer(int layer, int cache_layer, TensorView x) {
     auto r = attention_block(layer, cache_layer, x);
     if (!r) return r;
-    ffn_block(layer, x);
+    return ffn_block(layer, x);
+}
+
+// y = x . W^T for a row-parallel weight: TP = 1 forms all 8 canonical blocks here; a TP rank forms its
+// aligned subtree sum into its slot, the ranks all-gather the slots and every rank finishes the same tree.
+Result<void> Step35Forward::row_parallel(TensorView x, MatrixId w, TensorView y, const char *what) {
+    Backend &be = *backend_;
+    if (comm_ == nullptr) {
+        be.matmul_canonical(x, w, y, workspace_);
+        return {};
+    }
+    const TensorView all = gathered(y.numel());  // [tp, rows * cols]
+    be.matmul_canonical(x, w, own_slot(all, y.rows(), y.row_elems()), workspace_);
+    if (auto ok = all_gather(all, what); !ok) return ok;
+    be.canonical_combine(all, y);
     return {};
 }
 
-void Step35Forward::emit_logits(TensorView x, VectorId norm, MatrixId head) {
-    const int64_t d = model_->cfg.d_model;
-    const TensorView xl = mat(x_logit_, n_logit_rows_, d);  // [n_logit_rows, d_model]
-    const TensorView lg = mat(logits_dev_, n_logit_rows_, model_->cfg.vocab_size);
-    backend_->gather_rows(x, logit_rows_.row_slice(0, n_logit_rows_), xl);
-    backend_->rms_norm(xl, norm, eps_, xl);
-    backend_->matmul(xl, head, lg);
-    backend_->copy_to_host(lg, logits_host_.data());
+TensorView Step35Forward::gathered(int64_t elems_per_rank) const { return mat(gather_, tp_, elems_per_rank); }
+
+TensorView Step35Forward::own_slot(TensorView all, int64_t rows, int64_t cols) const {
+    return all.row_slice(tp_rank_, tp_rank_ + 1).reshaped({rows, cols});
 }
 
-Result<void> Step35Forward::step(std::span<const SeqChunk> chunks) {
-    const Step35Config &cfg = model_->cfg;
+Result<void> Step35Forward::all_gather(TensorView all, const char *what) {
+    // all: [tp, m] with this rank's slot (row tp_rank) filled; afterwards every slot is filled.
+    const size_t bytes = all.n_bytes();
+    const size_t slot = bytes / static_cast<size_t>(tp_);
+    const std::span<std::byte> recv(static_cast<std::byte *>(all.data), bytes);
+    ++comm_counters_.all_gathers;
+    comm_counters_.bytes += static_cast<int64_t>(bytes);
+    auto ok = comm_->all_gather(recv.subspan(static_cast<size_t>(tp_rank_) * slot, slot), recv);
+    if (!ok) return wrap_error(fmt::format("{} all_gather", what), ok.error());
+    return {};
+}
+
+Result<void> Step35Forward::broadcast(TensorView buf, int root, const char *what) {
+    ++comm_counters_.broadcasts;
+    comm_counters_.bytes += static_cast<int64_t>(buf.n_bytes());
+    auto ok = comm_->broadcast(std::span<std::byte>(static_cast<std::byte *>(buf.data), buf.n_bytes()), root);
+    if (!ok) return wrap_error(fmt::format("{} broadcast from rank {}", what, root), ok.error());
+    return {};
+}
+
+Result<void> Step35Forward::emit_logits(TensorView x, VectorId norm, MatrixId head) {
+    Backend &be = *backend_;
+    const int64_t d = model_->cfg.d_model;
+    const int64_t vocab = model_->cfg.vocab_size;
+    const TensorView xl = mat(x_logit_, n_logit_rows_, d);  // [n_logit_rows, d_model]
+    const TensorView lg = mat(logits_dev_, n_logit_rows_, vocab);
+    be.gather_rows(x, logit_rows_.row_slice(0, n_logit_rows_), xl);
+    be.rms_norm(xl, norm, eps_, xl);
+    if (comm_ == nullptr) {
+        be.matmul(xl, head, lg);
+    } else {
+        // Each rank its vocabulary rows; the gathered [tp, rows, vocab / tp] slices joined into [rows, vocab].
+        const int64_t slice = vocab / tp_;
+        const TensorView all = gathered(n_logit_rows_ * slice);
+        be.matmul(xl, head, own_slot(all, n_logit_rows_, slice));
+        if (auto ok = all_gather(all, "logits"); !ok) return ok;
+        be.join_col_shards(all.reshaped({tp_, n_logit_rows_, slice}), lg);
+    }
+    be.copy_to_host(lg, logits_host_.data());
+    return {};
+}
+
+Result<void> Step35Forward::load_trunk_slots(std::span<const SeqChunk> chunks, int64_t &rows) {
     if (chunks.empty() || static_cast<int64_t>(chunks.size()) > cap_.max_seqs) {
         return make_error("step: {} chunks, expected 1 .. {}", chunks.size(), cap_.max_seqs);
     }
     slots_.clear();
-    int64_t rows = 0;
+    rows = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
         const SeqChunk &c = chunks[i];
         if (c.cache == nullptr) return make_error("chunk {}: no KV cache", i);
@@ -468,13 +671,24 @@ Result<void> Step35Forward::step(std::span<const SeqChunk> chunks) {
         rows += n;
     }
     const size_t n_ids = static_cast<size_t>(std::min(rows, cap_.max_tokens));
-    auto ok = prepare_slots(0, cfg.n_layers, rows, {ids_host_.data(), n_ids});
-    if (!ok) return ok;
+    return check_slots(0, model_->cfg.n_layers, rows, {ids_host_.data(), n_ids});
+}
+
+Result<void> Step35Forward::check_step(std::span<const SeqChunk> chunks) {
+    int64_t rows = 0;
+    return load_trunk_slots(chunks, rows);
+}
+
+Result<void> Step35Forward::step(std::span<const SeqChunk> chunks) {
+    const Step35Config &cfg = model_->cfg;
+    int64_t rows = 0;
+    if (auto ok = load_trunk_slots(chunks, rows); !ok) return ok;
+    stage_inputs(rows);
     auto begun = begin_all();
     if (!begun) return begun;
 
     n_rows_ = rows;
-    const TensorView x = mat(x_, rows, cfg.d_model);  // [rows, d_model] residual stream
+    const TensorView x = mat(x_, rows, cfg.d_model);  // [rows, d_model] residual stream, replicated on ranks
     auto emb = backend_->embedding(model_->embed, ids_.row_slice(0, rows), x);
     if (!emb) {
         rollback_all();
@@ -487,11 +701,15 @@ Result<void> Step35Forward::step(std::span<const SeqChunk> chunks) {
             return r;
         }
     }
-    emit_logits(x, model_->final_norm, model_->lm_head);
+    if (auto ok = emit_logits(x, model_->final_norm, model_->lm_head); !ok) {
+        rollback_all();
+        return ok;
+    }
     return commit_all();
 }
 
-Result<void> Step35Forward::mtp_step(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev) {
+Result<void> Step35Forward::load_mtp_slots(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev,
+                                           int64_t &rows) {
     const Step35Config &cfg = model_->cfg;
     if (mtp < 0 || mtp >= cfg.n_mtp_layers) {
         return make_error("mtp_step: MTP layer {} outside [0, {})", mtp, cfg.n_mtp_layers);
@@ -499,10 +717,8 @@ Result<void> Step35Forward::mtp_step(int mtp, std::span<const MtpChunk> chunks, 
     if (chunks.empty() || static_cast<int64_t>(chunks.size()) > cap_.max_seqs) {
         return make_error("mtp_step: {} chunks, expected 1 .. {}", chunks.size(), cap_.max_seqs);
     }
-    const int layer = cfg.n_layers + mtp;
-    const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
     slots_.clear();
-    int64_t rows = 0;
+    rows = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
         const MtpChunk &c = chunks[i];
         if (c.cache == nullptr) return make_error("chunk {}: no KV cache", i);
@@ -519,8 +735,21 @@ Result<void> Step35Forward::mtp_step(int mtp, std::span<const MtpChunk> chunks, 
                           dtype_name(h_prev.dtype), rows, cfg.d_model);
     }
     const size_t n_ids = static_cast<size_t>(std::min(rows, cap_.max_tokens));
-    auto ok = prepare_slots(layer, 1, rows, {ids_host_.data(), n_ids});
-    if (!ok) return ok;
+    return check_slots(cfg.n_layers + mtp, 1, rows, {ids_host_.data(), n_ids});
+}
+
+Result<void> Step35Forward::check_mtp_step(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev) {
+    int64_t rows = 0;
+    return load_mtp_slots(mtp, chunks, h_prev, rows);
+}
+
+Result<void> Step35Forward::mtp_step(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev) {
+    const Step35Config &cfg = model_->cfg;
+    int64_t rows = 0;
+    if (auto ok = load_mtp_slots(mtp, chunks, h_prev, rows); !ok) return ok;
+    const int layer = cfg.n_layers + mtp;
+    const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
+    stage_inputs(rows);
     auto begun = begin_all();
     if (!begun) return begun;
 
@@ -545,7 +774,10 @@ Result<void> Step35Forward::mtp_step(int mtp, std::span<const MtpChunk> chunks, 
         rollback_all();
         return r;
     }
-    emit_logits(u, w.mtp.head_norm, w.mtp.head);
+    if (auto ok = emit_logits(u, w.mtp.head_norm, w.mtp.head); !ok) {
+        rollback_all();
+        return ok;
+    }
     return commit_all();
 }
 

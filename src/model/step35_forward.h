@@ -3,7 +3,9 @@
 // (prefill = a chunk of many tokens, decode = one), and returns the logits of the requested positions.
 // The MTP (next-n) layers run through mtp_step (STEP35.md 4.8). Every buffer is allocated by create() for
 // a capacity; a step only fills them. A sequence's bits depend on nothing else in the batch (D2), on no
-// thread count (D5) and on no chunking of its prompt (DETERMINISM.md rule 9).
+// thread count (D5) and on no chunking of its prompt (DETERMINISM.md rule 9). On a tensor-parallel rank
+// (RankContext) the same recipe runs over the rank's shard, exchanging only subtree sums, expert rows and
+// logit slices, and gives the TP = 1 bits on every rank (D3, D4).
 #pragma once
 
 #include <cstdint>
@@ -15,6 +17,8 @@
 #include "kv/kv_cache.h"
 #include "model/step35_config.h"
 #include "model/step35_model.h"
+#include "parallel/comm.h"
+#include "parallel/plan.h"
 
 namespace memra::model {
 
@@ -32,6 +36,27 @@ kv::KvCacheSpec trunk_kv_spec(const Step35Config &cfg, kv::KvFormat k_format, kv
 // The KV cache spec of MTP layer `mtp` (0-based; config layer n_layers + mtp): one sliding layer.
 kv::KvCacheSpec mtp_kv_spec(const Step35Config &cfg, int mtp, kv::KvFormat k_format, kv::KvFormat v_format,
                             int64_t capacity, int max_stage_rows);
+
+// The KV cache specs of TP rank `rank`: each layer keeps only the rank's KV heads (rank.layers[i].kv_heads;
+// under KvLayout::kReplicated the one KV head its query heads read).
+kv::KvCacheSpec trunk_kv_spec(const Step35Config &cfg, const parallel::RankPlan &rank, kv::KvFormat k_format,
+                              kv::KvFormat v_format, int64_t capacity, int max_stage_rows);
+kv::KvCacheSpec mtp_kv_spec(const Step35Config &cfg, const parallel::RankPlan &rank, int mtp, kv::KvFormat k_format,
+                            kv::KvFormat v_format, int64_t capacity, int max_stage_rows);
+
+// What a forward on one tensor-parallel rank needs besides its shard of the model.
+struct RankContext {
+    const parallel::ParallelPlan *plan = nullptr;  // the plan the model shard was bound from
+    int rank = 0;                                  // this rank in the plan (= its communicator rank)
+    parallel::Communicator *comm = nullptr;        // the rank's handle on its TP group; outlives the forward
+};
+
+// Collective calls a forward made since the last reset (launches and host copies are the backend's).
+struct CommCounters {
+    int64_t all_gathers = 0;
+    int64_t broadcasts = 0;
+    int64_t bytes = 0;  // receive-buffer bytes: all slots of an all-gather, the buffer of a broadcast
+};
 
 // What attention rounds the query to for a K cache format: GGML's dot-product partner of the key type
 // (f32: none, bf16: bf16, q8_0 / q5_1: q8 blocks), so a cache type means what it means in llama.cpp.
@@ -60,6 +85,16 @@ public:
     // the forward. Refused: capacities out of range, a backend allocation failure, a RoPE table error.
     static Result<Step35Forward> create(Backend &backend, const Step35Model &model, const ForwardCapacity &cap);
 
+    // The forward of TP rank ctx.rank over a model bound for that rank (bind_step35_model with the plan).
+    // Its caches hold the rank's KV heads (the rank trunk_kv_spec / mtp_kv_spec); x stays replicated; the
+    // row-parallel products form the rank's canonical subtree sums and finish the tree after an all-gather;
+    // routed experts are split by d_expert (gathered like o_proj) or, under EP, computed whole by their
+    // owners and broadcast; the LM head's vocabulary slices are gathered, so every rank ends with every
+    // logit. Every rank of the group must run the same steps in the same order. Refused besides: a missing
+    // plan or communicator, a communicator or model that does not match the plan and rank.
+    static Result<Step35Forward> create(Backend &backend, const Step35Model &model, const ForwardCapacity &cap,
+                                        const RankContext &ctx);
+
     // Runs the trunk over the chunks (in order; their tokens form the step's rows). Per cache: one
     // transaction, begun here, every trunk layer staged, commit(chunk.commit) at the end. Refused before
     // anything runs (nothing changes): no chunks or more than max_seqs, an empty chunk, a missing or
@@ -73,6 +108,11 @@ public:
     // 47). Refusals as step(), plus an MTP index out of range and an h_prev of the wrong shape.
     Result<void> mtp_step(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev);
 
+    // The refusals of step() / mtp_step() without running anything: no cache, backend buffer or result
+    // changes. A rank group checks every rank before it starts one, so a bad request never breaks the group.
+    Result<void> check_step(std::span<const SeqChunk> chunks);
+    Result<void> check_mtp_step(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev);
+
     // Logits of the last step (trunk or MTP): [n_logit_rows, vocab_size] f32 on the host, rows in chunk
     // order; chunk i owns rows logit_row_begin()[i] .. logit_row_begin()[i + 1]. Valid until the next step.
     std::span<const float> logits() const;
@@ -83,6 +123,11 @@ public:
     TensorView mtp_hidden() const;
 
     const ForwardCapacity &capacity() const { return cap_; }
+    int tp() const { return tp_; }
+    int tp_rank() const { return tp_rank_; }
+
+    const CommCounters &comm_counters() const { return comm_counters_; }
+    void reset_comm_counters() { comm_counters_ = {}; }
 
 private:
     struct Slot {  // one chunk of the running step
@@ -95,22 +140,52 @@ private:
         int64_t commit = -1;
     };
 
+    // What this forward computes of one layer: the whole layer, or the rank's part of it.
+    struct LayerDims {
+        int64_t n_heads = 0;     // query heads
+        int64_t n_kv_heads = 0;  // KV heads (the cache layer's width)
+        int64_t d_ff = 0;        // dense gate/up rows; 0 on MoE layers
+        int64_t d_expert = 0;    // rows of each held expert's gate/up
+        parallel::Range experts;  // experts held (all of them unless EP)
+    };
+
     Step35Forward() = default;
-    Result<void> prepare_slots(int first_cache_layer, int n_cache_layers, int64_t n_rows, std::span<const int32_t> ids);
+    static Result<Step35Forward> create_impl(Backend &backend, const Step35Model &model, const ForwardCapacity &cap,
+                                             parallel::Communicator *comm);
+    Result<void> load_trunk_slots(std::span<const SeqChunk> chunks, int64_t &rows);
+    Result<void> load_mtp_slots(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev, int64_t &rows);
+    Result<void> check_slots(int first_cache_layer, int n_cache_layers, int64_t n_rows, std::span<const int32_t> ids);
+    void stage_inputs(int64_t n_rows);
     Result<void> begin_all();
     void rollback_all();
     Result<void> commit_all();
     Result<void> run_layer(int layer, int cache_layer, TensorView x);
     Result<void> attention_block(int layer, int cache_layer, TensorView x);
-    void ffn_block(int layer, TensorView x);
-    void emit_logits(TensorView x, VectorId norm, MatrixId head);
+    Result<void> ffn_block(int layer, TensorView x);
+    Result<void> routed_experts(int layer, TensorView x_sorted, TensorView offsets, TensorView e_out);
+    Result<void> emit_logits(TensorView x, VectorId norm, MatrixId head);
+    Result<void> row_parallel(TensorView x, MatrixId w, TensorView y, const char *what);
+    // The forward's only calls into the communicator, on backend buffers (host memory on the CPU; a device
+    // backend passes device pointers and its stream through these two).
+    Result<void> all_gather(TensorView all, const char *what);
+    Result<void> broadcast(TensorView buf, int root, const char *what);
+    TensorView gathered(int64_t elems_per_rank) const;
+    TensorView own_slot(TensorView all, int64_t rows, int64_t cols) const;
     TensorView mat(TensorView buf, int64_t rows, int64_t cols) const;
 
     Backend *backend_ = nullptr;
     const Step35Model *model_ = nullptr;
     ForwardCapacity cap_;
     float eps_ = 0.0f;
-    std::vector<RopeId> rope_;  // per config layer; invalid when the layer has no RoPE
+    std::vector<RopeId> rope_;     // per config layer; invalid when the layer has no RoPE
+    std::vector<LayerDims> dims_;  // per config layer
+
+    // Tensor parallelism: no communicator for the whole model (TP = 1, the reference path).
+    parallel::Communicator *comm_ = nullptr;
+    int tp_ = 1;
+    int tp_rank_ = 0;
+    bool ep_ = false;
+    CommCounters comm_counters_;
 
     // Backend buffers, flat, sized for the capacity; mat() views them with the step's shapes.
     TensorView ids_, pos_, logit_rows_;       // [T] i32, [T] i64, [L] i32
@@ -122,6 +197,8 @@ private:
     TensorView x_sorted_, e_gate_, e_up_, e_out_;  // [T * top_k, ...]
     TensorView x_logit_, logits_dev_;              // [L, d], [L, vocab]
     TensorView workspace_;                         // canonical products
+    TensorView gather_;  // [tp, max(n_tokens * top_k, n_tokens) * d_model] or [tp, L * vocab / tp]: one
+                         // slot per rank for all-gathers (only with a communicator)
 
     // Host staging, sized for the capacity.
     std::vector<int32_t> ids_host_;
@@ -129,6 +206,7 @@ private:
     std::vector<int32_t> logit_rows_host_;
     std::vector<float> kv_host_k_, kv_host_v_;  // [max(max_context, T) * max kv width]
     std::vector<float> logits_host_;            // [L * vocab]
+    std::vector<int32_t> offsets_host_;         // [n_experts + 1] expert pair offsets (EP only)
     std::vector<int64_t> logit_row_begin_;      // [n_chunks + 1] of the last step
     std::vector<Slot> slots_;                   // the running step's chunks (capacity max_seqs)
     int64_t n_rows_ = 0;                        // rows of the last trunk step

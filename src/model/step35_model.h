@@ -1,7 +1,9 @@
 // Step35Model: every checkpoint tensor of a Step-3.5 model bound to a backend's weight handles (official
 // names, STEP35.md section 5), after the tensor list has been validated against the config. The bound
-// model is plain data; the forward recipe (step35_forward.h) reads it. On the CPU the handles are
-// zero-copy views into the checkpoint's mmap, so the Checkpoint must outlive the backend's use of them.
+// model is plain data; the forward recipe (step35_forward.h) reads it. A model is either whole (TP = 1) or
+// one tensor-parallel rank's shard, bound from the parallel plan (the only place sharding is decided). On
+// the CPU the handles are zero-copy views (or strided windows) into the checkpoint's mmap, so the
+// Checkpoint must outlive the backend's use of them.
 #pragma once
 
 #include <vector>
@@ -10,9 +12,14 @@
 #include "core/result.h"
 #include "io/safetensors.h"
 #include "model/step35_config.h"
+#include "parallel/plan.h"
 
 namespace memra::model {
 
+// Shapes below are those of a whole model; a TP rank's shard holds the parts its RankLayerPlan names:
+// q/g rows of its query heads, k/v rows of its KV heads, o_proj K columns of its canonical blocks, dense
+// gate/up rows and down K columns of its d_ff slice, routed experts whole (EP: its own) or every expert's
+// d_expert slice, LM head / MTP head vocabulary rows. The rest is replicated whole.
 struct AttentionWeights {
     MatrixId q;       // q_proj [n_heads * head_dim, d_model]
     MatrixId k;       // k_proj [n_kv_heads * head_dim, d_model]
@@ -55,8 +62,17 @@ struct LayerWeights {
     MtpWeights mtp;  // MTP layers
 };
 
+// Which part of the model the handles hold.
+struct ModelShard {
+    bool whole = true;       // every tensor whole: the TP = 1 model, bound without a plan
+    int tp = 1;              // TP degree of the plan the shard was bound from (1 when whole)
+    bool ep = false;         // routed experts whole on their owner ranks
+    parallel::RankPlan rank;  // the rank's holdings per layer (empty when whole)
+};
+
 struct Step35Model {
     Step35Config cfg;
+    ModelShard shard;
     MatrixId embed;       // model.embed_tokens [vocab_size, d_model]
     VectorId final_norm;  // model.norm [d_model]
     MatrixId lm_head;     // lm_head [vocab_size, d_model] (= embed when tie_word_embeddings)
@@ -66,5 +82,12 @@ struct Step35Model {
 // Validates the checkpoint's tensors against cfg (model::validate_tensors: the first error is the
 // validation report's), then uploads every tensor to the backend. Errors name the tensor.
 Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg);
+
+// The same for TP rank `rank` of `plan` (made by parallel::make_plan from plan_shape(cfg)): only the rank's
+// slices are uploaded, as windows of the checkpoint tensors (bind time only; nothing is re-sliced per step).
+// Refused besides: a plan with more than one pipeline stage (the forward runs one stage), a rank outside
+// the plan, a plan that was not made for this config (it is rebuilt from cfg and compared).
+Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg,
+                                      const parallel::ParallelPlan &plan, int rank);
 
 }  // namespace memra::model

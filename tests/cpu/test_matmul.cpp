@@ -1,6 +1,7 @@
 // CPU matmul: bits against a scalar reference of the canonical K loop written here from matmul.h's
 // definition alone, accuracy against float64, exact widening of every bf16/f16/fp8 pattern, fp8 edge
-// blocks and unaligned K ranges, invariance to threads (D5), token count (D2) and TP degree (D3).
+// blocks and unaligned K ranges, invariance to threads (D5), token count (D2) and TP degree (D3), and the
+// row / K windows of weights and expert banks a TP rank holds.
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -507,6 +508,145 @@ TEST(CpuMatmulCanonical, CanonicalDiffersFromThePlainMatmul) {
     EXPECT_GT(bit_mismatches(yc, run_matmul(2, x, 2, w.ref())), 0);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Windows of a weight: what a tensor-parallel rank holds (row stride, absolute K origin, full K).
+
+TEST(CpuMatmulWindow, KWindowsGiveTheRankSubtreesOfTheWholeProduct) {
+    // K = 1280: blocks of 160 that start inside 128-wide chunks (and fp8 scale tiles). Each TP rank holds
+    // a K window (and, for the row case, a row window too, so ld != cols and row_offset != 0 together).
+    for (DType dt : kAllWeightDTypes) {
+        const int64_t n_tokens = 3;
+        const int64_t rows = 300;
+        const int64_t cols = 1280;
+        const TestWeight w = make_weight(dt, rows, cols, 101);
+        const WeightRef wr = w.ref();
+        const std::vector<float> x = random_floats(static_cast<size_t>(n_tokens * cols), 102);
+        ThreadPool pool(2);
+        std::vector<float> ws(static_cast<size_t>(matmul_canonical_workspace_floats(n_tokens, wr)));
+        std::vector<float> whole(static_cast<size_t>(n_tokens * rows));
+        matmul_canonical(pool, x.data(), n_tokens, wr, whole.data(), ws.data());
+        std::vector<float> all_partials(static_cast<size_t>(8 * n_tokens * rows));
+        matmul_block_partials(pool, x.data(), n_tokens, wr, 0, 8, all_partials.data());
+        const int64_t bs = cols / 8;
+        for (int64_t tp : {1, 2, 4, 8}) {
+            const int64_t per = 8 / tp;
+            const int64_t k_local = per * bs;
+            const int64_t m = n_tokens * rows;
+            std::vector<float> gathered(static_cast<size_t>(tp * m));
+            int64_t partial_bad = 0;
+            for (int64_t rank = 0; rank < tp; ++rank) {
+                const WeightRef win = weight_k_window(wr, rank * k_local, (rank + 1) * k_local);
+                ASSERT_EQ(win.cols, k_local);
+                ASSERT_EQ(weight_ld(win), cols);
+                ASSERT_EQ(weight_canonical_blocks(win).begin, rank * per);
+                std::vector<float> x_local(static_cast<size_t>(n_tokens * k_local));
+                for (int64_t t = 0; t < n_tokens; ++t) {
+                    std::memcpy(x_local.data() + t * k_local, x.data() + t * cols + rank * k_local,
+                                static_cast<size_t>(k_local) * sizeof(float));
+                }
+                std::vector<float> ws_local(static_cast<size_t>(matmul_canonical_workspace_floats(n_tokens, win)));
+                ASSERT_EQ(static_cast<int64_t>(ws_local.size()), per * m);
+                matmul_canonical(pool, x_local.data(), n_tokens, win, gathered.data() + rank * m, ws_local.data());
+                // Its block partials are the whole matrix's partials of those blocks, bit for bit.
+                for (int64_t i = 0; i < per * m; ++i) {
+                    partial_bad += f32_as_u32(ws_local[static_cast<size_t>(i)]) !=
+                                   f32_as_u32(all_partials[static_cast<size_t>(rank * per * m + i)]);
+                }
+            }
+            std::vector<float> y(static_cast<size_t>(m));
+            canonical_tree_combine(gathered.data(), tp, m, y.data());
+            EXPECT_EQ(partial_bad, 0) << dtype_name(dt) << " tp " << tp;
+            EXPECT_EQ(bit_mismatches(y, whole), 0) << dtype_name(dt) << " tp " << tp;
+
+            // A row window of the K window (rows [37, 150): off the fp8 scale-row boundary) equals those rows.
+            const WeightRef rk = weight_row_slice(weight_k_window(wr, 0, k_local), 37, 150);
+            std::vector<float> x0(static_cast<size_t>(n_tokens * k_local));
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                std::memcpy(x0.data() + t * k_local, x.data() + t * cols, static_cast<size_t>(k_local) * sizeof(float));
+            }
+            std::vector<float> ws_rk(static_cast<size_t>(matmul_canonical_workspace_floats(n_tokens, rk)));
+            std::vector<float> y_rk(static_cast<size_t>(n_tokens * 113));
+            matmul_canonical(pool, x0.data(), n_tokens, rk, y_rk.data(), ws_rk.data());
+            int64_t bad = 0;
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                for (int64_t n = 0; n < 113; ++n) {
+                    bad += f32_as_u32(y_rk[static_cast<size_t>(t * 113 + n)]) !=
+                           f32_as_u32(gathered[static_cast<size_t>(t * rows + 37 + n)]);
+                }
+            }
+            EXPECT_EQ(bad, 0) << dtype_name(dt) << " row window of tp " << tp << " rank 0";
+        }
+    }
+}
+
+TEST(CpuMatmulWindow, BankWindowsEqualTheirPartsOfTheWholeBank) {
+    for (DType dt : {DType::kBF16, DType::kF8E4M3}) {
+        const int64_t n_experts = 4;
+        const int64_t rows = 160;
+        const int64_t cols = 256;
+        std::vector<TestWeight> experts;
+        std::vector<uint8_t> bytes;
+        std::vector<float> scale;
+        for (int64_t e = 0; e < n_experts; ++e) {
+            experts.push_back(make_weight(dt, rows, cols, 110 + static_cast<uint32_t>(e)));
+            bytes.insert(bytes.end(), experts.back().bytes.begin(), experts.back().bytes.end());
+            scale.insert(scale.end(), experts.back().scale.begin(), experts.back().scale.end());
+        }
+        WeightBankRef bank;
+        bank.dtype = dt;
+        bank.data = bytes.data();
+        bank.n_experts = n_experts;
+        bank.rows = rows;
+        bank.cols = cols;
+        bank.scale_inv = dt == DType::kF8E4M3 ? scale.data() : nullptr;
+        const int64_t n_tokens = 5;
+        const std::vector<float> x = random_floats(static_cast<size_t>(n_tokens * cols), 115);
+        ThreadPool pool(2);
+        // EP-like: experts [1, 3) whole; then rows [20, 140) of them (a d_expert slice crossing a scale row).
+        const WeightBankRef owned = weight_bank_window(bank, 1, 3, 0, rows, 0, cols);
+        EXPECT_EQ(owned.first_expert, 1);
+        const WeightBankRef sliced = weight_bank_window(owned, 0, 2, 20, 140, 0, cols);
+        for (int64_t i = 0; i < 2; ++i) {
+            const TestWeight &tw = experts[static_cast<size_t>(1 + i)];
+            const std::vector<float> y_owned = run_matmul(2, x, n_tokens, weight_bank_expert(owned, i));
+            EXPECT_EQ(bit_mismatches(y_owned, ref_matmul(x, n_tokens, tw)), 0)
+                << dtype_name(dt) << " owned expert " << i;
+            const std::vector<float> full = ref_matmul(x, n_tokens, tw);
+            const std::vector<float> part = run_matmul(2, x, n_tokens, weight_bank_expert(sliced, i));
+            int64_t bad = 0;
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                for (int64_t n = 0; n < 120; ++n) {
+                    bad += f32_as_u32(part[static_cast<size_t>(t * 120 + n)]) !=
+                           f32_as_u32(full[static_cast<size_t>(t * rows + 20 + n)]);
+                }
+            }
+            EXPECT_EQ(bad, 0) << dtype_name(dt) << " sliced expert " << i;
+        }
+        // K windows of every expert (down_proj without EP): the subtree sums finish to the whole product.
+        const int64_t m = n_tokens * rows;
+        for (int64_t e = 0; e < n_experts; ++e) {
+            const WeightRef whole_e = weight_bank_expert(bank, e);
+            std::vector<float> ws(static_cast<size_t>(matmul_canonical_workspace_floats(n_tokens, whole_e)));
+            std::vector<float> want(static_cast<size_t>(m));
+            matmul_canonical(pool, x.data(), n_tokens, whole_e, want.data(), ws.data());
+            std::vector<float> gathered(static_cast<size_t>(2 * m));
+            for (int64_t rank = 0; rank < 2; ++rank) {
+                const WeightBankRef half =
+                    weight_bank_window(bank, 0, n_experts, 0, rows, rank * 128, rank * 128 + 128);
+                std::vector<float> x_local(static_cast<size_t>(n_tokens * 128));
+                for (int64_t t = 0; t < n_tokens; ++t) {
+                    std::memcpy(x_local.data() + t * 128, x.data() + t * cols + rank * 128, 128 * sizeof(float));
+                }
+                matmul_canonical(pool, x_local.data(), n_tokens, weight_bank_expert(half, e),
+                                 gathered.data() + rank * m, ws.data());
+            }
+            std::vector<float> y(static_cast<size_t>(m));
+            canonical_tree_combine(gathered.data(), 2, m, y.data());
+            EXPECT_EQ(bit_mismatches(y, want), 0) << dtype_name(dt) << " expert " << e;
+        }
+    }
+}
+
 TEST(CpuMatmul, KernelsDoNotAllocate) {
     const int64_t before_probe = g_allocations.load();
     void *volatile probe = ::operator new(16);  // the counter sees allocations at all
@@ -562,6 +702,27 @@ TEST(CpuMatmulDeathTest, RefusesBrokenInvariants) {
     WeightBankRef bank;
     bank.n_experts = 2;
     EXPECT_DEATH(weight_bank_expert(bank, 2), "expert 2 out of range \\[0, 2\\)");
+
+    // Windows: column-parallel products need every K column; row-parallel ones whole aligned blocks.
+    const TestWeight w16 = make_weight(DType::kBF16, 4, 128, 1);  // blocks of 16
+    const WeightRef half = weight_k_window(w16.ref(), 64, 128);
+    EXPECT_DEATH(matmul(pool, buf.data(), 1, half, buf.data()),
+                 "a column-parallel product needs every K column, the weight holds K \\[64, 128\\) of 128");
+    EXPECT_DEATH(matmul_block_partials(pool, buf.data(), 1, half, 0, 4, buf.data()),
+                 "blocks \\[0, 4\\) are outside the held K \\[64, 128\\)");
+    EXPECT_DEATH(matmul_canonical(pool, buf.data(), 1, weight_k_window(w16.ref(), 16, 64), buf.data(), buf.data()),
+                 "holds blocks \\[1, 4\\), not an aligned subtree");
+    EXPECT_DEATH(matmul_canonical(pool, buf.data(), 1, weight_k_window(w16.ref(), 8, 40), buf.data(), buf.data()),
+                 "holds K \\[8, 40\\), not whole canonical blocks of 16");
+    EXPECT_DEATH(weight_k_window(half, 32, 96), "K window \\[32, 96\\) outside the held K \\[64, 128\\)");
+    WeightBankRef b2;
+    b2.data = buf.data();
+    b2.n_experts = 2;
+    b2.rows = 4;
+    b2.cols = 16;
+    EXPECT_DEATH(weight_bank_window(b2, 1, 3, 0, 4, 0, 16), "experts \\[1, 3\\) outside \\[0, 2\\)");
+    EXPECT_DEATH(weight_bank_window(b2, 0, 2, 2, 2, 0, 16), "rows \\[2, 2\\) outside \\[0, 4\\)");
+    EXPECT_DEATH(weight_bank_window(b2, 0, 2, 0, 4, 8, 24), "K \\[8, 24\\) outside the held K \\[0, 16\\)");
 }
 
 }  // namespace

@@ -1,6 +1,9 @@
-// Helpers shared by the model tests: the release config fixtures and synthetic tensor listings.
+// Helpers shared by the model tests: the release config fixtures, synthetic tensor listings, seeded token
+// ids and raw-bit comparison of logits.
 #pragma once
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +42,27 @@ inline std::vector<io::TensorInfo> as_checkpoint(const std::vector<ExpectedTenso
         offset = end;
     }
     return out;
+}
+
+// n ids in [0, vocab) from a 64-bit LCG keyed by seed.
+inline std::vector<int32_t> make_tokens(uint64_t seed, size_t n, int32_t vocab) {
+    std::vector<int32_t> out(n);
+    uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+    for (auto &t : out) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        t = static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(vocab));
+    }
+    return out;
+}
+
+// Counts raw-bit mismatches between two float vectors (a size mismatch counts every element).
+inline int64_t bit_mismatches(const std::vector<float> &a, const std::vector<float> &b) {
+    if (a.size() != b.size()) return static_cast<int64_t>(std::max(a.size(), b.size()));
+    int64_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        n += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]) ? 1 : 0;
+    }
+    return n;
 }
 
 }  // namespace memra::model

@@ -25,6 +25,8 @@
 #include "model/step35_forward.h"
 #include "model/step35_model.h"
 
+#include "model/model_test_util.h"
+
 namespace memra::model {
 namespace {
 
@@ -40,26 +42,6 @@ struct Engine {
     Step35Model model;
     std::optional<Step35Forward> fwd;
 };
-
-// Counts raw-bit mismatches between two float vectors (a size mismatch counts every element).
-int64_t bit_mismatches(const std::vector<float> &a, const std::vector<float> &b) {
-    if (a.size() != b.size()) return static_cast<int64_t>(std::max(a.size(), b.size()));
-    int64_t n = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-        n += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]) ? 1 : 0;
-    }
-    return n;
-}
-
-std::vector<int32_t> make_tokens(uint64_t seed, size_t n, int32_t vocab) {
-    std::vector<int32_t> out(n);
-    uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
-    for (auto &t : out) {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        t = static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(vocab));
-    }
-    return out;
-}
 
 class ForwardTest : public ::testing::TestWithParam<const char *> {
 protected:

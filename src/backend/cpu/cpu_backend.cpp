@@ -39,6 +39,32 @@ bool linear_dtype(DType t) {
     return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16 || t == DType::kF8E4M3;
 }
 
+// A range [begin, end) of an axis of n entries: non-empty and inside.
+Result<void> check_axis(const char *what, int64_t begin, int64_t end, int64_t n) {
+    if (begin < 0 || begin >= end || end > n) {
+        return make_error("cpu upload: window {} [{}, {}) must be non-empty inside [0, {})", what, begin, end, n);
+    }
+    return {};
+}
+
+// A K window other than the whole K must be whole canonical blocks forming an aligned subtree.
+Result<void> check_k_window(int64_t k0, int64_t k1, int64_t k) {
+    if (k0 == 0 && k1 == k) return {};
+    const int64_t blocks = kCanonicalBlocks;
+    if (k % blocks != 0) {
+        return make_error("cpu upload: K window [{}, {}) of a matrix with K = {}, which has no {} canonical blocks", k0,
+                          k1, k, blocks);
+    }
+    const int64_t bs = k / blocks;
+    const int64_t m = (k1 - k0) / bs;
+    if (k0 % bs != 0 || k1 % bs != 0 || !(m == 1 || m == 2 || m == 4 || m == 8) || (k0 / bs) % m != 0) {
+        return make_error("cpu upload: K window [{}, {}) is not an aligned subtree of the {} canonical blocks of {} "
+                          "columns (K = {})",
+                          k0, k1, blocks, bs, k);
+    }
+    return {};
+}
+
 }  // namespace
 
 CpuBackend::CpuBackend(int n_threads) : pool_(n_threads) {}
@@ -68,6 +94,10 @@ Result<TensorView> CpuBackend::alloc(DType dtype, std::initializer_list<int64_t>
 }
 
 Result<MatrixId> CpuBackend::upload_matrix(const HostMatrix &m) {
+    return upload_matrix_window(m, MatrixWindow::whole(m));
+}
+
+Result<MatrixId> CpuBackend::upload_matrix_window(const HostMatrix &m, const MatrixWindow &win) {
     if (!linear_dtype(m.dtype)) return make_error("cpu upload: matrix dtype {} is not supported", dtype_name(m.dtype));
     if (m.rows <= 0 || m.cols <= 0 || m.data == nullptr) {
         return make_error("cpu upload: matrix [{}, {}] must be non-empty with data", m.rows, m.cols);
@@ -76,6 +106,9 @@ Result<MatrixId> CpuBackend::upload_matrix(const HostMatrix &m) {
         return make_error("cpu upload: F8_E4M3 matrix [{}, {}] needs scale_inv and positive block sizes", m.rows,
                           m.cols);
     }
+    if (auto ok = check_axis("rows", win.row_begin, win.row_end, m.rows); !ok) return tl::unexpected(ok.error());
+    if (auto ok = check_axis("columns", win.col_begin, win.col_end, m.cols); !ok) return tl::unexpected(ok.error());
+    if (auto ok = check_k_window(win.col_begin, win.col_end, m.cols); !ok) return tl::unexpected(ok.error());
     WeightRef w;
     w.dtype = m.dtype;
     w.data = m.data;
@@ -84,11 +117,15 @@ Result<MatrixId> CpuBackend::upload_matrix(const HostMatrix &m) {
     w.scale_inv = m.scale_inv;
     w.block_rows = m.block_rows;
     w.block_cols = m.block_cols;
+    if (win.row_begin != 0 || win.row_end != m.rows) w = weight_row_slice(w, win.row_begin, win.row_end);
+    if (win.col_begin != 0 || win.col_end != m.cols) w = weight_k_window(w, win.col_begin, win.col_end);
     matrices_.push_back(w);
     return MatrixId{static_cast<int32_t>(matrices_.size() - 1)};
 }
 
-Result<BankId> CpuBackend::upload_bank(const HostBank &b) {
+Result<BankId> CpuBackend::upload_bank(const HostBank &b) { return upload_bank_window(b, BankWindow::whole(b)); }
+
+Result<BankId> CpuBackend::upload_bank_window(const HostBank &b, const BankWindow &win) {
     if (!linear_dtype(b.dtype)) {
         return make_error("cpu upload: expert bank dtype {} is not supported", dtype_name(b.dtype));
     }
@@ -100,6 +137,12 @@ Result<BankId> CpuBackend::upload_bank(const HostBank &b) {
         return make_error("cpu upload: F8_E4M3 expert bank [{}, {}, {}] needs scale_inv and positive block sizes",
                           b.n_experts, b.rows, b.cols);
     }
+    if (auto ok = check_axis("experts", win.expert_begin, win.expert_end, b.n_experts); !ok) {
+        return tl::unexpected(ok.error());
+    }
+    if (auto ok = check_axis("rows", win.row_begin, win.row_end, b.rows); !ok) return tl::unexpected(ok.error());
+    if (auto ok = check_axis("columns", win.col_begin, win.col_end, b.cols); !ok) return tl::unexpected(ok.error());
+    if (auto ok = check_k_window(win.col_begin, win.col_end, b.cols); !ok) return tl::unexpected(ok.error());
     WeightBankRef w;
     w.dtype = b.dtype;
     w.data = b.data;
@@ -109,6 +152,11 @@ Result<BankId> CpuBackend::upload_bank(const HostBank &b) {
     w.scale_inv = b.scale_inv;
     w.block_rows = b.block_rows;
     w.block_cols = b.block_cols;
+    if (win.expert_begin != 0 || win.expert_end != b.n_experts || win.row_begin != 0 || win.row_end != b.rows ||
+        win.col_begin != 0 || win.col_end != b.cols) {
+        w = weight_bank_window(w, win.expert_begin, win.expert_end, win.row_begin, win.row_end, win.col_begin,
+                               win.col_end);
+    }
     banks_.push_back(w);
     return BankId{static_cast<int32_t>(banks_.size() - 1)};
 }
@@ -177,6 +225,8 @@ void CpuBackend::copy_to_host(TensorView src, void *dst) {
 Result<void> CpuBackend::embedding(MatrixId table, TensorView ids, TensorView out) {
     ++counters_.launches;
     const WeightRef &w = matrix(table);
+    MEMRA_CHECK(weight_has_full_k(w) && weight_ld(w) == w.cols && w.row_offset == 0,
+                "embedding: the table must be uploaded whole");
     MEMRA_CHECK(ids.numel() == out.rows() && out.row_elems() == w.cols,
                 "embedding: {} ids, out [{}, {}], table [{}, {}]",
                 ids.numel(), out.rows(), out.row_elems(), w.rows, w.cols);
@@ -243,13 +293,14 @@ void CpuBackend::matmul_grouped(TensorView x_sorted, BankId b, TensorView offset
     ++counters_.launches;
     const WeightBankRef &bk = bank(b);
     const int32_t *off = i32(offsets);
-    MEMRA_CHECK(offsets.numel() == bk.n_experts + 1 && off[bk.n_experts] == x_sorted.rows() &&
+    MEMRA_CHECK(offsets.numel() >= bk.first_expert + bk.n_experts + 1 && off[offsets.numel() - 1] == x_sorted.rows() &&
                     x_sorted.row_elems() == bk.cols && y.rows() == x_sorted.rows() && y.row_elems() == bk.rows,
-                "matmul_grouped: x [{}, {}], bank [{}, {}, {}], y [{}, {}]", x_sorted.rows(), x_sorted.row_elems(),
-                bk.n_experts, bk.rows, bk.cols, y.rows(), y.row_elems());
+                "matmul_grouped: x [{}, {}], bank [{}, {}, {}] from expert {}, {} offsets, y [{}, {}]",
+                x_sorted.rows(), x_sorted.row_elems(), bk.n_experts, bk.rows, bk.cols, bk.first_expert,
+                offsets.numel(), y.rows(), y.row_elems());
     for (int64_t e = 0; e < bk.n_experts; ++e) {
-        const int64_t r0 = off[e];
-        const int64_t r1 = off[e + 1];
+        const int64_t r0 = off[bk.first_expert + e];
+        const int64_t r1 = off[bk.first_expert + e + 1];
         if (r1 == r0) continue;
         cpu::matmul(pool_, f32(x_sorted.row_slice(r0, r1)), r1 - r0, weight_bank_expert(bk, e),
                     f32(y.row_slice(r0, r1)));
@@ -261,13 +312,14 @@ void CpuBackend::matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorV
     ++counters_.launches;
     const WeightBankRef &bk = bank(b);
     const int32_t *off = i32(offsets);
-    MEMRA_CHECK(offsets.numel() == bk.n_experts + 1 && off[bk.n_experts] == x_sorted.rows() &&
+    MEMRA_CHECK(offsets.numel() >= bk.first_expert + bk.n_experts + 1 && off[offsets.numel() - 1] == x_sorted.rows() &&
                     x_sorted.row_elems() == bk.cols && y.rows() == x_sorted.rows() && y.row_elems() == bk.rows,
-                "matmul_grouped_canonical: x [{}, {}], bank [{}, {}, {}], y [{}, {}]", x_sorted.rows(),
-                x_sorted.row_elems(), bk.n_experts, bk.rows, bk.cols, y.rows(), y.row_elems());
+                "matmul_grouped_canonical: x [{}, {}], bank [{}, {}, {}] from expert {}, {} offsets, y [{}, {}]",
+                x_sorted.rows(), x_sorted.row_elems(), bk.n_experts, bk.rows, bk.cols, bk.first_expert,
+                offsets.numel(), y.rows(), y.row_elems());
     for (int64_t e = 0; e < bk.n_experts; ++e) {
-        const int64_t r0 = off[e];
-        const int64_t r1 = off[e + 1];
+        const int64_t r0 = off[bk.first_expert + e];
+        const int64_t r1 = off[bk.first_expert + e + 1];
         if (r1 == r0) continue;
         const WeightRef w = weight_bank_expert(bk, e);
         MEMRA_CHECK(workspace.numel() >= matmul_canonical_workspace_floats(r1 - r0, w),
@@ -393,6 +445,34 @@ void CpuBackend::concat_cols(TensorView a, TensorView b, TensorView out) {
     for (int64_t t = 0; t < a.rows(); ++t) {
         std::memcpy(po + t * (da + db), pa + t * da, static_cast<size_t>(da) * sizeof(float));
         std::memcpy(po + t * (da + db) + da, pb + t * db, static_cast<size_t>(db) * sizeof(float));
+    }
+}
+
+void CpuBackend::canonical_combine(TensorView subtree_sums, TensorView out) {
+    ++counters_.launches;
+    const int64_t tp = subtree_sums.rows();
+    MEMRA_CHECK(subtree_sums.row_elems() == out.numel(), "canonical_combine: sums [{}, {}] for out [{}, {}]", tp,
+                subtree_sums.row_elems(), out.rows(), out.row_elems());
+    canonical_tree_combine(f32(subtree_sums), tp, out.numel(), f32(out));
+}
+
+void CpuBackend::join_col_shards(TensorView shards, TensorView out) {
+    ++counters_.launches;
+    MEMRA_CHECK(shards.rank == 3 && shards.dtype == out.dtype, "join_col_shards: shards must be [n_shards, n, w]");
+    const int64_t n_shards = shards.dim(0);
+    const int64_t n = shards.dim(1);
+    const int64_t w = shards.dim(2);
+    MEMRA_CHECK(out.rows() == n && out.row_elems() == n_shards * w,
+                "join_col_shards: shards [{}, {}, {}], out [{}, {}]", n_shards, n, w, out.rows(), out.row_elems());
+    const size_t elem = dtype_size(out.dtype);
+    const size_t piece = static_cast<size_t>(w) * elem;
+    const auto *src = static_cast<const std::byte *>(shards.data);
+    auto *dst = static_cast<std::byte *>(out.data);
+    for (int64_t s = 0; s < n_shards; ++s) {
+        for (int64_t t = 0; t < n; ++t) {
+            std::memcpy(dst + static_cast<size_t>(t * n_shards + s) * piece,
+                        src + static_cast<size_t>(s * n + t) * piece, piece);
+        }
     }
 }
 

@@ -1,6 +1,8 @@
 // CpuBackend: the Backend interface over the CPU reference kernels (backend/cpu/ops*.h, matmul.h) and one
 // owned ThreadPool. Weights are zero-copy views into host memory (the checkpoint's mmap); buffers are host
-// allocations made at prepare time. Every op call counts one launch, every host transfer one host copy.
+// allocations made at prepare time; a TP rank's shard is a window view of the same memory (row stride,
+// absolute K origin), never a copy. Every op call counts one launch, every host transfer one host copy.
+// Not final: a test may derive from it to perturb one op and show a bit gate can fail.
 #pragma once
 
 #include <cstddef>
@@ -14,7 +16,7 @@
 
 namespace memra::cpu {
 
-class CpuBackend final : public Backend {
+class CpuBackend : public Backend {
 public:
     // n_threads >= 1 (MEMRA_CHECK): the pool size; results do not depend on it (D5).
     explicit CpuBackend(int n_threads);
@@ -29,6 +31,8 @@ public:
     Result<TensorView> alloc(DType dtype, std::initializer_list<int64_t> shape) override;
     Result<MatrixId> upload_matrix(const HostMatrix &m) override;
     Result<BankId> upload_bank(const HostBank &b) override;
+    Result<MatrixId> upload_matrix_window(const HostMatrix &m, const MatrixWindow &w) override;
+    Result<BankId> upload_bank_window(const HostBank &b, const BankWindow &w) override;
     Result<VectorId> upload_vector(const HostVector &v) override;
     Result<RopeId> create_rope_table(int64_t rot_dim, double theta, const RopeScalingParams *llama3,
                                      int64_t n_positions) override;
@@ -62,9 +66,15 @@ public:
                      TensorView shared, TensorView out) override;
     void gather_rows(TensorView src, TensorView rows, TensorView dst) override;
     void concat_cols(TensorView a, TensorView b, TensorView out) override;
+    void canonical_combine(TensorView subtree_sums, TensorView out) override;
+    void join_col_shards(TensorView shards, TensorView out) override;
 
     BackendCounters counters() const override { return counters_; }
     void reset_counters() override { counters_ = {}; }
+
+protected:
+    // Counts one launch, for an op a derived test backend replaces.
+    void count_launch() { ++counters_.launches; }
 
 private:
     const WeightRef &matrix(MatrixId id) const;

@@ -173,11 +173,14 @@ template <DType kDt, int kR, int kT>
     static_assert(kR * kT <= 16, "at most 16 accumulators");
     const int64_t edge = w.block_cols;
     constexpr int64_t elem = kDt == DType::kF32 ? 4 : (kDt == DType::kF8E4M3 ? 1 : 2);  // bytes per element
+    // rows[r] holds the window's columns: absolute K position k is element k - kb of it.
+    const int64_t kb = w.k_begin;
+    const int64_t ld = weight_ld(w);
     const void *rows[kR];
     const float *scale_rows[kR];
-    const int64_t scale_cols = (w.cols + edge - 1) / edge;
+    const int64_t scale_cols = (weight_k_full(w) + edge - 1) / edge;
     for (int r = 0; r < kR; ++r) {
-        rows[r] = static_cast<const uint8_t *>(w.data) + (n + r) * w.cols * elem;
+        rows[r] = static_cast<const uint8_t *>(w.data) + (n + r) * ld * elem;
         if constexpr (kDt == DType::kF8E4M3) {
             scale_rows[r] = w.scale_inv + ((w.row_offset + n + r) / w.block_rows) * scale_cols;
         } else {
@@ -197,7 +200,7 @@ template <DType kDt, int kR, int kT>
         int64_t k = c0;
         for (; k + kLanes <= c1; k += kLanes) {
             F32x16 wv[kR];
-            for (int r = 0; r < kR; ++r) wv[r] = widen16<kDt>(rows[r], k);
+            for (int r = 0; r < kR; ++r) wv[r] = widen16<kDt>(rows[r], k - kb);
             for (int t = 0; t < kT; ++t) {
                 const F32x16 xv = load_f32x16(xs[t] + (k - k0));
                 for (int r = 0; r < kR; ++r) {
@@ -209,7 +212,7 @@ template <DType kDt, int kR, int kT>
         // Tail of a chunk shorter than a multiple of 16: lanes 0 .. c1-k-1 take one more element.
         for (int j = 0; k + j < c1; ++j) {
             for (int r = 0; r < kR; ++r) {
-                const float wj = widen1<kDt>(rows[r], k + j);
+                const float wj = widen1<kDt>(rows[r], k + j - kb);
                 for (int t = 0; t < kT; ++t) {
                     const float p = xs[t][k + j - k0] * wj;
                     acc[r * kT + t][j] = acc[r * kT + t][j] + p;
@@ -315,6 +318,9 @@ void check_weight(const WeightRef &w) {
     MEMRA_CHECK(w.block_rows >= 1 && w.block_cols >= 1, "matmul: block edges must be >= 1, got [{}, {}]",
                 w.block_rows, w.block_cols);
     MEMRA_CHECK(w.row_offset >= 0, "matmul: weight row_offset {} is negative", w.row_offset);
+    MEMRA_CHECK(weight_ld(w) >= w.cols && w.k_begin >= 0 && w.k_begin + w.cols <= weight_k_full(w),
+                "matmul: weight window of {} columns at K {} (row stride {}) does not fit a matrix of K = {}", w.cols,
+                w.k_begin, weight_ld(w), weight_k_full(w));
     if (dt == DType::kF8E4M3) {
         MEMRA_CHECK(w.scale_inv != nullptr || w.rows * w.cols == 0, "matmul: F8_E4M3 weight [{}, {}] has no scale_inv",
                     w.rows, w.cols);
@@ -355,6 +361,21 @@ void balanced_tree(const float *v, int64_t m, int64_t n, float *out) {
 
 }  // namespace
 
+namespace {
+
+int64_t bank_ld(const WeightBankRef &bank) { return bank.ld > 0 ? bank.ld : bank.cols; }
+int64_t bank_k_full(const WeightBankRef &bank) { return bank.k_full > 0 ? bank.k_full : bank.cols; }
+int64_t bank_expert_stride(const WeightBankRef &bank) {
+    return bank.expert_stride > 0 ? bank.expert_stride : bank.rows * bank_ld(bank);
+}
+int64_t bank_scale_stride(const WeightBankRef &bank) {
+    if (bank.scale_stride > 0) return bank.scale_stride;
+    return ((bank.rows + bank.block_rows - 1) / bank.block_rows) *
+           ((bank_k_full(bank) + bank.block_cols - 1) / bank.block_cols);
+}
+
+}  // namespace
+
 WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert) {
     MEMRA_CHECK(expert >= 0 && expert < bank.n_experts, "weight bank: expert {} out of range [0, {})", expert,
                 bank.n_experts);
@@ -366,23 +387,62 @@ WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert) {
     w.cols = bank.cols;
     w.block_rows = bank.block_rows;
     w.block_cols = bank.block_cols;
-    const int64_t elems = bank.rows * bank.cols;
-    w.data = static_cast<const uint8_t *>(bank.data) + expert * elems * weight_elem_size(bank.dtype);
-    if (bank.scale_inv != nullptr) {
-        const int64_t grid = ((bank.rows + bank.block_rows - 1) / bank.block_rows) *
-                             ((bank.cols + bank.block_cols - 1) / bank.block_cols);
-        w.scale_inv = bank.scale_inv + expert * grid;
-    }
+    w.row_offset = bank.row_offset;
+    w.ld = bank_ld(bank);
+    w.k_begin = bank.k_begin;
+    w.k_full = bank_k_full(bank);
+    w.data = static_cast<const uint8_t *>(bank.data) + expert * bank_expert_stride(bank) * weight_elem_size(bank.dtype);
+    if (bank.scale_inv != nullptr) w.scale_inv = bank.scale_inv + expert * bank_scale_stride(bank);
     return w;
+}
+
+WeightBankRef weight_bank_window(const WeightBankRef &bank, int64_t e0, int64_t e1, int64_t r0, int64_t r1,
+                                 int64_t k0, int64_t k1) {
+    MEMRA_CHECK(0 <= e0 && e0 < e1 && e1 <= bank.n_experts, "weight bank window: experts [{}, {}) outside [0, {})",
+                e0, e1, bank.n_experts);
+    MEMRA_CHECK(0 <= r0 && r0 < r1 && r1 <= bank.rows, "weight bank window: rows [{}, {}) outside [0, {})", r0, r1,
+                bank.rows);
+    MEMRA_CHECK(bank.k_begin <= k0 && k0 < k1 && k1 <= bank.k_begin + bank.cols,
+                "weight bank window: K [{}, {}) outside the held K [{}, {})", k0, k1, bank.k_begin,
+                bank.k_begin + bank.cols);
+    WeightBankRef s = bank;
+    s.ld = bank_ld(bank);
+    s.k_full = bank_k_full(bank);
+    s.expert_stride = bank_expert_stride(bank);
+    if (bank.scale_inv != nullptr) {
+        s.scale_stride = bank_scale_stride(bank);
+        s.scale_inv = bank.scale_inv + e0 * s.scale_stride;
+    }
+    s.data = static_cast<const uint8_t *>(bank.data) +
+             (e0 * s.expert_stride + r0 * s.ld + (k0 - bank.k_begin)) * weight_elem_size(bank.dtype);
+    s.n_experts = e1 - e0;
+    s.rows = r1 - r0;
+    s.cols = k1 - k0;
+    s.first_expert = bank.first_expert + e0;
+    s.row_offset = bank.row_offset + r0;
+    s.k_begin = k0;
+    return s;
 }
 
 WeightRef weight_row_slice(const WeightRef &w, int64_t r0, int64_t r1) {
     MEMRA_CHECK(0 <= r0 && r0 <= r1 && r1 <= w.rows, "weight row slice [{}, {}) outside rows [0, {})", r0, r1,
                 w.rows);
     WeightRef s = w;
-    s.data = static_cast<const uint8_t *>(w.data) + r0 * w.cols * weight_elem_size(w.dtype);
+    s.data = static_cast<const uint8_t *>(w.data) + r0 * weight_ld(w) * weight_elem_size(w.dtype);
     s.rows = r1 - r0;
     s.row_offset = w.row_offset + r0;
+    return s;
+}
+
+WeightRef weight_k_window(const WeightRef &w, int64_t k0, int64_t k1) {
+    MEMRA_CHECK(w.k_begin <= k0 && k0 < k1 && k1 <= w.k_begin + w.cols,
+                "weight K window [{}, {}) outside the held K [{}, {})", k0, k1, w.k_begin, w.k_begin + w.cols);
+    WeightRef s = w;
+    s.ld = weight_ld(w);
+    s.k_full = weight_k_full(w);
+    s.data = static_cast<const uint8_t *>(w.data) + (k0 - w.k_begin) * weight_elem_size(w.dtype);
+    s.cols = k1 - k0;
+    s.k_begin = k0;
     return s;
 }
 
@@ -393,6 +453,8 @@ void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef 
 void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, int64_t n0, int64_t n1,
                  float *y, int64_t y_stride) {
     check_weight(w);
+    MEMRA_CHECK(weight_has_full_k(w), "matmul: a column-parallel product needs every K column, the weight holds "
+                "K [{}, {}) of {}", w.k_begin, w.k_begin + w.cols, weight_k_full(w));
     MEMRA_CHECK(n_tokens >= 0, "matmul: n_tokens {} is negative", n_tokens);
     MEMRA_CHECK(0 <= n0 && n0 <= n1 && n1 <= w.rows, "matmul: output rows [{}, {}) outside weight rows [0, {})", n0,
                 n1, w.rows);
@@ -413,10 +475,23 @@ void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const Weigh
 }
 
 int64_t canonical_block_size(const WeightRef &w) {
-    MEMRA_CHECK(w.cols > 0 && w.cols % kCanonicalBlocks == 0,
-                "row-parallel matmul: K = {} must be a positive multiple of the {} canonical blocks", w.cols,
+    const int64_t k = weight_k_full(w);
+    MEMRA_CHECK(k > 0 && k % kCanonicalBlocks == 0,
+                "row-parallel matmul: K = {} must be a positive multiple of the {} canonical blocks", k,
                 kCanonicalBlocks);
-    return w.cols / kCanonicalBlocks;
+    return k / kCanonicalBlocks;
+}
+
+BlockRange weight_canonical_blocks(const WeightRef &w) {
+    const int64_t bs = canonical_block_size(w);
+    MEMRA_CHECK(w.k_begin % bs == 0 && w.cols % bs == 0 && w.cols > 0,
+                "row-parallel matmul: the weight holds K [{}, {}), not whole canonical blocks of {}", w.k_begin,
+                w.k_begin + w.cols, bs);
+    const BlockRange r{w.k_begin / bs, (w.k_begin + w.cols) / bs};
+    const int64_t m = r.end - r.begin;
+    MEMRA_CHECK((m == 1 || m == 2 || m == 4 || m == 8) && r.begin % m == 0,
+                "row-parallel matmul: the weight holds blocks [{}, {}), not an aligned subtree", r.begin, r.end);
+    return r;
 }
 
 void matmul_block_partials(ThreadPool &pool, const float *x_blocks, int64_t n_tokens, const WeightRef &w,
@@ -426,6 +501,9 @@ void matmul_block_partials(ThreadPool &pool, const float *x_blocks, int64_t n_to
     MEMRA_CHECK(0 <= block_begin && block_begin < block_end && block_end <= kCanonicalBlocks,
                 "row-parallel matmul: block range [{}, {}) outside [0, {})", block_begin, block_end,
                 kCanonicalBlocks);
+    MEMRA_CHECK(block_begin * bs >= w.k_begin && block_end * bs <= w.k_begin + w.cols,
+                "row-parallel matmul: blocks [{}, {}) are outside the held K [{}, {})", block_begin, block_end,
+                w.k_begin, w.k_begin + w.cols);
     MEMRA_CHECK(n_tokens >= 0, "matmul: n_tokens {} is negative", n_tokens);
     Task task;
     task.w = &w;
@@ -459,13 +537,15 @@ void canonical_tree_combine(const float *subtree_sums, int64_t n_subtrees, int64
 }
 
 int64_t matmul_canonical_workspace_floats(int64_t n_tokens, const WeightRef &w) {
-    return kCanonicalBlocks * n_tokens * w.rows;
+    const BlockRange b = weight_canonical_blocks(w);
+    return (b.end - b.begin) * n_tokens * w.rows;
 }
 
 void matmul_canonical(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y,
                       float *workspace) {
-    matmul_block_partials(pool, x, n_tokens, w, 0, kCanonicalBlocks, workspace);
-    canonical_tree_reduce(workspace, 0, kCanonicalBlocks, n_tokens * w.rows, y);
+    const BlockRange b = weight_canonical_blocks(w);
+    matmul_block_partials(pool, x, n_tokens, w, b.begin, b.end, workspace);
+    canonical_tree_reduce(workspace, b.begin, b.end, n_tokens * w.rows, y);
 }
 
 }  // namespace memra::cpu

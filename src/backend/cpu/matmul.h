@@ -36,30 +36,51 @@ inline constexpr int64_t kLanes = 16;
 // Row-parallel products cut K into this many equal canonical blocks (DETERMINISM.md rule 2).
 inline constexpr int64_t kCanonicalBlocks = 8;
 
-// A non-owning view of a PyTorch linear weight [out, in] (row-major: one row per output feature).
+// A non-owning view of a PyTorch linear weight [out, in] (row-major: one row per output feature), or of a
+// window of one: what a tensor-parallel rank holds (parallel/plan). A row window (column-parallel shard:
+// heads, d_ff, vocab rows) moves data and row_offset; a K window (row-parallel shard: whole canonical
+// blocks) keeps absolute K positions (k_begin), so chunk cuts, fp8 scale columns and canonical block
+// numbers are those of the whole matrix and a rank's partials equal the TP = 1 partials bit for bit.
 struct WeightRef {
     DType dtype = DType::kBF16;        // kF32, kBF16, kF16 or kF8E4M3
-    const void *data = nullptr;        // [rows, cols] row-major, dtype
-    int64_t rows = 0;                  // out features
-    int64_t cols = 0;                  // in features (K)
-    const float *scale_inv = nullptr;  // kF8E4M3 only: [ceil(R / block_rows), ceil(cols / block_cols)] f32,
+    const void *data = nullptr;        // [rows, cols] dtype, row stride ld: element (n, k) of the window
+    int64_t rows = 0;                  // out features held
+    int64_t cols = 0;                  // in features (K) held: absolute K positions [k_begin, k_begin + cols)
+    const float *scale_inv = nullptr;  // kF8E4M3 only: [ceil(R / block_rows), ceil(k_full / block_cols)] f32,
                                        // row-major, R = rows of the matrix the grid was made for
     int64_t block_rows = kFp8Block;    // scale block height (fp8 only)
     int64_t block_cols = kFp8Block;    // scale block width; also the chunk edge E of the K loop (all dtypes)
     int64_t row_offset = 0;            // index of row 0 in the matrix scale_inv describes (set by row slices)
+    int64_t ld = 0;                    // elements between consecutive rows; 0 means cols (a dense matrix)
+    int64_t k_begin = 0;               // absolute K position of column 0 (set by K windows)
+    int64_t k_full = 0;                // K of the whole matrix; 0 means cols (no K window)
 };
 
+// The row stride and whole-matrix K of w, resolving the 0 defaults.
+inline int64_t weight_ld(const WeightRef &w) { return w.ld > 0 ? w.ld : w.cols; }
+inline int64_t weight_k_full(const WeightRef &w) { return w.k_full > 0 ? w.k_full : w.cols; }
+// True when w holds every K column of its matrix (what column-parallel products need).
+inline bool weight_has_full_k(const WeightRef &w) { return w.k_begin == 0 && w.cols == weight_k_full(w); }
+
 // A stacked expert bank [n_experts, rows, cols] with, for fp8, scale_inv
-// [n_experts, ceil(rows / block_rows), ceil(cols / block_cols)] f32.
+// [n_experts, ceil(rows / block_rows), ceil(cols / block_cols)] f32; or a window of one (a TP rank's
+// experts under EP, or every expert's d_expert slice without EP), described as for WeightRef.
 struct WeightBankRef {
     DType dtype = DType::kBF16;
-    const void *data = nullptr;  // [n_experts, rows, cols] dtype
-    int64_t n_experts = 0;
+    const void *data = nullptr;  // [n_experts, rows, cols] dtype: expert 0 of the window at its (row 0, col 0)
+    int64_t n_experts = 0;       // experts held
     int64_t rows = 0;
     int64_t cols = 0;
-    const float *scale_inv = nullptr;  // kF8E4M3 only: as above
+    const float *scale_inv = nullptr;  // kF8E4M3 only: the grid of held expert 0
     int64_t block_rows = kFp8Block;
     int64_t block_cols = kFp8Block;
+    int64_t first_expert = 0;   // global index of held expert 0: the grouped ops read offsets[first_expert + e]
+    int64_t expert_stride = 0;  // elements between consecutive experts; 0 means rows * weight ld (dense)
+    int64_t scale_stride = 0;   // floats between consecutive experts' scale grids; 0 means the dense grid
+    int64_t row_offset = 0;     // as WeightRef, for every expert
+    int64_t ld = 0;
+    int64_t k_begin = 0;
+    int64_t k_full = 0;
 };
 
 // Expert `expert` of a bank as a WeightRef (0 <= expert < n_experts: MEMRA_CHECK).
@@ -69,10 +90,21 @@ WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert);
 // fp8 scales keep following their rows (row_offset), so the slice's outputs equal rows r0..r1 of w's.
 WeightRef weight_row_slice(const WeightRef &w, int64_t r0, int64_t r1);
 
+// Absolute K columns [k0, k1) of w (inside the columns w holds, k0 < k1: MEMRA_CHECK), for row-parallel
+// sharding. Row-parallel products over the window give the partials / subtree sum of the canonical blocks
+// it covers; column-parallel products refuse it.
+WeightRef weight_k_window(const WeightRef &w, int64_t k0, int64_t k1);
+
+// The window of a bank holding experts [e0, e1), rows [r0, r1) and absolute K columns [k0, k1) of each
+// (all inside what bank holds: MEMRA_CHECK). Held expert 0 becomes global expert bank.first_expert + e0.
+WeightBankRef weight_bank_window(const WeightBankRef &bank, int64_t e0, int64_t e1, int64_t r0, int64_t r1,
+                                 int64_t k0, int64_t k1);
+
 // ---------------------------------------------------------------------------------------------
 // Column-parallel products (q/k/v/gate, expert gate/up, router, lm_head): the canonical K loop over
-// the whole K = w.cols. None of these allocates; threads split output rows (or tokens when there are
-// few rows), and every output element is computed by exactly one thread.
+// the whole K = w.cols (w must hold every K column: MEMRA_CHECK). None of these allocates; threads split
+// output rows (or tokens when there are few rows), and every output element is computed by exactly one
+// thread.
 
 // x: [n_tokens, K] f32; y: [n_tokens, w.rows] f32. y[t, n] = dot(x[t, 0:K], W[n, 0:K]).
 void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y);
@@ -84,16 +116,17 @@ void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const Weigh
 
 // ---------------------------------------------------------------------------------------------
 // Row-parallel products (attention o_proj, dense and expert down_proj): K is cut into kCanonicalBlocks
-// blocks of B = K / 8 columns (K % 8 == 0: MEMRA_CHECK); block b covers K range [b * B, (b + 1) * B).
-// Each block's partial is the canonical K loop over that range; the 8 partials are added as
+// blocks of B = K / 8 columns (K = weight_k_full(w), K % 8 == 0: MEMRA_CHECK); block b covers K range
+// [b * B, (b + 1) * B). Each block's partial is the canonical K loop over that range; the 8 partials are
+// added as
 //   ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)).
 // With TP = N each rank owns the aligned subtree of 8 / N blocks, reduces it with canonical_tree_reduce,
 // and the N subtree sums are finished with canonical_tree_combine: bit-identical to TP = 1.
 
-// B = w.cols / kCanonicalBlocks (MEMRA_CHECK that it divides).
+// B = weight_k_full(w) / kCanonicalBlocks (MEMRA_CHECK that it divides).
 int64_t canonical_block_size(const WeightRef &w);
 
-// Partials of blocks [block_begin, block_end) (0 <= begin < end <= 8).
+// Partials of blocks [block_begin, block_end) (0 <= begin < end <= 8, inside the K columns w holds).
 // x_blocks: [n_tokens, (block_end - block_begin) * B] f32 — the activation columns of those blocks only
 //           (for all 8 blocks, the full x row; for a TP rank, its local shard).
 // partials: [block_end - block_begin, n_tokens, w.rows] f32.
@@ -109,11 +142,21 @@ void canonical_tree_reduce(const float *partials, int64_t block_begin, int64_t b
 // of TP = n_subtrees hold them after an all-gather. subtree_sums: [n_subtrees, n] f32; out: [n] f32.
 void canonical_tree_combine(const float *subtree_sums, int64_t n_subtrees, int64_t n, float *out);
 
-// Floats of workspace matmul_canonical needs: kCanonicalBlocks * n_tokens * w.rows.
+// The canonical blocks w holds: [k_begin / B, (k_begin + cols) / B) — all 8 for a whole weight, a TP rank's
+// aligned subtree for a K window. MEMRA_CHECK that the window is whole blocks forming an aligned subtree.
+struct BlockRange {
+    int64_t begin = 0;
+    int64_t end = 0;
+};
+BlockRange weight_canonical_blocks(const WeightRef &w);
+
+// Floats of workspace matmul_canonical needs: (blocks held) * n_tokens * w.rows.
 int64_t matmul_canonical_workspace_floats(int64_t n_tokens, const WeightRef &w);
 
-// The TP = 1 row-parallel product: all 8 block partials, then the full tree.
-// x: [n_tokens, K] f32; y: [n_tokens, w.rows] f32; workspace: matmul_canonical_workspace_floats() floats.
+// The row-parallel product over the blocks w holds: their partials, then their subtree of the tree. For a
+// whole weight that is the TP = 1 product; for a TP rank's K window it is the rank's subtree sum.
+// x: [n_tokens, w.cols] f32 (the held K columns); y: [n_tokens, w.rows] f32;
+// workspace: matmul_canonical_workspace_floats() floats.
 void matmul_canonical(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y,
                       float *workspace);
 
