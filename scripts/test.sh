@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+stage() { echo "== $1 (at ${SECONDS}s) =="; }
 bash scripts/setup.sh base
 
 # The model oracles (torch, transformers, llama-cpp-python: minutes of downloading and compiling on a
@@ -15,17 +16,17 @@ bash scripts/setup.sh oracles > build-logs/oracles.log 2>&1 &
 oracles_pid=$!
 trap 'kill "$oracles_pid" 2>/dev/null || true' EXIT
 
-echo "== sanitizer build (ASan + UBSan) =="
+stage "sanitizer build (ASan + UBSan)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMEMRA_SANITIZE=ON -DMEMRA_BENCH=OFF \
       -DMEMRA_WERROR=ON >/dev/null
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan -L unit -j"$jobs" --output-on-failure --timeout 600
 
-echo "== fuzz =="
+stage fuzz
 bash scripts/fuzz.sh "${MEMRA_FUZZ_SECONDS:-60}"
 
-echo "== model oracles (requirements-oracle.txt) =="
+stage "model oracles (requirements-oracle.txt)"
 if ! wait "$oracles_pid"; then
     tail -n 40 build-logs/oracles.log
     echo "test: installing the model oracles failed (log: build-logs/oracles.log)" >&2
@@ -34,7 +35,8 @@ fi
 trap - EXIT
 cat build-logs/oracles.log
 
-echo "== release build: unit + oracle tests =="
+stage "release build: unit + oracle tests"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMRA_WERROR=ON -DMEMRA_REQUIRE_ORACLES=ON >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build -j"$jobs" --output-on-failure --timeout 600
+stage "done"
