@@ -3,13 +3,17 @@
 // each, feeding the argmax of the previous step's logits. Each test runs once untimed (warm-up), then REPS
 // timed runs; the table (Markdown or JSON) gives the mean and sample stddev of tokens/s over those runs.
 // Only the forward steps are timed: the KV cache is created and the argmax taken outside the clock.
+// `memra bench --experts` instead times one MoE layer's routed experts (model::MoeState: refresh + run) on
+// seeded hidden rows, on tp CPU ranks with or without EP, and checks that the output's checksum never changes.
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -18,12 +22,19 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "backend/cpu/cpu_backend.h"
 #include "cli/commands.h"
+#include "io/safetensors.h"
 #include "kv/kv_cache.h"
 #include "kv/kv_format.h"
 #include "model/step35_config.h"
 #include "model/step35_forward.h"
+#include "model/step35_moe.h"
+#include "model/step35_plan.h"
+#include "model/step35_ranks.h"
 #include "model/step35_stats.h"
+#include "parallel/comm.h"
+#include "parallel/plan.h"
 #include "runtime/sampler.h"
 #include "text/tokenizer.h"
 
@@ -43,6 +54,15 @@ struct BenchOptions {
     uint64_t seed = 0;  // of the prompt token ids
     std::string output = "md";
     bool print_tokens = false;
+
+    // --experts: the routed-experts test instead of pp / tg.
+    bool experts = false;
+    int layer = -1;  // MoE layer; -1: the first one
+    int tokens = 64;
+    int tp = 1;
+    bool ep = false;
+    int warmup = 3;
+    int iterations = 20;
 };
 
 // The token ids both tests feed: the pp prompt and the first token of tg.
@@ -79,33 +99,88 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// One pp run: a fresh cache, then one timed step over the whole prompt. Returns the step's milliseconds.
-Result<double> time_prompt(model::Step35Forward &fwd, const kv::KvCacheSpec &spec, std::span<const int32_t> prompt) {
-    auto cache = kv::KvCache::create(spec);
-    if (!cache) return wrap_error(fmt::format("KV cache ({} tokens)", spec.capacity), cache.error());
-    const model::SeqChunk chunk{&*cache, prompt, false, -1};
+// What the pp / tg tests drive: one sequence on the single-rank forward, or on tp CPU ranks
+// (model::Step35RankGroup). reset() makes fresh caches outside the clock; step() is what is timed.
+class BenchEngine {
+public:
+    virtual ~BenchEngine() = default;
+    virtual Result<void> reset(int64_t capacity, int max_stage_rows) = 0;
+    virtual Result<void> step(std::span<const int32_t> tokens) = 0;
+    virtual std::span<const float> logits() const = 0;
+};
+
+class SingleRankEngine final : public BenchEngine {
+public:
+    SingleRankEngine(model::Step35Forward &fwd, const model::Step35Config &cfg, kv::KvFormat k, kv::KvFormat v)
+        : fwd_(fwd), cfg_(cfg), k_(k), v_(v) {}
+    Result<void> reset(int64_t capacity, int max_stage_rows) override {
+        cache_.reset();
+        auto cache = kv::KvCache::create(model::trunk_kv_spec(cfg_, k_, v_, capacity, max_stage_rows));
+        if (!cache) return wrap_error(fmt::format("KV cache ({} tokens)", capacity), cache.error());
+        cache_.emplace(std::move(*cache));
+        return {};
+    }
+    Result<void> step(std::span<const int32_t> tokens) override {
+        const model::SeqChunk chunk{&*cache_, tokens, false, -1};
+        return fwd_.step(std::span(&chunk, 1));
+    }
+    std::span<const float> logits() const override { return fwd_.logits(); }
+
+private:
+    model::Step35Forward &fwd_;
+    const model::Step35Config &cfg_;
+    kv::KvFormat k_, v_;
+    std::optional<kv::KvCache> cache_;
+};
+
+// Each group step starts the rank threads anew (Step35RankGroup is a verification runner, not a serving
+// loop), so the times include that start.
+class RankGroupEngine final : public BenchEngine {
+public:
+    RankGroupEngine(model::Step35RankGroup &group, kv::KvFormat k, kv::KvFormat v) : group_(group), k_(k), v_(v) {}
+    Result<void> reset(int64_t capacity, int max_stage_rows) override {
+        seq_.reset();
+        auto seq = group_.create_sequence(k_, v_, capacity, max_stage_rows);
+        if (!seq) return wrap_error(fmt::format("KV caches ({} tokens)", capacity), seq.error());
+        seq_.emplace(std::move(*seq));
+        return {};
+    }
+    Result<void> step(std::span<const int32_t> tokens) override {
+        const model::RankSeqChunk chunk{&*seq_, tokens, false, -1};
+        return group_.step(std::span(&chunk, 1));
+    }
+    std::span<const float> logits() const override { return group_.logits(); }
+
+private:
+    model::Step35RankGroup &group_;
+    kv::KvFormat k_, v_;
+    std::optional<model::RankSequence> seq_;
+};
+
+// One pp run: fresh caches, then one timed step over the whole prompt. Returns the step's milliseconds.
+Result<double> time_prompt(BenchEngine &engine, std::span<const int32_t> prompt) {
+    auto fresh = engine.reset(static_cast<int64_t>(prompt.size()), static_cast<int>(prompt.size()));
+    if (!fresh) return tl::unexpected(fresh.error());
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = fwd.step(std::span(&chunk, 1));
+    auto r = engine.step(prompt);
     const double ms = ms_since(t0);
     if (!r) return tl::unexpected(r.error());
     return ms;
 }
 
-// One tg run: a fresh cache, then n_gen timed one-token steps, each feeding the argmax (ties to the lower id)
+// One tg run: fresh caches, then n_gen timed one-token steps, each feeding the argmax (ties to the lower id)
 // of the previous logits. Returns the summed milliseconds of the steps.
-Result<double> time_generation(model::Step35Forward &fwd, const kv::KvCacheSpec &spec, int32_t first,
-                               int64_t n_gen) {
-    auto cache = kv::KvCache::create(spec);
-    if (!cache) return wrap_error(fmt::format("KV cache ({} tokens)", spec.capacity), cache.error());
+Result<double> time_generation(BenchEngine &engine, int32_t first, int64_t n_gen) {
+    auto fresh = engine.reset(n_gen, 1);
+    if (!fresh) return tl::unexpected(fresh.error());
     int32_t token = first;
     double ms = 0.0;
     for (int64_t i = 0; i < n_gen; ++i) {
-        const model::SeqChunk chunk{&*cache, std::span(&token, 1), false, -1};
         const auto t0 = std::chrono::steady_clock::now();
-        auto r = fwd.step(std::span(&chunk, 1));
+        auto r = engine.step(std::span(&token, 1));
         ms += ms_since(t0);
         if (!r) return tl::unexpected(r.error());
-        const std::span<const float> logits = fwd.logits();
+        const std::span<const float> logits = engine.logits();
         token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     }
     return ms;
@@ -138,19 +213,15 @@ struct BenchFacts {
     std::string model;  // the model directory
     int64_t n_params = 0;
     std::string dtype;  // "bf16", or "fp8" for FP8 block-scaled routed experts
-    int threads = 0;
+    int threads = 0;  // per rank
+    int tp = 1;
+    bool ep = false;
     std::string type_k, type_v;
 };
 
 // A Markdown table with padded columns: text left-aligned, numbers right-aligned (as llama-bench).
-std::string markdown_table(const BenchFacts &f, const std::vector<TestResult> &tests) {
-    const std::vector<std::string> header = {"model", "params", "dtype", "threads", "kv", "test", "t/s"};
-    const std::vector<bool> right = {false, true, false, true, false, true, true};
-    std::vector<std::vector<std::string>> rows;
-    for (const TestResult &t : tests) {
-        rows.push_back({f.model, human_count(f.n_params), f.dtype, fmt::format("{}", f.threads),
-                        f.type_k + "/" + f.type_v, t.name, fmt::format("{:.2f} ± {:.2f}", t.avg_ts, t.stddev_ts)});
-    }
+std::string format_table(const std::vector<std::string> &header, const std::vector<bool> &right,
+                         const std::vector<std::vector<std::string>> &rows) {
     // Display width: "±" is one column but two UTF-8 bytes.
     const auto width = [](const std::string &s) {
         size_t w = 0;
@@ -179,12 +250,25 @@ std::string markdown_table(const BenchFacts &f, const std::vector<TestResult> &t
     return out;
 }
 
+std::string markdown_table(const BenchFacts &f, const std::vector<TestResult> &tests) {
+    std::vector<std::vector<std::string>> rows;
+    for (const TestResult &t : tests) {
+        rows.push_back({f.model, human_count(f.n_params), f.dtype, fmt::format("{}", f.tp), f.ep ? "on" : "off",
+                        fmt::format("{}", f.threads), f.type_k + "/" + f.type_v, t.name,
+                        fmt::format("{:.2f} ± {:.2f}", t.avg_ts, t.stddev_ts)});
+    }
+    return format_table({"model", "params", "dtype", "tp", "ep", "threads", "kv", "test", "t/s"},
+                        {false, true, false, true, false, true, false, true, true}, rows);
+}
+
 Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int reps) {
     Json out = Json::array();
     for (const TestResult &t : tests) {
         out.push_back(Json{{"model", f.model},
                            {"n_params", f.n_params},
                            {"dtype", f.dtype},
+                           {"tp", f.tp},
+                           {"ep", f.ep},
                            {"threads", f.threads},
                            {"type_k", f.type_k},
                            {"type_v", f.type_v},
@@ -199,7 +283,262 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
     return out;
 }
 
+// ---- --experts: the routed experts of one MoE layer ----
+
+// Marks the hidden-input Philox stream ("hidn"), apart from the token stream above.
+constexpr uint32_t kHiddenStream = 0x6869646eu;
+
+// Element i of the seeded hidden rows: uniform over [-2, 2) in steps of 2^-22 (every value exact in f32), from
+// the top 24 bits of word i % 4 of Philox4x32-10 at counter (i / 4, 0, 0, kHiddenStream) under key (seed
+// low, seed high).
+float bench_hidden(uint64_t seed, int64_t i) {
+    const auto block = static_cast<uint64_t>(i / 4);
+    const std::array<uint32_t, 4> words = runtime::philox4x32_10(
+        {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u, kHiddenStream},
+        {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
+    const uint32_t top = words[static_cast<size_t>(i % 4)] >> 8;
+    return static_cast<float>(top) * (1.0f / 4194304.0f) - 2.0f;
+}
+
+// 64-bit FNV-1a over the output's f32 bit patterns, each taken as 4 little-endian bytes.
+uint64_t output_checksum(std::span<const float> values) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const float v : values) {
+        uint32_t bits = 0;
+        std::memcpy(&bits, &v, sizeof bits);
+        for (int b = 0; b < 4; ++b) {
+            h ^= (bits >> (8 * b)) & 0xffu;
+            h *= 0x100000001b3ull;
+        }
+    }
+    return h;
+}
+
+// The nearest-rank percentile of ascending samples: the ceil(p * n / 100)-th smallest (an observed sample).
+double nearest_rank(const std::vector<double> &sorted, int percentile) {
+    const size_t rank = (static_cast<size_t>(percentile) * sorted.size() + 99) / 100;
+    return sorted[std::max<size_t>(rank, 1) - 1];
+}
+
+// One rank of the experts test: its backend, the model (whole, or its shard), the state and its rows.
+struct ExpertRank {
+    std::unique_ptr<cpu::CpuBackend> backend;
+    std::unique_ptr<model::Step35Model> model;  // a pointer: the state points into it
+    std::optional<model::MoeState> state;
+    TensorView x;    // [tokens, d_model] the seeded hidden rows: router input and residual
+    TensorView out;  // [tokens, d_model] x + (routed + shared)
+    std::vector<float> out_host;
+    std::vector<uint64_t> checksums;  // one per run: warm-ups, then timed iterations
+};
+
+struct ExpertsResult {
+    int layer = 0;
+    int64_t top_k = 0;
+    int64_t n_experts = 0;
+    int threads = 0;  // per rank
+    std::vector<double> samples_ms;
+    double mean_ms = 0.0, min_ms = 0.0, p50_ms = 0.0, p90_ms = 0.0, p95_ms = 0.0, p99_ms = 0.0, max_ms = 0.0;
+    double routes_per_s = 0.0;
+    uint64_t checksum = 0;
+};
+
+std::string experts_table(const BenchFacts &f, const BenchOptions &opt, const ExpertsResult &r) {
+    const auto ms = [](double v) { return fmt::format("{:.3f}", v); };
+    const std::vector<std::vector<std::string>> rows = {
+        {f.model, f.dtype, fmt::format("{}", r.layer), fmt::format("{}", opt.tokens), fmt::format("{}", r.top_k),
+         fmt::format("{}", opt.tp), opt.ep ? "on" : "off", fmt::format("{}", r.threads),
+         fmt::format("{}", opt.warmup), fmt::format("{}", opt.iterations), ms(r.mean_ms), ms(r.min_ms),
+         ms(r.p50_ms), ms(r.p90_ms), ms(r.p95_ms), ms(r.p99_ms), ms(r.max_ms), fmt::format("{:.0f}", r.routes_per_s),
+         fmt::format("{:016x}", r.checksum)}};
+    return format_table({"model", "dtype", "layer", "tokens", "top_k", "tp", "ep", "threads", "warm-up", "iters",
+                         "mean ms", "min ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "routes/s",
+                         "checksum"},
+                        {false, false, true, true, true, true, false, true, true, true, true, true, true, true, true,
+                         true, true, true, false},
+                        rows);
+}
+
+Json experts_json(const BenchFacts &f, const BenchOptions &opt, const ExpertsResult &r) {
+    return Json::array({Json{{"model", f.model},
+                             {"dtype", f.dtype},
+                             {"test", "experts"},
+                             {"layer", r.layer},
+                             {"tokens", opt.tokens},
+                             {"top_k", r.top_k},
+                             {"n_experts", r.n_experts},
+                             {"routes", opt.tokens * r.top_k},
+                             {"tp", opt.tp},
+                             {"ep", opt.ep},
+                             {"threads", r.threads},
+                             {"seed", opt.seed},
+                             {"warmup", opt.warmup},
+                             {"iterations", opt.iterations},
+                             {"samples_ms", r.samples_ms},
+                             {"mean_ms", r.mean_ms},
+                             {"min_ms", r.min_ms},
+                             {"p50_ms", r.p50_ms},
+                             {"p90_ms", r.p90_ms},
+                             {"p95_ms", r.p95_ms},
+                             {"p99_ms", r.p99_ms},
+                             {"max_ms", r.max_ms},
+                             {"routes_per_s", r.routes_per_s},
+                             {"checksum", fmt::format("{:016x}", r.checksum)}}});
+}
+
+// Times refresh + run of one MoE layer's state, warm-ups first, on every rank together (between two barriers,
+// so a sample is the slowest rank's time); after each run every rank checksums its own output.
+int run_experts_bench(const BenchOptions &opt) {
+    const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
+    if (dir.empty()) return kExitInvalidInput;
+    auto cfg = model::load_step35_config(dir);
+    if (!cfg) return report_error(cfg.error().message);
+    std::vector<int> moe_layers;
+    for (const model::LayerGeometry &g : cfg->layers) {
+        if (g.ffn == model::FfnKind::kMoe) moe_layers.push_back(g.index);
+    }
+    if (moe_layers.empty()) return report_error(fmt::format("{}: the model has no MoE layer", dir.string()));
+    ExpertsResult res;
+    res.layer = opt.layer < 0 ? moe_layers.front() : opt.layer;
+    if (static_cast<size_t>(res.layer) >= cfg->layers.size()) {
+        return report_error(fmt::format("--layer {}: the model has layers 0 .. {}", res.layer, cfg->layers.size() - 1));
+    }
+    if (cfg->layers[static_cast<size_t>(res.layer)].ffn != model::FfnKind::kMoe) {
+        return report_error(fmt::format("--layer {}: layer {} is a dense layer; the MoE layers are {}", res.layer,
+                                        res.layer, fmt::join(moe_layers, ", ")));
+    }
+    const model::LayerGeometry &g = cfg->layers[static_cast<size_t>(res.layer)];
+    res.top_k = g.top_k;
+    res.n_experts = g.n_experts;
+    res.threads = std::max(1, opt.threads / opt.tp);
+
+    auto ckpt = io::Checkpoint::open(dir);
+    if (!ckpt) return report_error(ckpt.error().message);
+    // A lone rank without EP binds the whole model and runs without a communicator; otherwise the plan decides.
+    const bool whole = opt.tp == 1 && !opt.ep;
+    parallel::ParallelPlan plan;
+    std::optional<parallel::InProcessGroup> group;
+    if (!whole) {
+        parallel::PlanRequest req;
+        req.tp = opt.tp;
+        req.ep = opt.ep;
+        req.devices_available = opt.tp;
+        auto made = parallel::make_plan(model::plan_shape(*cfg), req);
+        if (!made) {
+            return report_error(fmt::format("--tp {}{}: {}", opt.tp, opt.ep ? " --ep" : "", made.error().message));
+        }
+        plan = std::move(*made);
+        auto grp = parallel::InProcessGroup::create(opt.tp);
+        if (!grp) return report_error(grp.error().message);
+        group.emplace(std::move(*grp));
+    }
+    std::fprintf(stderr, "memra bench: loading %s, experts of layer %d on %d rank%s%s, %d thread%s each\n",
+                 dir.string().c_str(), res.layer, opt.tp, opt.tp == 1 ? "" : "s", opt.ep ? " with EP" : "",
+                 res.threads, res.threads == 1 ? "" : "s");
+
+    const int64_t n = opt.tokens;
+    const int64_t d = cfg->d_model;
+    std::vector<float> hidden(static_cast<size_t>(n * d));
+    for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = bench_hidden(opt.seed, static_cast<int64_t>(i));
+    const int runs = opt.warmup + opt.iterations;
+    std::vector<ExpertRank> ranks(static_cast<size_t>(opt.tp));
+    for (int r = 0; r < opt.tp; ++r) {
+        ExpertRank &rk = ranks[static_cast<size_t>(r)];
+        rk.backend = std::make_unique<cpu::CpuBackend>(res.threads);
+        auto bound = whole ? model::bind_step35_model(*rk.backend, *ckpt, *cfg)
+                           : model::bind_step35_model(*rk.backend, *ckpt, *cfg, plan, r);
+        if (!bound) return report_error(bound.error().message);
+        rk.model = std::make_unique<model::Step35Model>(std::move(*bound));
+        auto state = model::MoeState::create(*rk.backend, *rk.model, res.layer, n,
+                                             whole ? nullptr : &group->communicator(r));
+        if (!state) return report_error(fmt::format("rank {}: {}", r, state.error().message));
+        rk.state.emplace(std::move(*state));
+        auto x = rk.backend->alloc(DType::kF32, {n, d});
+        auto out = rk.backend->alloc(DType::kF32, {n, d});
+        if (!x || !out) return report_error(fmt::format("rank {}: {}", r, (x ? out.error() : x.error()).message));
+        rk.x = *x;
+        rk.out = *out;
+        rk.backend->copy_from_host(hidden.data(), rk.x);
+        rk.out_host.resize(hidden.size());
+        rk.checksums.assign(static_cast<size_t>(runs), 0);
+    }
+
+    std::fprintf(stderr, "memra bench: experts: %lld tokens x top-%lld: warm-up %d + %d iterations\n",
+                 static_cast<long long>(n), static_cast<long long>(res.top_k), opt.warmup, opt.iterations);
+    res.samples_ms.reserve(static_cast<size_t>(opt.iterations));
+    const auto iterate = [&](ExpertRank &rk) -> Result<void> {
+        if (auto ok = rk.state->refresh(res.layer, rk.x); !ok) return ok;
+        return rk.state->run(rk.x, rk.out);
+    };
+    const auto record = [&](ExpertRank &rk, int i) {
+        rk.backend->copy_to_host(rk.out, rk.out_host.data());
+        rk.checksums[static_cast<size_t>(i)] = output_checksum(rk.out_host);
+    };
+    if (whole) {
+        ExpertRank &rk = ranks.front();
+        for (int i = 0; i < runs; ++i) {
+            const auto t0 = std::chrono::steady_clock::now();
+            auto ok = iterate(rk);
+            const double ms = ms_since(t0);
+            if (!ok) return report_error(fmt::format("experts: {}", ok.error().message));
+            if (i >= opt.warmup) res.samples_ms.push_back(ms);
+            record(rk, i);
+        }
+    } else {
+        auto ran = group->run([&](int r, parallel::Communicator &comm) -> Result<void> {
+            ExpertRank &rk = ranks[static_cast<size_t>(r)];
+            for (int i = 0; i < runs; ++i) {
+                if (auto ok = comm.barrier(); !ok) return ok;
+                const auto t0 = std::chrono::steady_clock::now();
+                if (auto ok = iterate(rk); !ok) return ok;
+                if (auto ok = comm.barrier(); !ok) return ok;
+                if (r == 0 && i >= opt.warmup) res.samples_ms.push_back(ms_since(t0));
+                record(rk, i);
+            }
+            return {};
+        });
+        if (!ran) return report_error(fmt::format("experts: {}", ran.error().message));
+    }
+
+    // The output must not change from run to run, and every rank must hold the same output.
+    const std::vector<uint64_t> &first = ranks.front().checksums;
+    for (int i = 1; i < runs; ++i) {
+        if (first[static_cast<size_t>(i)] != first.front()) {
+            const std::string at = i < opt.warmup ? fmt::format("warm-up {}", i)
+                                                  : fmt::format("iteration {}", i - opt.warmup);
+            return report_error(fmt::format("experts: checksum changed at {}", at));
+        }
+    }
+    for (int r = 1; r < opt.tp; ++r) {
+        if (ranks[static_cast<size_t>(r)].checksums != first) {
+            return report_error(fmt::format("experts: rank {}'s output differs from rank 0's", r));
+        }
+    }
+    res.checksum = first.front();
+    std::vector<double> sorted = res.samples_ms;
+    std::sort(sorted.begin(), sorted.end());
+    double sum = 0.0;
+    for (const double v : res.samples_ms) sum += v;
+    res.mean_ms = sum / static_cast<double>(res.samples_ms.size());
+    res.min_ms = sorted.front();
+    res.max_ms = sorted.back();
+    res.p50_ms = nearest_rank(sorted, 50);
+    res.p90_ms = nearest_rank(sorted, 90);
+    res.p95_ms = nearest_rank(sorted, 95);
+    res.p99_ms = nearest_rank(sorted, 99);
+    res.routes_per_s = res.mean_ms > 0.0 ? static_cast<double>(n * res.top_k) * 1000.0 / res.mean_ms : 0.0;
+
+    BenchFacts facts;
+    facts.model = dir.string();
+    facts.dtype = cfg->is_fp8() ? "fp8" : "bf16";
+    const std::string report = opt.output == "json" ? experts_json(facts, opt, res).dump(2) + "\n"
+                                                    : experts_table(facts, opt, res);
+    std::fwrite(report.data(), 1, report.size(), stdout);
+    std::fflush(stdout);
+    return kExitOk;
+}
+
 int run_bench(const BenchOptions &opt) {
+    if (opt.experts) return run_experts_bench(opt);
     if (opt.n_prompt == 0 && opt.n_gen == 0) {
         std::fputs("error: nothing to measure: -p and -n are both 0\n", stderr);
         return kExitUsage;
@@ -230,30 +569,59 @@ int run_bench(const BenchOptions &opt) {
         return kExitOk;
     }
 
-    std::fprintf(stderr, "memra bench: loading %s, threads %d\n", dir.string().c_str(), opt.threads);
-    auto cpu_model = load_cpu_model(dir, *cfg, opt.threads);
-    if (!cpu_model) return report_error(cpu_model.error().message);
-    const int64_t max_tokens = std::max(opt.n_prompt, 1);
-    const int64_t max_context = std::max(opt.n_prompt, opt.n_gen);
-    auto fwd = model::Step35Forward::create(*cpu_model->backend, cpu_model->model,
-                                            model::ForwardCapacity{max_tokens, 1, max_context, 1});
-    if (!fwd) return report_error(fwd.error().message);
-
     BenchFacts facts;
     facts.model = dir.string();
     facts.n_params = model::compute_model_stats(*cfg).total_params;
     facts.dtype = cfg->is_fp8() ? "fp8" : "bf16";
-    facts.threads = opt.threads;
+    facts.tp = opt.tp;
+    facts.ep = opt.ep;
+    facts.threads = std::max(1, opt.threads / opt.tp);
     facts.type_k = kv::kv_format_name(k_format);
     facts.type_v = kv::kv_format_name(v_format);
+    const model::ForwardCapacity capacity{std::max(opt.n_prompt, 1), 1, std::max(opt.n_prompt, opt.n_gen), 1};
+
+    // tp 1 without EP: the single-rank forward on one backend; otherwise tp CPU ranks as the plan splits them.
+    std::fprintf(stderr, "memra bench: loading %s, tp %d%s, threads %d per rank\n", dir.string().c_str(), opt.tp,
+                 opt.ep ? " with EP" : "", facts.threads);
+    std::optional<CpuModel> cpu_model;
+    std::optional<model::Step35Forward> fwd;
+    std::optional<io::Checkpoint> ckpt;
+    std::unique_ptr<model::Step35RankGroup> group;
+    std::unique_ptr<BenchEngine> engine;
+    if (opt.tp == 1 && !opt.ep) {
+        auto loaded = load_cpu_model(dir, *cfg, facts.threads);
+        if (!loaded) return report_error(loaded.error().message);
+        cpu_model.emplace(std::move(*loaded));
+        auto created = model::Step35Forward::create(*cpu_model->backend, cpu_model->model, capacity);
+        if (!created) return report_error(created.error().message);
+        fwd.emplace(std::move(*created));
+        engine = std::make_unique<SingleRankEngine>(*fwd, *cfg, k_format, v_format);
+    } else {
+        auto opened = io::Checkpoint::open(dir);
+        if (!opened) return report_error(opened.error().message);
+        ckpt.emplace(std::move(*opened));
+        model::RankGroupOptions ro;
+        ro.tp = opt.tp;
+        ro.ep = opt.ep;
+        ro.capacity = capacity;
+        const int threads = facts.threads;
+        ro.make_backend = [threads](int) -> Result<std::unique_ptr<Backend>> {
+            return std::make_unique<cpu::CpuBackend>(threads);
+        };
+        auto created = model::Step35RankGroup::create(*ckpt, *cfg, ro);
+        if (!created) {
+            return report_error(fmt::format("--tp {}{}: {}", opt.tp, opt.ep ? " --ep" : "", created.error().message));
+        }
+        group = std::move(*created);
+        engine = std::make_unique<RankGroupEngine>(*group, k_format, v_format);
+    }
 
     std::vector<TestResult> tests;
     if (opt.n_prompt > 0) {
         TestResult t{fmt::format("pp{}", opt.n_prompt), opt.n_prompt, 0, {}, 0.0, 0.0};
-        const kv::KvCacheSpec spec = model::trunk_kv_spec(*cfg, k_format, v_format, opt.n_prompt, opt.n_prompt);
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {  // rep -1: the warm-up
-            auto ms = time_prompt(*fwd, spec, tokens.prompt);
+            auto ms = time_prompt(*engine, tokens.prompt);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) t.samples_ms.push_back(*ms);
         }
@@ -262,10 +630,9 @@ int run_bench(const BenchOptions &opt) {
     }
     if (opt.n_gen > 0) {
         TestResult t{fmt::format("tg{}", opt.n_gen), 0, opt.n_gen, {}, 0.0, 0.0};
-        const kv::KvCacheSpec spec = model::trunk_kv_spec(*cfg, k_format, v_format, opt.n_gen, 1);
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {
-            auto ms = time_generation(*fwd, spec, tokens.gen_first, opt.n_gen);
+            auto ms = time_generation(*engine, tokens.gen_first, opt.n_gen);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) t.samples_ms.push_back(*ms);
         }
@@ -288,7 +655,8 @@ Command add_bench_command(CLI::App &app) {
     const int kMaxInt = std::numeric_limits<int>::max();
 
     CLI::App *sub = app.add_subcommand(
-        "bench", "Measure prompt (pp) and generation (tg) tokens/s on the CPU backend, like llama-bench");
+        "bench", "Measure prompt (pp) and generation (tg) tokens/s on the CPU backend, like llama-bench; with "
+                 "--experts, the routed experts of one MoE layer on CPU ranks");
     add_model_dir_option(*sub, opt->model_dir);
     sub->add_option("-p,--n-prompt", opt->n_prompt,
                     "ppN test: prefill N prompt tokens in one step from an empty KV cache (0 = skip)")
@@ -307,7 +675,8 @@ Command add_bench_command(CLI::App &app) {
     add_threads_option(*sub, opt->threads);
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     sub->add_option("-s,--seed", opt->seed,
-                    "Seed of the prompt token ids (uniform over the tokenizer's tokens; tg starts from the first)")
+                    "Seed of the prompt token ids (uniform over the tokenizer's tokens; tg starts from the first); with "
+                    "--experts, of the hidden rows (uniform over [-2, 2))")
         ->envname("MEMRA_SEED")
         ->check(uint64_validator())
         ->capture_default_str();
@@ -315,10 +684,51 @@ Command add_bench_command(CLI::App &app) {
         ->envname("MEMRA_OUTPUT")
         ->check(CLI::IsMember({"md", "json"}))
         ->capture_default_str();
-    sub->add_flag("--print-tokens", opt->print_tokens,
-                  "Print the token ids the tests would feed as JSON {\"prompt\": [...], \"gen_first\": id} and "
-                  "exit (for running another engine on the same tokens)")
-        ->envname("MEMRA_PRINT_TOKENS");
+    CLI::Option *print_tokens =
+        sub->add_flag("--print-tokens", opt->print_tokens,
+                      "Print the token ids the tests would feed as JSON {\"prompt\": [...], \"gen_first\": id} and "
+                      "exit (for running another engine on the same tokens)")
+            ->envname("MEMRA_PRINT_TOKENS");
+
+    // The routed-experts test.
+    CLI::Option *experts =
+        sub->add_flag("--experts", opt->experts,
+                      "Instead of pp/tg: time refresh (router, top-k, pair sort) + run (grouped expert projections, "
+                      "exchange between ranks, slot-order combine with the shared expert) of one MoE layer on "
+                      "seeded hidden rows; reports mean/min/p50/p90/p95/p99/max ms, routes/s and the output "
+                      "checksum, which must not change between runs. -t threads are split over the ranks")
+            ->envname("MEMRA_EXPERTS");
+        sub->add_option("--tp,--tensor-parallel-size", opt->tp,
+                        "CPU ranks (threads of one process) as `memra plan` splits the model; -t is divided among "
+                        "them. Routed experts split by d_expert, or whole per owner with --ep")
+            ->envname("MEMRA_TP")
+            ->check(positive_int_validator())
+            ->capture_default_str();
+        sub->add_flag("--ep,--enable-expert-parallel", opt->ep,
+                      "expert parallelism (each rank computes its own experts' pairs whole)")
+            ->envname("MEMRA_EP");
+    const std::vector<CLI::Option *> needs_experts = {
+        sub->add_option("--layer", opt->layer, "--experts: the MoE layer (default: the first MoE layer)")
+            ->envname("MEMRA_LAYER")
+            ->check(CLI::Range(0, kMaxInt)),
+        sub->add_option("--tokens", opt->tokens, "--experts: hidden rows routed per run (each to top_k experts)")
+            ->envname("MEMRA_TOKENS")
+            ->check(positive_int_validator())
+            ->capture_default_str(),
+        sub->add_option("--warmup", opt->warmup, "--experts: untimed runs before the timed ones")
+            ->envname("MEMRA_WARMUP")
+            ->check(CLI::Range(0, kMaxInt))
+            ->capture_default_str(),
+        sub->add_option("--iterations", opt->iterations, "--experts: timed runs")
+            ->envname("MEMRA_ITERATIONS")
+            ->check(positive_int_validator())
+            ->capture_default_str(),
+    };
+    for (CLI::Option *o : needs_experts) o->needs(experts);
+    for (const char *name : {"--n-prompt", "--n-gen", "--repetitions", "--kv-k", "--kv-v"}) {
+        experts->excludes(sub->get_option(name));
+    }
+    experts->excludes(print_tokens);
     return {sub, [opt]() { return run_bench(*opt); }};
 }
 

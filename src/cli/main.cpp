@@ -31,7 +31,7 @@ int main(int argc, char **argv) {
 
     const std::vector<Command> commands = {add_inspect_command(app), add_plan_command(app),
                                            add_make_tiny_command(app), add_run_command(app),
-                                           add_bench_command(app)};
+                                           add_bench_command(app), add_verify_command(app)};
 
     try {
         app.parse(argc, args.data());

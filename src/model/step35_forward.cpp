@@ -134,10 +134,10 @@ Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35M
 
     // What this forward computes of each layer: all of it, or what the rank's plan gives it.
     for (const LayerGeometry &g : cfg.layers) {
-        LayerDims dims{g.n_heads, g.n_kv_heads, g.d_ff, g.d_expert, parallel::Range{0, g.n_experts}};
+        LayerDims dims{g.n_heads, g.n_kv_heads, g.d_ff};
         if (!model.shard.whole) {
             const parallel::RankLayerPlan &rl = model.shard.rank.layers[static_cast<size_t>(g.index)];
-            dims = LayerDims{rl.q_heads.size(), rl.kv_heads.size(), rl.ff.size(), rl.d_expert.size(), rl.experts};
+            dims = LayerDims{rl.q_heads.size(), rl.kv_heads.size(), rl.ff.size()};
         }
         f.dims_.push_back(dims);
     }
@@ -145,16 +145,13 @@ Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35M
     const int64_t T = cap.max_tokens;
     const int64_t L = f.cap_.max_logit_rows;
     const int64_t d = cfg.d_model;
-    int64_t q_w = 0, kv_w = 0, heads = 0, ff_w = 0, n_experts = 0, top_k = 0, d_expert = 0;
+    int64_t q_w = 0, kv_w = 0, heads = 0, ff_w = 0;
     for (const LayerGeometry &g : cfg.layers) {
         const LayerDims &dims = f.dims_[static_cast<size_t>(g.index)];
         q_w = std::max<int64_t>(q_w, dims.n_heads * g.head_dim);
         kv_w = std::max<int64_t>(kv_w, dims.n_kv_heads * g.head_dim);
         heads = std::max<int64_t>(heads, dims.n_heads);
-        ff_w = std::max<int64_t>({ff_w, dims.d_ff, int64_t{g.d_shared}});
-        n_experts = std::max<int64_t>(n_experts, g.n_experts);
-        top_k = std::max<int64_t>(top_k, g.top_k);
-        d_expert = std::max<int64_t>(d_expert, dims.d_expert);
+        ff_w = std::max<int64_t>(ff_w, dims.d_ff);
     }
 
     // RoPE tables, one per distinct (rot_dim, theta, scaled) variant.
@@ -186,18 +183,13 @@ Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35M
         f.rope_[static_cast<size_t>(g.index)] = it->id;
     }
 
-    // Workspace of the canonical (row-parallel) products: the largest any layer needs.
+    // Workspace of the canonical (row-parallel) products: the largest any layer needs (the MoE states hold
+    // their own for the expert and shared-expert down_proj).
     int64_t ws = 0;
     for (size_t i = 0; i < cfg.layers.size(); ++i) {
-        const LayerGeometry &g = cfg.layers[i];
         const LayerWeights &w = model.layers[i];
         ws = std::max(ws, backend.canonical_workspace_floats(T, w.attn.o));
-        if (g.ffn == FfnKind::kDense) {
-            ws = std::max(ws, backend.canonical_workspace_floats(T, w.mlp.down));
-        } else {
-            ws = std::max(ws, backend.canonical_workspace_floats(T, w.moe.shared.down));
-            ws = std::max(ws, backend.grouped_canonical_workspace_floats(T * g.top_k, w.moe.down));
-        }
+        if (cfg.layers[i].ffn == FfnKind::kDense) ws = std::max(ws, backend.canonical_workspace_floats(T, w.mlp.down));
     }
 
     struct Request {
@@ -205,7 +197,6 @@ Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35M
         DType dtype;
         int64_t n;
     };
-    const int64_t pairs = T * std::max<int64_t>(top_k, 1);
     const Request requests[] = {
         {&f.ids_, DType::kI32, T},
         {&f.pos_, DType::kI64, T},
@@ -224,16 +215,6 @@ Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35M
         {&f.v_ctx_, DType::kF32, cap.max_context * kv_w},
         {&f.ff_gate_, DType::kF32, T * ff_w},
         {&f.ff_up_, DType::kF32, T * ff_w},
-        {&f.router_, DType::kF32, T * n_experts},
-        {&f.expert_ids_, DType::kI32, pairs},
-        {&f.expert_w_, DType::kF32, pairs},
-        {&f.offsets_, DType::kI32, n_experts + 1},
-        {&f.sorted_pair_, DType::kI32, pairs},
-        {&f.row_of_pair_, DType::kI32, pairs},
-        {&f.x_sorted_, DType::kF32, n_experts > 0 ? pairs * d : 1},
-        {&f.e_gate_, DType::kF32, pairs * d_expert},
-        {&f.e_up_, DType::kF32, pairs * d_expert},
-        {&f.e_out_, DType::kF32, n_experts > 0 ? pairs * d : 1},
         {&f.x_logit_, DType::kF32, L * d},
         {&f.logits_dev_, DType::kF32, L * cfg.vocab_size},
         {&f.workspace_, DType::kF32, ws},
@@ -244,14 +225,25 @@ Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35M
         *r.view = *v;
     }
     if (comm != nullptr) {
-        // One slot per rank: the row-parallel subtree sums ([n, d] per token row, [n * top_k, d] per routed
-        // pair without EP) and the logit slices ([L, vocab / tp]).
-        const int64_t rows = f.ep_ ? T : std::max(T, pairs);
-        const int64_t n = std::max(f.tp_ * rows * d, L * cfg.vocab_size);
+        // One slot per rank: the row-parallel subtree sums ([n, d] per token row) and the logit slices
+        // ([L, vocab / tp]). The routed experts' exchange is the MoE states'.
+        const int64_t n = std::max(f.tp_ * T * d, L * cfg.vocab_size);
         auto v = alloc_flat(backend, DType::kF32, n);
         if (!v) return wrap_error("forward gather buffer", v.error());
         f.gather_ = *v;
-        if (f.ep_) f.offsets_host_.resize(static_cast<size_t>(n_experts + 1));
+    }
+    // MoE layers of one shape share a state: they run one after the other, and its buffers are only scratch.
+    f.moe_of_layer_.assign(cfg.layers.size(), -1);
+    for (const LayerGeometry &g : cfg.layers) {
+        if (g.ffn != FfnKind::kMoe) continue;
+        auto it = std::find_if(f.moe_.begin(), f.moe_.end(), [&](const MoeState &m) { return m.serves(g.index); });
+        if (it == f.moe_.end()) {
+            auto state = MoeState::create(backend, model, g.index, T, comm);
+            if (!state) return wrap_error(fmt::format("layer {}", g.index), state.error());
+            f.moe_.push_back(std::move(*state));
+            it = f.moe_.end() - 1;
+        }
+        f.moe_of_layer_[static_cast<size_t>(g.index)] = static_cast<int>(it - f.moe_.begin());
     }
     f.ids_host_.resize(static_cast<size_t>(T));
     f.pos_host_.resize(static_cast<size_t>(T));
@@ -397,6 +389,38 @@ Result<void> Step35Forward::commit_all() {
     return {};
 }
 
+const char *tap_name(Tap tap) {
+    switch (tap) {
+    case Tap::kLayerIn: return "layer_in";
+    case Tap::kAttnNorm: return "attn_norm";
+    case Tap::kQ: return "q";
+    case Tap::kK: return "k";
+    case Tap::kV: return "v";
+    case Tap::kAttnGate: return "attn_gate";
+    case Tap::kAttnOut: return "attn_out";
+    case Tap::kOProj: return "o_proj";
+    case Tap::kResidual: return "residual";
+    case Tap::kFfnNorm: return "ffn_norm";
+    case Tap::kRouterLogits: return "router_logits";
+    case Tap::kExpertIds: return "expert_ids";
+    case Tap::kExpertWeights: return "expert_weights";
+    case Tap::kExpertGate: return "expert_gate";
+    case Tap::kExpertUp: return "expert_up";
+    case Tap::kExpertAct: return "expert_act";
+    case Tap::kExpertDownOwn: return "expert_down_own";
+    case Tap::kExpertDown: return "expert_down";
+    case Tap::kSharedOut: return "shared_out";
+    case Tap::kLayerOut: return "layer_out";
+    }
+    MEMRA_CHECK(false, "tap_name: unknown tap {}", static_cast<int>(tap));
+    return "";
+}
+
+void Step35Forward::set_tap(int layer, TapFn fn) {
+    tap_layer_ = fn ? layer : -1;
+    tap_fn_ = std::move(fn);
+}
+
 RowRounding query_rounding(kv::KvFormat k_format) {
     switch (k_format) {
     case kv::KvFormat::kF32: return RowRounding::kNone;
@@ -424,6 +448,7 @@ Result<void> Step35Forward::attention_block(int layer, int cache_layer, TensorVi
 
     const TensorView a = mat(a_, n, d);  // [n, d_model] RMSNorm_in(x)
     be.rms_norm(x, w.input_norm, eps_, a);
+    tap(layer, Tap::kAttnNorm, a);
     const TensorView q = mat(q_, n, q_w);    // [n, n_heads * head_dim]
     const TensorView k = mat(k_, n, kv_w);   // [n, n_kv_heads * head_dim]
     const TensorView v = mat(v_, n, kv_w);   // [n, n_kv_heads * head_dim]
@@ -440,6 +465,10 @@ Result<void> Step35Forward::attention_block(int layer, int cache_layer, TensorVi
         be.rope(rope, q, n_heads, g.head_dim, pos);
         be.rope(rope, k, n_kv_heads, g.head_dim, pos);
     }
+    tap(layer, Tap::kQ, q);
+    tap(layer, Tap::kK, k);
+    tap(layer, Tap::kV, v);
+    if (w.attn.g.valid()) tap(layer, Tap::kAttnGate, gate);
 
     // Per sequence: stage the new K/V rows, then attend over the cache's rows read back in their stored
     // format (the new ones included), so every chunking sees the same keys (rule 9).
@@ -469,13 +498,38 @@ Result<void> Step35Forward::attention_block(int layer, int cache_layer, TensorVi
                      gate.data != nullptr ? gate.row_slice(r0, r1) : TensorView{}, att.row_slice(r0, r1));
     }
 
+    tap(layer, Tap::kAttnOut, att);
     const TensorView o = mat(f_, n, d);  // [n, d_model] o_proj, canonical K blocks
     if (auto ok = row_parallel(att, w.attn.o, o, "o_proj"); !ok) {
         return wrap_error(fmt::format("layer {}", layer), ok.error());
     }
+    tap(layer, Tap::kOProj, o);
     be.add_rms_norm(x, o, w.post_norm, eps_, x, a);  // x = h = x + attn; a = RMSNorm_post(h)
+    tap(layer, Tap::kResidual, x);
+    tap(layer, Tap::kFfnNorm, a);
     return {};
 }
+
+namespace {
+
+// The forward's tap point for a MoE state's stage.
+Tap moe_tap(MoeStage stage) {
+    switch (stage) {
+    case MoeStage::kRouterLogits: return Tap::kRouterLogits;
+    case MoeStage::kExpertIds: return Tap::kExpertIds;
+    case MoeStage::kExpertWeights: return Tap::kExpertWeights;
+    case MoeStage::kExpertGate: return Tap::kExpertGate;
+    case MoeStage::kExpertUp: return Tap::kExpertUp;
+    case MoeStage::kExpertAct: return Tap::kExpertAct;
+    case MoeStage::kExpertDownOwn: return Tap::kExpertDownOwn;
+    case MoeStage::kExpertDown: return Tap::kExpertDown;
+    case MoeStage::kSharedOut: return Tap::kSharedOut;
+    }
+    MEMRA_CHECK(false, "moe_tap: unknown stage {}", static_cast<int>(stage));
+    return Tap::kLayerOut;
+}
+
+}  // namespace
 
 Result<void> Step35Forward::ffn_block(int layer, TensorView x) {
     const Step35Config &cfg = model_->cfg;
@@ -501,93 +555,24 @@ Result<void> Step35Forward::ffn_block(int layer, TensorView x) {
         return {};
     }
 
-    // Routing is replicated: every rank computes the same router bits, selections and sorted pairs.
-    const int64_t k = g.top_k;
-    const TensorView logits = mat(router_, n, g.n_experts);     // [n, n_experts] f32 router logits
-    const TensorView ids = mat(expert_ids_, n, k);              // [n, top_k] i32
-    const TensorView weights = mat(expert_w_, n, k);            // [n, top_k] f32
-    const TensorView offsets = mat(offsets_, g.n_experts + 1, 1);
-    const TensorView sorted_pair = mat(sorted_pair_, n * k, 1);  // [n * top_k] i32
-    const TensorView row_of_pair = mat(row_of_pair_, n * k, 1);
-    const TensorView x_sorted = mat(x_sorted_, n * k, d);       // [n * top_k, d_model], expert order
-    const TensorView e_out = mat(e_out_, n * k, d);             // [n * top_k, d_model]
-    be.matmul(a, w.moe.router, logits);
-    be.router_topk(RouterConfig{g.n_experts, k, cfg.norm_expert_weight,
-                                static_cast<float>(cfg.moe_router_scaling_factor)},
-                   logits, w.moe.router_bias, ids, weights);
-    be.moe_sort_pairs(ids, g.n_experts, offsets, sorted_pair, row_of_pair);
-    be.moe_permute(a, sorted_pair, k, x_sorted);
-    if (auto ok = routed_experts(layer, x_sorted, offsets, e_out); !ok) {
-        return wrap_error(fmt::format("layer {}", layer), ok.error());
-    }
-
-    // The shared expert is replicated: every rank computes it whole.
-    const TensorView s_gate = mat(ff_gate_, n, g.d_shared);  // [n, d_shared]
-    const TensorView s_up = mat(ff_up_, n, g.d_shared);
-    be.matmul(a, w.moe.shared.gate, s_gate);
-    be.matmul(a, w.moe.shared.up, s_up);
-    be.swiglu(s_gate, s_up, g.clamp_shared, s_gate);
-    be.matmul_canonical(s_gate, w.moe.shared.down, out, workspace_);
-    be.moe_combine(x, e_out, row_of_pair, weights, out, x);  // x = h + (routed + shared), canonical slot order
-    return {};
-}
-
-// e_out[p] = expert(x_sorted[p]) for every sorted pair p, on every rank, with the TP = 1 bits.
-Result<void> Step35Forward::routed_experts(int layer, TensorView x_sorted, TensorView offsets, TensorView e_out) {
-    const LayerGeometry &g = model_->cfg.layers[static_cast<size_t>(layer)];
-    const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
-    const LayerDims &dims = dims_[static_cast<size_t>(layer)];
-    Backend &be = *backend_;
-    const int64_t n_pairs = x_sorted.rows();
-    const TensorView e_gate = mat(e_gate_, n_pairs, dims.d_expert);  // [n * top_k, d_expert held]
-    const TensorView e_up = mat(e_up_, n_pairs, dims.d_expert);
-
-    if (!ep_) {
-        // Whole experts (TP = 1), or every expert's d_expert slice: gate/up are per-column products, and
-        // the down_proj is row-parallel over the rank's canonical blocks, finished like o_proj.
-        be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
-        be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
-        be.swiglu(e_gate, e_up, g.clamp_routed, e_gate);
-        if (comm_ == nullptr) {
-            be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
-            return {};
-        }
-        const TensorView all = gathered(e_out.numel());
-        be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, own_slot(all, n_pairs, e_out.row_elems()),
-                                    workspace_);
-        if (auto ok = all_gather(all, "expert down_proj"); !ok) return ok;
-        be.canonical_combine(all, e_out);
-        return {};
-    }
-
-    // EP: the owner computes its experts' pairs whole (all 8 blocks, the full tree, locally), so its rows
-    // are the TP = 1 rows. The sorted pairs of one owner are contiguous (owners hold contiguous experts and
-    // pairs are sorted by expert), and routing is replicated, so every rank knows each owner's row range:
-    // one broadcast per owner lands its rows in place, in sorted order, and the combine below is unchanged.
-    // (An all-gather would need capacity-padded slots, tp times the bytes, and a repack; the price here is
-    // reading the tiny offsets array back to the host once per MoE layer.)
-    be.copy_to_host(offsets, offsets_host_.data());
-    const parallel::Range own = dims.experts;
-    const int64_t r0 = offsets_host_[static_cast<size_t>(own.begin)];
-    const int64_t r1 = offsets_host_[static_cast<size_t>(own.end)];
-    be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
-    be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
-    be.swiglu(e_gate.row_slice(r0, r1), e_up.row_slice(r0, r1), g.clamp_routed, e_gate.row_slice(r0, r1));
-    be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
-    for (int owner = 0; owner < tp_; ++owner) {
-        const parallel::Range experts = parallel::experts_of(owner, g.n_experts, tp_);
-        const int64_t b0 = offsets_host_[static_cast<size_t>(experts.begin)];
-        const int64_t b1 = offsets_host_[static_cast<size_t>(experts.end)];
-        if (b1 == b0) continue;  // every rank skips the same owners
-        if (auto ok = broadcast(e_out.row_slice(b0, b1), owner, "expert rows"); !ok) return ok;
-    }
+    // The MoE layer (step35_moe.h): x = h + (routed + shared), routed experts combined in canonical slot order.
+    // A tapped layer's MoE intermediates reach the tap through the state's observer.
+    MoeState &moe = moe_[static_cast<size_t>(moe_of_layer_[static_cast<size_t>(layer)])];
+    MoeObserver observe;
+    if (layer == tap_layer_) observe = [this, layer](MoeStage s, TensorView v) { tap(layer, moe_tap(s), v); };
+    auto ok = moe.refresh(layer, a, observe);
+    if (ok) ok = moe.run(x, x, observe);
+    if (!ok) return wrap_error(fmt::format("layer {}", layer), ok.error());
     return {};
 }
 
 Result<void> Step35Forward::run_layer(int layer, int cache_layer, TensorView x) {
+    tap(layer, Tap::kLayerIn, x);
     auto r = attention_block(layer, cache_layer, x);
     if (!r) return r;
-    return ffn_block(layer, x);
+    r = ffn_block(layer, x);
+    if (r) tap(layer, Tap::kLayerOut, x);
+    return r;
 }
 
 // y = x . W^T for a row-parallel weight: TP = 1 forms all 8 canonical blocks here; a TP rank forms its
@@ -611,24 +596,19 @@ TensorView Step35Forward::own_slot(TensorView all, int64_t rows, int64_t cols) c
     return all.row_slice(tp_rank_, tp_rank_ + 1).reshaped({rows, cols});
 }
 
-Result<void> Step35Forward::all_gather(TensorView all, const char *what) {
-    // all: [tp, m] with this rank's slot (row tp_rank) filled; afterwards every slot is filled.
-    const size_t bytes = all.n_bytes();
-    const size_t slot = bytes / static_cast<size_t>(tp_);
-    const std::span<std::byte> recv(static_cast<std::byte *>(all.data), bytes);
-    ++comm_counters_.all_gathers;
-    comm_counters_.bytes += static_cast<int64_t>(bytes);
-    auto ok = comm_->all_gather(recv.subspan(static_cast<size_t>(tp_rank_) * slot, slot), recv);
-    if (!ok) return wrap_error(fmt::format("{} all_gather", what), ok.error());
-    return {};
+CommCounters Step35Forward::comm_counters() const {
+    CommCounters c = comm_counters_;
+    for (const MoeState &m : moe_) c += m.comm_counters();
+    return c;
 }
 
-Result<void> Step35Forward::broadcast(TensorView buf, int root, const char *what) {
-    ++comm_counters_.broadcasts;
-    comm_counters_.bytes += static_cast<int64_t>(buf.n_bytes());
-    auto ok = comm_->broadcast(std::span<std::byte>(static_cast<std::byte *>(buf.data), buf.n_bytes()), root);
-    if (!ok) return wrap_error(fmt::format("{} broadcast from rank {}", what, root), ok.error());
-    return {};
+void Step35Forward::reset_comm_counters() {
+    comm_counters_ = {};
+    for (MoeState &m : moe_) m.reset_comm_counters();
+}
+
+Result<void> Step35Forward::all_gather(TensorView all, const char *what) {
+    return gather_rank_slots(*comm_, tp_, tp_rank_, all, what, comm_counters_);
 }
 
 Result<void> Step35Forward::emit_logits(TensorView x, VectorId norm, MatrixId head) {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "kv/kv_cache.h"
 #include "model/step35_config.h"
 #include "model/step35_model.h"
+#include "model/step35_moe.h"
 #include "parallel/comm.h"
 #include "parallel/plan.h"
 
@@ -51,13 +53,6 @@ struct RankContext {
     parallel::Communicator *comm = nullptr;        // the rank's handle on its TP group; outlives the forward
 };
 
-// Collective calls a forward made since the last reset (launches and host copies are the backend's).
-struct CommCounters {
-    int64_t all_gathers = 0;
-    int64_t broadcasts = 0;
-    int64_t bytes = 0;  // receive-buffer bytes: all slots of an all-gather, the buffer of a broadcast
-};
-
 // What attention rounds the query to for a K cache format: GGML's dot-product partner of the key type
 // (f32: none, bf16: bf16, q8_0 / q5_1: q8 blocks), so a cache type means what it means in llama.cpp.
 RowRounding query_rounding(kv::KvFormat k_format);
@@ -78,6 +73,39 @@ struct MtpChunk {
     bool all_logits = false;
     int64_t commit = -1;
 };
+
+// Intermediates of one layer that a verification tool may observe (`memra verify`'s layer gates). Each is
+// handed to the tap right after the op that completes it, as a view of the forward's own backend buffer (the
+// MoE stages: of its MoE state's, step35_moe.h MoeStage), valid only during the call; copy it out with the
+// backend. On a TP rank a view holds the rank's part: its query / KV heads' columns, its d_expert columns of
+// every routed pair (EP: whole rows, valid only for the pairs of its own experts); replicated values are whole.
+enum class Tap {
+    kLayerIn,        // [n, d_model] x entering the layer
+    kAttnNorm,       // [n, d_model] RMSNorm_in(x)
+    kQ,              // [n, q heads * head_dim] after q_norm and RoPE (before a K-format rounding)
+    kK,              // [n, kv heads * head_dim] after k_norm and RoPE
+    kV,              // [n, kv heads * head_dim]
+    kAttnGate,       // [n, q heads] head-wise gate logits (only when the model has the gate)
+    kAttnOut,        // [n, q heads * head_dim] attention output, before o_proj
+    kOProj,          // [n, d_model] o_proj, finished (every rank: the whole product)
+    kResidual,       // [n, d_model] h = x + attention
+    kFfnNorm,        // [n, d_model] RMSNorm_post(h)
+    kRouterLogits,   // [n, n_experts] f32 (MoE layers from here on)
+    kExpertIds,      // [n, top_k] i32
+    kExpertWeights,  // [n, top_k] f32
+    kExpertGate,     // [n * top_k, d_expert held] grouped gate projection, rows in expert-sorted pair order
+    kExpertUp,       // [n * top_k, d_expert held] grouped up projection
+    kExpertAct,      // [n * top_k, d_expert held] swiglu(gate, up)
+    kExpertDownOwn,  // [n * top_k, d_model] EP only: down projections of the rank's own experts' rows, before
+                     // the broadcasts (the other rows are stale)
+    kExpertDown,     // [n * top_k, d_model] every pair's down projection, on every rank
+    kSharedOut,      // [n, d_model] shared expert output
+    kLayerOut,       // [n, d_model] x leaving the layer
+};
+inline constexpr int kTapCount = static_cast<int>(Tap::kLayerOut) + 1;
+const char *tap_name(Tap tap);
+// Called on the thread running the step; must not call back into the forward.
+using TapFn = std::function<void(Tap tap, TensorView view)>;
 
 class Step35Forward {
 public:
@@ -126,8 +154,14 @@ public:
     int tp() const { return tp_; }
     int tp_rank() const { return tp_rank_; }
 
-    const CommCounters &comm_counters() const { return comm_counters_; }
-    void reset_comm_counters() { comm_counters_ = {}; }
+    // Collective calls made since the last reset, its MoE states' included (CommCounters, step35_moe.h);
+    // launches and host copies are the backend's.
+    CommCounters comm_counters() const;
+    void reset_comm_counters();
+
+    // Observes config layer `layer` (trunk or MTP) of every later step through fn; layer -1 or an empty fn
+    // turns the tap off. Off, a step pays one integer comparison per tap point.
+    void set_tap(int layer, TapFn fn);
 
 private:
     struct Slot {  // one chunk of the running step
@@ -145,8 +179,6 @@ private:
         int64_t n_heads = 0;     // query heads
         int64_t n_kv_heads = 0;  // KV heads (the cache layer's width)
         int64_t d_ff = 0;        // dense gate/up rows; 0 on MoE layers
-        int64_t d_expert = 0;    // rows of each held expert's gate/up
-        parallel::Range experts;  // experts held (all of them unless EP)
     };
 
     Step35Forward() = default;
@@ -162,16 +194,17 @@ private:
     Result<void> run_layer(int layer, int cache_layer, TensorView x);
     Result<void> attention_block(int layer, int cache_layer, TensorView x);
     Result<void> ffn_block(int layer, TensorView x);
-    Result<void> routed_experts(int layer, TensorView x_sorted, TensorView offsets, TensorView e_out);
     Result<void> emit_logits(TensorView x, VectorId norm, MatrixId head);
     Result<void> row_parallel(TensorView x, MatrixId w, TensorView y, const char *what);
     // The forward's only calls into the communicator, on backend buffers (host memory on the CPU; a device
     // backend passes device pointers and its stream through these two).
     Result<void> all_gather(TensorView all, const char *what);
-    Result<void> broadcast(TensorView buf, int root, const char *what);
     TensorView gathered(int64_t elems_per_rank) const;
     TensorView own_slot(TensorView all, int64_t rows, int64_t cols) const;
     TensorView mat(TensorView buf, int64_t rows, int64_t cols) const;
+    void tap(int layer, Tap t, TensorView v) const {
+        if (layer == tap_layer_) tap_fn_(t, v);
+    }
 
     Backend *backend_ = nullptr;
     const Step35Model *model_ = nullptr;
@@ -192,13 +225,16 @@ private:
     TensorView x_, a_, f_, mtp_x_, cat_;      // [T, d] f32 (cat_: [T, 2d])
     TensorView q_, k_, v_, g_, att_;          // [T, max q / kv / heads widths]
     TensorView k_ctx_, v_ctx_;                // [max_context, max kv width]: keys read back from a cache
-    TensorView ff_gate_, ff_up_;              // [T, max(d_ff, d_shared)]
-    TensorView router_, expert_ids_, expert_w_, offsets_, sorted_pair_, row_of_pair_;
-    TensorView x_sorted_, e_gate_, e_up_, e_out_;  // [T * top_k, ...]
-    TensorView x_logit_, logits_dev_;              // [L, d], [L, vocab]
-    TensorView workspace_;                         // canonical products
-    TensorView gather_;  // [tp, max(n_tokens * top_k, n_tokens) * d_model] or [tp, L * vocab / tp]: one
-                         // slot per rank for all-gathers (only with a communicator)
+    TensorView ff_gate_, ff_up_;              // [T, max d_ff] dense MLP
+    TensorView x_logit_, logits_dev_;         // [L, d], [L, vocab]
+    TensorView workspace_;                    // canonical products (o_proj, dense down_proj)
+    TensorView gather_;  // [tp, T * d_model] or [tp, L * vocab / tp]: one slot per rank for all-gathers (only
+                         // with a communicator)
+
+    // The MoE layers: one state per distinct MoeShape, sized for max_tokens and refreshed layer by layer
+    // (a state's buffers are the MoE layers' scratch, so sharing keeps memory at one layer's worth).
+    std::vector<MoeState> moe_;      // distinct shapes, in order of first use
+    std::vector<int> moe_of_layer_;  // per config layer: index into moe_, -1 on dense layers
 
     // Host staging, sized for the capacity.
     std::vector<int32_t> ids_host_;
@@ -206,12 +242,14 @@ private:
     std::vector<int32_t> logit_rows_host_;
     std::vector<float> kv_host_k_, kv_host_v_;  // [max(max_context, T) * max kv width]
     std::vector<float> logits_host_;            // [L * vocab]
-    std::vector<int32_t> offsets_host_;         // [n_experts + 1] expert pair offsets (EP only)
     std::vector<int64_t> logit_row_begin_;      // [n_chunks + 1] of the last step
     std::vector<Slot> slots_;                   // the running step's chunks (capacity max_seqs)
     int64_t n_rows_ = 0;                        // rows of the last trunk step
     int64_t n_mtp_rows_ = 0;                    // rows of the last MTP step
     int64_t n_logit_rows_ = 0;
+
+    int tap_layer_ = -1;  // the observed layer; -1: none
+    TapFn tap_fn_;
 };
 
 }  // namespace memra::model

@@ -105,7 +105,21 @@ Result<void> Step35RankGroup::check_sequences(std::span<RankSequence *const> seq
 }
 
 Result<void> Step35RankGroup::run_all(const std::function<Result<void>(int rank)> &fn) {
-    auto ran = group_->run([&fn](int rank, parallel::Communicator &) { return fn(rank); });
+    step_allocations_ = -1;
+    int64_t before = 0;
+    auto ran = group_->run([this, &fn, &before](int rank, parallel::Communicator &comm) -> Result<void> {
+        if (!count_allocations_) return fn(rank);
+        // Every rank thread has started once all reach the first barrier; only the steps run between the
+        // second and the third, and the main thread waits in run() meanwhile.
+        if (auto ok = comm.barrier(); !ok) return ok;
+        if (rank == 0) before = count_allocations_();
+        if (auto ok = comm.barrier(); !ok) return ok;
+        auto r = fn(rank);
+        if (!r) return r;
+        if (auto ok = comm.barrier(); !ok) return ok;
+        if (rank == 0) step_allocations_ = count_allocations_() - before;
+        return r;
+    });
     if (!ran) {
         broken_ = ran.error().message;
         return wrap_error("rank group step", ran.error());
@@ -211,6 +225,25 @@ Result<void> Step35RankGroup::mtp_step(int mtp, std::span<const RankMtpChunk> ch
     });
     if (!ran) return ran;
     return check_after(step_seqs_, mtp);
+}
+
+Result<void> Step35RankGroup::grow(RankSequence &seq, int64_t new_capacity) {
+    if (seq.group_ != this) return make_error("grow: the sequence belongs to another rank group");
+    std::vector<kv::KvCache *> caches;
+    for (kv::KvCache &c : seq.trunk_) caches.push_back(&c);
+    for (std::vector<kv::KvCache> &layer : seq.mtp_) {
+        for (kv::KvCache &c : layer) caches.push_back(&c);
+    }
+    for (const kv::KvCache *c : caches) {
+        if (c->in_txn()) return make_error("grow: a cache of the sequence has an open transaction");
+        if (new_capacity < c->capacity()) {
+            return make_error("grow: new capacity {} is below the capacity {}", new_capacity, c->capacity());
+        }
+    }
+    for (kv::KvCache *c : caches) {
+        if (auto ok = c->grow(new_capacity); !ok) return wrap_error("grow", ok.error());
+    }
+    return {};
 }
 
 std::span<const float> Step35RankGroup::logits() const { return forwards_.front().logits(); }

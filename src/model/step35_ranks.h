@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -46,6 +47,7 @@ public:
     const kv::KvCache &trunk(int rank) const;
     const kv::KvCache &mtp(int mtp, int rank) const;
     int64_t length() const { return trunk_.front().length(); }  // committed positions (all ranks agree)
+    int64_t capacity() const { return trunk_.front().capacity(); }
 
 private:
     friend class Step35RankGroup;
@@ -103,6 +105,19 @@ public:
     // MTP layer `mtp` over the chunks, with h_prev taken on each rank from its own hidden rows.
     Result<void> mtp_step(int mtp, std::span<const RankMtpChunk> chunks, HiddenRows h_prev);
 
+    // Raises the capacity of every cache of the sequence (trunk and MTP layers, every rank) to new_capacity,
+    // each keeping its rows' bytes and its transaction generation (kv::KvCache::grow). Refused before any
+    // cache changes: a sequence of another group, new_capacity below the capacity, an open transaction.
+    // Allocates: not a hot-path call.
+    Result<void> grow(RankSequence &seq, int64_t new_capacity);
+
+    // count() returns the process's heap allocations so far (a counting operator new, e.g. memra verify's);
+    // empty turns counting off. While on, every step / mtp_step counts the allocations made while the ranks
+    // run it, between barriers of the rank threads (so the threads' own start-up is not counted).
+    void set_allocation_counter(std::function<int64_t()> count) { count_allocations_ = std::move(count); }
+    // Heap allocations made while the ranks ran the last step / mtp_step; -1 when not counted.
+    int64_t step_allocations() const { return step_allocations_; }
+
     // The last step's logits (rank 0's; all ranks hold the same bits): [rows, vocab_size], rows in chunk
     // order, chunk i owning rows logit_row_begin()[i] .. [i + 1].
     std::span<const float> logits() const;
@@ -136,6 +151,8 @@ private:
     std::vector<std::unique_ptr<Step35Model>> models_;  // [rank]; the forwards point into them
     std::vector<Step35Forward> forwards_;              // [rank]
     std::string broken_;                               // why the group can no longer step; empty while usable
+    std::function<int64_t()> count_allocations_;
+    int64_t step_allocations_ = -1;
 
     // Per-step scratch, sized at create for the capacity's max_seqs.
     std::vector<std::vector<SeqChunk>> seq_chunks_;  // [rank]

@@ -934,26 +934,28 @@ TEST_F(CliTest, BenchPrintsALlamaBenchMarkdownTable) {
     const std::vector<std::string> lines = lines_of(r.out);
     ASSERT_EQ(lines.size(), 4u) << describe(r);
     EXPECT_EQ(table_cells(lines[0]),
-              (std::vector<std::string>{"model", "params", "dtype", "threads", "kv", "test", "t/s"}));
+              (std::vector<std::string>{"model", "params", "dtype", "tp", "ep", "threads", "kv", "test", "t/s"}));
     // Numbers right-aligned, text left-aligned, every row as wide as the header.
     EXPECT_EQ(table_cells(lines[1])[1].back(), ':') << lines[1];
     EXPECT_EQ(table_cells(lines[1])[2].back(), '-') << lines[1];
     const std::vector<std::string> tests = {"pp8", "tg4"};
     for (size_t i = 0; i < tests.size(); ++i) {
         const std::vector<std::string> cells = table_cells(lines[2 + i]);
-        ASSERT_EQ(cells.size(), 7u) << lines[2 + i];
+        ASSERT_EQ(cells.size(), 9u) << lines[2 + i];
         EXPECT_EQ(cells[0], default_model().string());
         EXPECT_EQ(cells[1], "8.86 M");  // the 8860672 parameters make-tiny reports
         EXPECT_EQ(cells[2], "bf16");
         EXPECT_EQ(cells[3], "1");
-        EXPECT_EQ(cells[4], "bf16/bf16");
-        EXPECT_EQ(cells[5], tests[i]);
+        EXPECT_EQ(cells[4], "off");
+        EXPECT_EQ(cells[5], "1");
+        EXPECT_EQ(cells[6], "bf16/bf16");
+        EXPECT_EQ(cells[7], tests[i]);
         // "mean ± stddev" of tokens/s, both with two decimals.
-        const size_t pm = cells[6].find(" ± ");
-        ASSERT_NE(pm, std::string::npos) << cells[6];
-        EXPECT_GT(std::stod(cells[6].substr(0, pm)), 0.0) << cells[6];
-        EXPECT_GE(std::stod(cells[6].substr(pm + 4)), 0.0) << cells[6];
-        EXPECT_EQ(cells[6][pm - 3], '.') << cells[6];
+        const size_t pm = cells[8].find(" ± ");
+        ASSERT_NE(pm, std::string::npos) << cells[8];
+        EXPECT_GT(std::stod(cells[8].substr(0, pm)), 0.0) << cells[8];
+        EXPECT_GE(std::stod(cells[8].substr(pm + 4)), 0.0) << cells[8];
+        EXPECT_EQ(cells[8][pm - 3], '.') << cells[8];
         EXPECT_EQ(lines[2 + i].size(), lines[0].size() + 1) << "the row's one '±' is two bytes wide";
     }
     EXPECT_TRUE(contains(r.err, "memra bench: pp8: warm-up + 2 runs\n")) << describe(r);
@@ -971,7 +973,9 @@ TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
     for (size_t i = 0; i < tests.size(); ++i) {
         const Json &t = report[i];
         const auto &[name, n_prompt, n_gen] = tests[i];
-        EXPECT_EQ(t.size(), 13u) << t.dump();
+        EXPECT_EQ(t.size(), 15u) << t.dump();
+        EXPECT_EQ(t.at("tp"), 1);
+        EXPECT_EQ(t.at("ep"), false);
         EXPECT_EQ(t.at("model"), default_model().string());
         EXPECT_EQ(t.at("n_params"), 8860672);
         EXPECT_EQ(t.at("dtype"), "bf16");
@@ -998,6 +1002,28 @@ TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
     }
 }
 
+TEST_F(CliTest, BenchRunsOnTensorParallelCpuRanks) {
+    for (const std::vector<std::string> &extra : {std::vector<std::string>{"--tp", "2"},
+                                                   std::vector<std::string>{"--tp", "4", "--ep"}}) {
+        std::vector<std::string> args = {"bench", "-p", "8", "-n", "3", "-r", "1", "-t", "4", "-o", "json"};
+        args.insert(args.end(), extra.begin(), extra.end());
+        const RunResult r = run_memra(args);
+        ASSERT_EQ(r.exit_code, 0) << describe(r);
+        const Json report = Json::parse(r.out);
+        ASSERT_EQ(report.size(), 2u) << r.out;
+        for (const Json &t : report) {
+            EXPECT_EQ(t.at("tp"), std::stoi(extra[1])) << t.dump();
+            EXPECT_EQ(t.at("ep"), extra.size() == 3) << t.dump();
+            EXPECT_EQ(t.at("threads"), 4 / std::stoi(extra[1])) << t.dump();
+            EXPECT_GT(t.at("avg_ts").get<double>(), 0.0) << t.dump();
+        }
+    }
+    // A split the plan refuses is an input error that gives the plan's reason.
+    const RunResult bad = run_memra({"bench", "-p", "8", "-n", "2", "-r", "1", "--tp", "3"});
+    EXPECT_EQ(bad.exit_code, 1) << describe(bad);
+    EXPECT_TRUE(contains(bad.err, "error: --tp 3: ")) << describe(bad);
+}
+
 TEST_F(CliTest, BenchSkipsATestOfSizeZero) {
     RunResult r = run_memra({"bench", "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "json"});
     ASSERT_EQ(r.exit_code, 0) << describe(r);
@@ -1008,7 +1034,7 @@ TEST_F(CliTest, BenchSkipsATestOfSizeZero) {
     r = run_memra({"bench", "-p", "3", "-n", "0", "-r", "1", "-t", "1"});
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     ASSERT_EQ(lines_of(r.out).size(), 3u) << describe(r);
-    EXPECT_EQ(table_cells(lines_of(r.out)[2])[5], "pp3");
+    EXPECT_EQ(table_cells(lines_of(r.out)[2])[7], "pp3");
 }
 
 TEST_F(CliTest, BenchPrintTokensIsSeededAndDrawsOnlyRealTokens) {
@@ -1072,6 +1098,135 @@ TEST_F(CliTest, BenchRefusesBadFlagValues) {
     }
 }
 
+// ---- bench --experts ----
+
+TEST_F(CliTest, BenchExpertsPrintsOneRowWithOrderedPercentiles) {
+    const RunResult r = run_memra({"bench", "--experts", "--tokens", "8", "--warmup", "1", "--iterations", "4",
+                                   "-t", "1"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const std::vector<std::string> lines = lines_of(r.out);
+    ASSERT_EQ(lines.size(), 3u) << describe(r);
+    EXPECT_EQ(table_cells(lines[0]),
+              (std::vector<std::string>{"model", "dtype", "layer", "tokens", "top_k", "tp", "ep", "threads", "warm-up",
+                                        "iters", "mean ms", "min ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms",
+                                        "max ms", "routes/s", "checksum"}));
+    const std::vector<std::string> cells = table_cells(lines[2]);
+    ASSERT_EQ(cells.size(), 19u) << lines[2];
+    EXPECT_EQ(cells[0], default_model().string());
+    EXPECT_EQ(cells[1], "bf16");
+    const std::vector<std::string> facts = {"2", "8", "8", "1", "off", "1", "1", "4"};
+    for (size_t i = 0; i < facts.size(); ++i) EXPECT_EQ(cells[2 + i], facts[i]) << "column " << 2 + i;
+    // mean, min, p50 .. p99, max in ms with three decimals; min <= p50 <= ... <= max, mean inside.
+    std::vector<double> ms;
+    for (size_t i = 10; i < 17; ++i) {
+        EXPECT_EQ(cells[i][cells[i].size() - 4], '.') << cells[i];
+        ms.push_back(std::stod(cells[i]));
+    }
+    EXPECT_GT(ms[1], 0.0);
+    for (size_t i = 2; i < ms.size(); ++i) EXPECT_LE(ms[i - 1], ms[i]) << "column " << 10 + i;
+    EXPECT_LE(ms[1], ms[0]);
+    EXPECT_LE(ms[0], ms[6]);
+    EXPECT_GT(std::stod(cells[17]), 0.0);
+    EXPECT_EQ(cells[18].size(), 16u);
+    EXPECT_EQ(cells[18].find_first_not_of("0123456789abcdef"), std::string::npos) << cells[18];
+    EXPECT_TRUE(contains(r.err, "experts of layer 2 on 1 rank, 1 thread each\n")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "memra bench: experts: 8 tokens x top-8: warm-up 1 + 4 iterations\n")) << describe(r);
+}
+
+TEST_F(CliTest, BenchExpertsChecksumIsTheSameAtEveryDegreeAndStatisticsAreConsistent) {
+    auto bench = [&](const std::vector<std::string> &extra, const std::string &tokens = "6") {
+        std::vector<std::string> args = {"bench", "--experts", "--tokens", tokens, "--warmup", "0", "--iterations",
+                                         "3", "-t", "1", "-o", "json"};
+        args.insert(args.end(), extra.begin(), extra.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, 0) << describe(r);
+        const Json report = Json::parse(r.out);
+        EXPECT_TRUE(report.is_array() && report.size() == 1u) << r.out;
+        return report.at(0);
+    };
+    const Json one = bench({});
+    EXPECT_EQ(one.size(), 24u) << one.dump();
+    EXPECT_EQ(one.at("test"), "experts");
+    EXPECT_EQ(one.at("layer"), 2);
+    EXPECT_EQ(one.at("tokens"), 6);
+    EXPECT_EQ(one.at("top_k"), 8);
+    EXPECT_EQ(one.at("n_experts"), 16);
+    EXPECT_EQ(one.at("routes"), 48);
+    EXPECT_EQ(one.at("tp"), 1);
+    EXPECT_EQ(one.at("ep"), false);
+    EXPECT_EQ(one.at("warmup"), 0);
+    EXPECT_EQ(one.at("iterations"), 3);
+    // Statistics over the samples: the mean, nearest-rank percentiles (of 3 samples: p50 the 2nd, p90 .. p99 the
+    // 3rd) and routes per second from the mean.
+    std::vector<double> ms = one.at("samples_ms").get<std::vector<double>>();
+    ASSERT_EQ(ms.size(), 3u);
+    const double mean = (ms[0] + ms[1] + ms[2]) / 3.0;
+    std::sort(ms.begin(), ms.end());
+    EXPECT_NEAR(one.at("mean_ms").get<double>(), mean, 1e-9 * mean);
+    EXPECT_EQ(one.at("min_ms").get<double>(), ms[0]);
+    EXPECT_EQ(one.at("p50_ms").get<double>(), ms[1]);
+    for (const char *key : {"p90_ms", "p95_ms", "p99_ms", "max_ms"}) EXPECT_EQ(one.at(key).get<double>(), ms[2]);
+    EXPECT_NEAR(one.at("routes_per_s").get<double>(), 48 * 1000.0 / mean, 1e-6 * 48 * 1000.0 / mean);
+
+    // The same layer output bits on 2 and 4 ranks, with and without EP (DETERMINISM.md D3, D4); another
+    // seed, token count or layer gives another output.
+    const std::string checksum = one.at("checksum");
+    for (const std::vector<std::string> &extra :
+         {std::vector<std::string>{"--tp", "2"}, {"--tp", "2", "--ep"}, {"--tp", "4"}, {"--tp", "4", "--ep"}}) {
+        const Json j = bench(extra);
+        EXPECT_EQ(j.at("checksum"), checksum) << extra[1] << (extra.size() > 2 ? " ep" : "");
+        EXPECT_EQ(j.at("tp"), std::stoi(extra[1]));
+        EXPECT_EQ(j.at("ep"), extra.size() > 2);
+    }
+    EXPECT_NE(bench({"-s", "1"}).at("checksum"), checksum);
+    EXPECT_NE(bench({"--layer", "5"}).at("checksum"), checksum);
+    const Json seven = bench({}, "7");
+    EXPECT_NE(seven.at("checksum"), checksum);
+    EXPECT_EQ(seven.at("routes"), 56);
+}
+
+TEST_F(CliTest, BenchExpertsRefusesBadRequests) {
+    const fs::path fp8 = make_tiny("fp8", {"--dtype", "fp8"});
+    struct Case {
+        std::vector<std::string> args;
+        int exit_code;
+        std::string fragment;
+    };
+    const std::vector<Case> cases = {
+        {{"--experts", "--layer", "0"}, 1,
+         "error: --layer 0: layer 0 is a dense layer; the MoE layers are 2, 3, 4, 5\n"},
+        {{"--experts", "--layer", "7"}, 1, "error: --layer 7: the model has layers 0 .. 6\n"},
+        {{"--experts", "--tp", "3"}, 1, "error: --tp 3: tp=3: "},
+        {{"--experts", fp8.string(), "--tp", "2"}, 1,
+         "error: --tp 2: tp=2 without ep: fp8 routed experts on layer 2 split d_expert 96 into 48 per rank"},
+        {{"--experts", "--tokens", "0"}, 2, "--tokens"},
+        {{"--experts", "--iterations", "0"}, 2, "--iterations"},
+        {{"--experts", "--warmup", "-1"}, 2, "--warmup"},
+        {{"--experts", "--tp", "0"}, 2, "--tp"},
+        {{"--layer", "2"}, 2, "--layer"},
+        {{"--experts", "-p", "8"}, 2, "excludes"},
+        {{"--experts", "--print-tokens"}, 2, "excludes"},
+    };
+    for (const Case &c : cases) {
+        std::vector<std::string> args = {"bench"};
+        args.insert(args.end(), c.args.begin(), c.args.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, c.exit_code) << c.args.back() << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
+        EXPECT_EQ(r.out, "") << describe(r);
+    }
+    // fp8 experts run whole per owner under EP, with the checksum of one rank.
+    auto checksum = [&](const std::vector<std::string> &extra) {
+        std::vector<std::string> args = {"bench", fp8.string(), "--experts", "--tokens", "4", "--warmup", "0",
+                                         "--iterations", "2", "-t", "1", "-o", "json"};
+        args.insert(args.end(), extra.begin(), extra.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, 0) << describe(r);
+        return Json::parse(r.out).at(0).at("checksum").get<std::string>();
+    };
+    EXPECT_EQ(checksum({}), checksum({"--tp", "2", "--ep"}));
+}
+
 TEST_F(CliTest, BenchHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
     const RunResult r = run_memra({"bench", "--help"});
     EXPECT_EQ(r.exit_code, 0) << describe(r);
@@ -1079,7 +1234,181 @@ TEST_F(CliTest, BenchHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
          {"Usage: memra bench", "MODEL_DIR", "MEMRA_MODEL", "-p,--n-prompt", "MEMRA_N_PROMPT", "=512", "-n,--n-gen",
           "MEMRA_N_GEN", "=128", "-r,--repetitions", "MEMRA_REPETITIONS", "=5", "-t,--threads", "MEMRA_THREADS",
           "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv", "=bf16",
-          "-s,--seed", "MEMRA_SEED", "-o,--output", "MEMRA_OUTPUT", "=md", "--print-tokens", "MEMRA_PRINT_TOKENS"}) {
+          "-s,--seed", "MEMRA_SEED", "-o,--output", "MEMRA_OUTPUT", "=md", "--print-tokens", "MEMRA_PRINT_TOKENS",
+          "--experts", "MEMRA_EXPERTS", "--layer", "MEMRA_LAYER", "--tokens", "MEMRA_TOKENS", "=64",
+          "--tp,--tensor-parallel-size", "MEMRA_TP", "--ep,--enable-expert-parallel", "MEMRA_EP", "--warmup",
+          "MEMRA_WARMUP", "=3", "--iterations", "MEMRA_ITERATIONS", "=20"}) {
         EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
     }
+}
+
+// ---- verify ------------------------------------------------------------------------------------------
+
+// The "mismatches/compared" pairs of verify's stage lines (those starting "tp="): how many there are, and
+// the mismatches and compared values summed.
+struct VerifyTotals {
+    int pairs = 0;
+    long long mismatches = 0;
+    long long compared = 0;
+    int steps = 0;         // lines with work counts
+    int nonzero_allocs = 0;  // of those, lines whose allocs is not 0
+};
+
+VerifyTotals verify_totals(const std::string &out) {
+    VerifyTotals t;
+    std::istringstream in(out);
+    std::string line;
+    while (std::getline(in, line)) {
+        if (line.rfind("tp=", 0) != 0) continue;
+        std::istringstream words(line);
+        std::string w;
+        while (words >> w) {
+            const size_t slash = w.find('/');
+            if (slash == std::string::npos || slash == 0 || slash + 1 == w.size()) continue;
+            if (w.find_first_not_of("0123456789/") != std::string::npos) continue;
+            ++t.pairs;
+            t.mismatches += std::stoll(w.substr(0, slash));
+            t.compared += std::stoll(w.substr(slash + 1));
+        }
+        const size_t allocs = line.find(" allocs ");
+        if (allocs != std::string::npos) {
+            ++t.steps;
+            if (line.compare(allocs, 10, " allocs 0 ") != 0 && line.compare(allocs, 9, " allocs 0") != 0) {
+                ++t.nonzero_allocs;
+            }
+        }
+    }
+    return t;
+}
+
+// The summary line of a gate ("NAME   PASS  ..."), or "" when absent.
+std::string gate_line(const std::string &out, const std::string &gate) {
+    std::istringstream in(out);
+    std::string line;
+    while (std::getline(in, line)) {
+        if (line.rfind(gate + " ", 0) == 0) return line;
+    }
+    return "";
+}
+
+const std::vector<std::string> kVerifyGates = {
+    "LOGITS_PREFILL", "LOGITS_DECODE", "KV_BYTES", "KV_TRANSACTIONS", "KV_GROW", "KV_SLIDING_RING", "MTP",
+    "BATCH_INVARIANCE", "ATTENTION_CACHELESS", "ATTENTION_CACHED", "ROUTER", "EXPERTS_GROUPED", "ROUTES_DYNAMIC",
+    "EXPERT_ROWS_ALL_RANKS", "COMBINE", "SHARED_EXPERT", "DECODER_LAYER", "HOT_PATH_ALLOCS", "NATIVE_RUN"};
+
+TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegreeWithAndWithoutEp) {
+    const fs::path bf16 = make_tiny("bf16", {"--seed", "31"});
+    const fs::path fp8 = make_tiny("fp8", {"--seed", "32", "--dtype", "fp8"});
+    for (const fs::path &dir : {bf16, fp8}) {
+        const bool is_fp8 = dir == fp8;
+        const RunResult r = run_memra({"verify", dir.string(), "--tp", "1,2,4,8", "--ep-both", "--tokens", "17",
+                                       "--decode", "1", "--batch", "2"});
+        EXPECT_EQ(r.exit_code, 0) << describe(r);
+        EXPECT_EQ(r.err, "") << describe(r);
+        EXPECT_TRUE(contains(r.out, fmt::format("memra verify {}: tp 1,2,4,8, ep off+on; prefill 17, decode 1, "
+                                                "batch 1..2; kv f32/f32; 1 thread per rank\n",
+                                                dir.string())))
+            << describe(r);
+        // Every gate passes; fp8 experts cannot be split by d_expert (96 / tp is no whole 128-wide scale block),
+        // so the plan refuses tp 2, 4, 8 without EP: skipped with its reason.
+        for (const std::string &gate : kVerifyGates) {
+            const std::string line = gate_line(r.out, gate);
+            EXPECT_TRUE(contains(line, " PASS")) << gate << "\n" << describe(r);
+        }
+        EXPECT_TRUE(contains(r.out, is_fp8 ? "VERIFY PASS: 5 native runs, 3 skipped by the plan, 0 mismatches\n"
+                                           : "VERIFY PASS: 8 native runs, 0 skipped by the plan, 0 mismatches\n"))
+            << describe(r);
+        EXPECT_EQ(count_of(r.out, "SKIP             the plan refuses it: tp="), is_fp8 ? 3u : 0u) << describe(r);
+        if (is_fp8) {
+            EXPECT_TRUE(contains(r.out, "tp=4 ep=off  SKIP             the plan refuses it: tp=4 without ep: fp8 "
+                                        "routed experts on layer 2 split d_expert 96 into 24 per rank, not a "
+                                        "multiple of the fp8 scale block 128; use ep\n"))
+                << describe(r);
+        }
+        EXPECT_FALSE(contains(r.out, "FAIL")) << describe(r);
+        // Each stage line states its mismatches (all 0) and each native step its work, with no allocation.
+        const VerifyTotals t = verify_totals(r.out);
+        EXPECT_EQ(t.mismatches, 0) << describe(r);
+        EXPECT_GT(t.pairs, 2 * t.steps) << describe(r);  // logits, KV bytes, KV state per step; layer lines
+        EXPECT_GT(t.compared, 10'000'000) << describe(r);
+        EXPECT_EQ(t.steps, (is_fp8 ? 5 : 8) * 22) << describe(r);
+        EXPECT_EQ(t.nonzero_allocs, 0) << describe(r);
+        for (const char *stage : {"prefill", "L2 prefill", "mtp prompt", "mtp chained", "decode 1", "txn partial",
+                                  "txn rollback", "txn recommit", "grow", "grown decode", "ring 12", "batch 2"}) {
+            EXPECT_TRUE(contains(r.out, fmt::format("tp=8 ep=on   {:<16} ", stage))) << stage << "\n" << describe(r);
+        }
+    }
+}
+
+TEST_F(CliTest, VerifyDefaultModelQuantizedKvCache) {
+    const RunResult r = run_memra({"verify", "--tp", "2,8", "--ep", "-ctk", "q8_0", "-ctv", "q5_1", "--tokens", "17",
+                                   "--decode", "1", "--batch", "1"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "memra verify " + default_model().string() + ": tp 2,8, ep on;")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "kv q8_0/q5_1;")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "VERIFY PASS: 2 native runs, 0 skipped by the plan, 0 mismatches\n")) << describe(r);
+    const VerifyTotals t = verify_totals(r.out);
+    EXPECT_EQ(t.mismatches, 0) << describe(r);
+    EXPECT_GT(t.pairs, 100) << describe(r);
+}
+
+TEST_F(CliTest, VerifyRequestedCombinationThePlanRefusesIsSkippedAndNothingVerifiedIsAnError) {
+    const fs::path fp8 = make_tiny("fp8", {"--dtype", "fp8"});
+    const RunResult r = run_memra({"verify", fp8.string(), "--tp", "2"});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.out, "tp=2 ep=off  SKIP             requested, but the plan refuses it: tp=2 without ep: "
+                                "fp8 routed experts on layer 2 split d_expert 96 into 48 per rank, not a multiple of "
+                                "the fp8 scale block 128; use ep\n"))
+        << describe(r);
+    EXPECT_TRUE(contains(r.out, "VERIFY NOTHING VERIFIED: 0 native runs, 1 skipped by the plan, 0 mismatches\n"))
+        << describe(r);
+    EXPECT_EQ(r.err, "error: nothing verified: the plan refuses every requested (tp, ep) on " + fp8.string() + "\n")
+        << describe(r);
+}
+
+TEST_F(CliTest, VerifyRefusesBadFlagValues) {
+    struct Case {
+        std::vector<std::string> args;
+        int exit_code;
+        std::string fragment;
+    };
+    const std::vector<Case> cases = {
+        {{"--tp", "0"}, 2, "--tp: expected a comma-separated list of positive integers (e.g. 1,2,4,8), found 0\n"},
+        {{"--tp", "1,x"}, 2, "--tp: expected a comma-separated list of positive integers (e.g. 1,2,4,8), found 1,x\n"},
+        {{"--tp", "1,"}, 2, "found 1,\n"},
+        {{"--tp", "2,2"}, 2, "--tp: tp 2 is listed twice in 2,2\n"},
+        {{"--tokens", "1"}, 2, "--tokens: Value 1 not in range 2 to 65536"},
+        {{"--decode", "0"}, 2, "--decode: Value 0 not in range 1 to 65536"},
+        {{"--batch", "65"}, 2, "--batch: Value 65 not in range 1 to 64"},
+        {{"--layer", "-1"}, 2, "--layer: Value -1 not in range 0 to 2147483647"},
+        {{"--ep", "--ep-both"}, 2, "--ep excludes --ep-both"},
+        {{"--kv-k", "q9"}, 2, "--kv-k: q9 not in {f32,bf16,q8_0,q5_1}"},
+        {{"-t", "0"}, 2, "--threads: expected an integer in [1, 2147483647], found 0"},
+        {{"--bogus"}, 2, "The following argument was not expected: --bogus"},
+        {{"--layer", "6"}, 1, "error: --layer 6: the model has 6 trunk layers (0 .. 5)\n"},
+        {{(dir_ / "missing").string()}, 1, "error: "},
+    };
+    for (const Case &c : cases) {
+        std::vector<std::string> args = {"verify"};
+        args.insert(args.end(), c.args.begin(), c.args.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, c.exit_code) << c.args.front() << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
+        EXPECT_FALSE(contains(r.out, "VERIFY")) << describe(r);
+    }
+}
+
+TEST_F(CliTest, VerifyHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
+    const RunResult r = run_memra({"verify", "--help"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    for (const char *word :
+         {"Usage: memra verify", "MODEL_DIR", "MEMRA_MODEL", "--tp,--tensor-parallel-size", "=1,2,4,8", "MEMRA_TP",
+          "--ep,--enable-expert-parallel", "MEMRA_EP", "--ep-both", "MEMRA_EP_BOTH", "--tokens", "=40",
+          "MEMRA_VERIFY_TOKENS", "--decode", "=16", "MEMRA_VERIFY_DECODE", "--batch", "=8", "MEMRA_VERIFY_BATCH",
+          "--layer", "MEMRA_VERIFY_LAYER", "first MoE layer", "-t,--threads", "MEMRA_THREADS", "--kv-k,--cache-type-k",
+          "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "=f32", "-ctk", "-ctv"}) {
+        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
+    }
+    const RunResult app = run_memra({"--help"});
+    EXPECT_TRUE(contains(app.out, "  verify ")) << describe(app);
 }

@@ -1,0 +1,177 @@
+// `memra verify [MODEL_DIR]`: the determinism gates (model/step35_verify.h) on CPU backends. Each stage
+// line gives raw-bit mismatches and the native step's launches, host copies, collectives and heap
+// allocations (this executable's counting operator new, alloc_count.h); then one PASS / FAIL / SKIP line
+// per gate and an overall line. Exit 0 when no gate fails, 1 on any mismatch or when the plan refuses
+// every requested combination (nothing verified), 2 on usage errors.
+#include <charconv>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cli/alloc_count.h"
+#include "cli/commands.h"
+#include "model/step35_verify.h"
+
+namespace memra::cli {
+namespace {
+
+struct VerifyCliOptions {
+    std::string model_dir;
+    std::string tp = "1,2,4,8";
+    bool ep = false;
+    bool ep_both = false;
+    int tokens = 40;
+    int decode = 16;
+    int batch = 8;
+    int layer = -1;
+    int threads = 1;
+    std::string kv_k = "f32";
+    std::string kv_v = "f32";
+};
+
+// "1,2,4,8" -> {1, 2, 4, 8}; the error is the validator's message.
+Result<std::vector<int>> parse_tp_list(const std::string &text) {
+    std::vector<int> out;
+    size_t pos = 0;
+    while (true) {
+        const size_t comma = text.find(',', pos);
+        const std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+        int value = 0;
+        const char *end = item.data() + item.size();
+        const auto [ptr, ec] = std::from_chars(item.data(), end, value);
+        if (item.empty() || ec != std::errc() || ptr != end || value < 1) {
+            return make_error("expected a comma-separated list of positive integers (e.g. 1,2,4,8), found {}", text);
+        }
+        for (const int seen : out) {
+            if (seen == value) return make_error("tp {} is listed twice in {}", value, text);
+        }
+        out.push_back(value);
+        if (comma == std::string::npos) break;
+        pos = comma + 1;
+    }
+    return out;
+}
+
+int run_verify_command(const VerifyCliOptions &opt) {
+    auto tp = parse_tp_list(opt.tp);
+    if (!tp) {  // the validator already refused it; kept so the parse never silently fails
+        std::fprintf(stderr, "error: --tp: %s\n", tp.error().message.c_str());
+        return kExitUsage;
+    }
+    auto kv_formats = parse_kv_format_options(opt.kv_k, opt.kv_v);
+    if (!kv_formats) return report_error(kv_formats.error().message);
+
+    const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
+    if (dir.empty()) return kExitInvalidInput;
+    auto cfg = model::load_step35_config(dir);
+    if (!cfg) return report_error(cfg.error().message);
+    if (opt.layer >= cfg->n_layers) {
+        return report_error(fmt::format("--layer {}: the model has {} trunk layers (0 .. {})", opt.layer, cfg->n_layers,
+                                        cfg->n_layers - 1));
+    }
+    auto ckpt = io::Checkpoint::open(dir);
+    if (!ckpt) return report_error(ckpt.error().message);
+
+    model::VerifyOptions vo;
+    vo.tp = *tp;
+    vo.ep = opt.ep_both ? std::vector<bool>{false, true} : std::vector<bool>{opt.ep};
+    vo.ep_both = opt.ep_both;
+    vo.prefill_tokens = opt.tokens;
+    vo.decode_steps = opt.decode;
+    vo.batch = opt.batch;
+    vo.layer = opt.layer;
+    vo.k_format = kv_formats->first;
+    vo.v_format = kv_formats->second;
+    const int threads = opt.threads;
+    vo.make_reference_backend = [threads]() -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
+    };
+    vo.make_rank_backend = [threads](int, int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
+    };
+    vo.count_allocations = heap_allocations;
+    vo.on_line = [](const model::VerifyLine &line) {
+        std::printf("%s\n", model::format_verify_line(line).c_str());
+        std::fflush(stdout);
+    };
+
+    std::string tps;
+    for (const int t : vo.tp) tps += (tps.empty() ? "" : ",") + std::to_string(t);
+    std::printf("memra verify %s: tp %s, ep %s; prefill %d, decode %d, batch 1..%d; kv %s/%s; %d thread%s per rank\n",
+                dir.string().c_str(), tps.c_str(), opt.ep_both ? "off+on" : opt.ep ? "on" : "off", opt.tokens,
+                opt.decode, opt.batch, opt.kv_k.c_str(), opt.kv_v.c_str(), threads, threads == 1 ? "" : "s");
+    std::printf("counts per native step, rank 0: backend op launches, host copies, collectives; allocs: heap "
+                "allocations of all ranks while the step ran\n");
+    std::fflush(stdout);
+    auto report = model::run_verify(*ckpt, *cfg, vo);
+    if (!report) return report_error(report.error().message);
+    std::printf("model: %s\n%s", report->model.c_str(), model::format_verify_summary(*report).c_str());
+    std::fflush(stdout);
+    if (report->any_fail()) return kExitInvalidInput;
+    if (report->runs == 0) {
+        return report_error(fmt::format("nothing verified: the plan refuses every requested (tp, ep) on {}",
+                                        dir.string()));
+    }
+    return kExitOk;
+}
+
+}  // namespace
+
+Command add_verify_command(CLI::App &app) {
+    auto opt = std::make_shared<VerifyCliOptions>();
+    const int kMaxInt = std::numeric_limits<int>::max();
+
+    CLI::App *sub = app.add_subcommand(
+        "verify", "Check bit-for-bit determinism: the canonical TP=1 run vs the native tensor/expert-parallel ranks, "
+                  "stage by stage, with per-step work counts");
+    add_model_dir_option(*sub, opt->model_dir);
+    sub->add_option("--tp,--tensor-parallel-size", opt->tp,
+                    "Tensor-parallel degrees to verify, comma-separated; a degree the plan refuses is skipped with "
+                    "the plan's reason")
+        ->envname("MEMRA_TP")
+        ->check(CLI::Validator(
+            [](std::string &text) -> std::string {
+                auto tp = parse_tp_list(text);
+                return tp ? std::string() : tp.error().message;
+            },
+            "LIST"))
+        ->capture_default_str();
+    auto *ep = sub->add_flag("--ep,--enable-expert-parallel", opt->ep,
+                             "Expert parallelism: routed experts whole on their owner ranks (default: tensor-split)")
+                   ->envname("MEMRA_EP");
+    sub->add_flag("--ep-both", opt->ep_both, "Verify every degree both without and with expert parallelism")
+        ->envname("MEMRA_EP_BOTH")
+        ->excludes(ep);
+    sub->add_option("--tokens", opt->tokens,
+                    "Prompt tokens of the prefill stage (at least 2; past the sliding window by default)")
+        ->envname("MEMRA_VERIFY_TOKENS")
+        ->check(CLI::Range(2, 65536))
+        ->capture_default_str();
+    sub->add_option("--decode", opt->decode, "Decode steps after the prompt, each compared")
+        ->envname("MEMRA_VERIFY_DECODE")
+        ->check(CLI::Range(1, 65536))
+        ->capture_default_str();
+    sub->add_option("--batch", opt->batch,
+                    "Batch invariance: the probe sequence alone and in batches of 1 .. B sequences at every slot")
+        ->envname("MEMRA_VERIFY_BATCH")
+        ->check(CLI::Range(1, 64))
+        ->capture_default_str();
+    sub->add_option("--layer", opt->layer,
+                    "Layer of the layer gates (attention, router, experts, combine, shared expert, layer output); "
+                    "default: the first MoE layer")
+        ->envname("MEMRA_VERIFY_LAYER")
+        ->check(CLI::Range(0, kMaxInt));
+    sub->add_option("-t,--threads", opt->threads, "CPU threads of each rank and of the TP=1 run")
+        ->envname("MEMRA_THREADS")
+        ->check(positive_int_validator())
+        ->capture_default_str();
+    add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
+    return {sub, [opt]() { return run_verify_command(*opt); }};
+}
+
+}  // namespace memra::cli

@@ -1,0 +1,373 @@
+// MoeState (step35_moe.h): the MoE layer's op sequence over the Backend interface, moved here from the
+// forward so the forward, `memra bench --experts` and the tests run the same code. refresh() = router, top-k,
+// pair sort, permute; run() = grouped expert projections per owner, the exchange between ranks (the canonical
+// tree's subtree sums gathered, or one broadcast per EP owner), the shared expert and the slot-order combine.
+#include "model/step35_moe.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/check.h"
+
+namespace memra::model {
+
+namespace {
+
+// A flat buffer viewed as [rows, cols] (the view's extent checked against the buffer).
+TensorView mat(TensorView buf, int64_t rows, int64_t cols) {
+    MEMRA_CHECK(rows >= 0 && cols >= 0 && rows * cols <= buf.numel(), "MoE buffer of {} elements viewed as [{}, {}]",
+                buf.numel(), rows, cols);
+    TensorView v = buf;
+    v.rank = 2;
+    v.shape = {rows, cols, 0, 0};
+    return v;
+}
+
+bool is_moe_layer(const Step35Model &model, int layer) {
+    return layer >= 0 && static_cast<size_t>(layer) < model.cfg.layers.size() &&
+           static_cast<size_t>(layer) < model.layers.size() &&
+           model.cfg.layers[static_cast<size_t>(layer)].ffn == FfnKind::kMoe;
+}
+
+// Floats of workspace the canonical products of `layer` need for `capacity` token rows.
+int64_t workspace_floats(const Backend &backend, const Step35Model &model, int layer, int64_t capacity) {
+    const LayerGeometry &g = model.cfg.layers[static_cast<size_t>(layer)];
+    const LayerWeights &w = model.layers[static_cast<size_t>(layer)];
+    return std::max(backend.canonical_workspace_floats(capacity, w.moe.shared.down),
+                    backend.grouped_canonical_workspace_floats(capacity * g.top_k, w.moe.down));
+}
+
+}  // namespace
+
+MoeShape moe_shape(const Step35Model &model, int layer) {
+    MEMRA_CHECK(is_moe_layer(model, layer), "moe_shape: layer {} is not a MoE layer of the model", layer);
+    const LayerGeometry &g = model.cfg.layers[static_cast<size_t>(layer)];
+    MoeShape s{model.cfg.d_model, g.n_experts, g.top_k, g.d_expert, g.d_shared, parallel::Range{0, g.n_experts}};
+    if (!model.shard.whole) {
+        const parallel::RankLayerPlan &rl = model.shard.rank.layers[static_cast<size_t>(layer)];
+        s.d_expert = rl.d_expert.size();
+        s.experts = rl.experts;
+    }
+    return s;
+}
+
+Result<MoeState> MoeState::create(Backend &backend, const Step35Model &model, int layer, int64_t capacity,
+                                  parallel::Communicator *comm) {
+    if (model.layers.size() != model.cfg.layers.size()) {
+        return make_error("moe state: the model binds {} layers, the config has {}", model.layers.size(),
+                          model.cfg.layers.size());
+    }
+    if (layer < 0 || static_cast<size_t>(layer) >= model.cfg.layers.size()) {
+        return make_error("moe state: layer {} outside the model's {} layers", layer, model.cfg.layers.size());
+    }
+    if (!is_moe_layer(model, layer)) return make_error("moe state: layer {} is a dense layer, not MoE", layer);
+    const MoeShape shape = moe_shape(model, layer);
+    const int64_t max_pairs = std::numeric_limits<int32_t>::max();
+    if (capacity < 1 || capacity > max_pairs / shape.top_k) {
+        return make_error("moe state: capacity {} rows, expected 1 .. {} ({} pairs of top-{} fit int32 offsets)",
+                          capacity, max_pairs / shape.top_k, max_pairs, shape.top_k);
+    }
+    if (model.shard.whole && comm != nullptr) {
+        return make_error("moe state: the model is bound whole; a whole model runs without a communicator");
+    }
+    if (!model.shard.whole) {
+        if (comm == nullptr) {
+            return make_error("moe state: the model is the shard of TP rank {} of {}; it needs the rank's communicator",
+                              model.shard.rank.tp_rank, model.shard.tp);
+        }
+        if (comm->size() != model.shard.tp || comm->rank() != model.shard.rank.tp_rank) {
+            return make_error("moe state: the communicator is rank {} of {}, the model the shard of rank {} of tp={}",
+                              comm->rank(), comm->size(), model.shard.rank.tp_rank, model.shard.tp);
+        }
+    }
+
+    MoeState s;
+    s.backend_ = &backend;
+    s.model_ = &model;
+    s.shape_ = shape;
+    s.capacity_ = capacity;
+    s.comm_ = comm;
+    s.tp_ = model.shard.tp;
+    s.tp_rank_ = model.shard.rank.tp_rank;
+    s.ep_ = model.shard.ep;
+
+    const int64_t T = capacity;
+    const int64_t pairs = T * shape.top_k;
+    const int64_t d = shape.d_model;
+    struct Request {
+        TensorView *view;
+        DType dtype;
+        int64_t n;
+    };
+    const Request requests[] = {
+        {&s.router_, DType::kF32, T * shape.n_experts},
+        {&s.ids_, DType::kI32, pairs},
+        {&s.weights_, DType::kF32, pairs},
+        {&s.offsets_, DType::kI32, shape.n_experts + 1},
+        {&s.sorted_pair_, DType::kI32, pairs},
+        {&s.row_of_pair_, DType::kI32, pairs},
+        {&s.x_sorted_, DType::kF32, pairs * d},
+        {&s.e_out_, DType::kF32, pairs * d},
+        {&s.e_gate_, DType::kF32, pairs * shape.d_expert},
+        {&s.e_up_, DType::kF32, pairs * shape.d_expert},
+        {&s.s_gate_, DType::kF32, T * shape.d_shared},
+        {&s.s_up_, DType::kF32, T * shape.d_shared},
+        {&s.shared_, DType::kF32, T * d},
+        {&s.workspace_, DType::kF32, workspace_floats(backend, model, layer, T)},
+        // One slot per rank for the routed down_proj's subtree sums (TP without EP).
+        {&s.gather_, DType::kF32, comm != nullptr && !s.ep_ ? s.tp_ * pairs * d : 0},
+    };
+    for (const Request &r : requests) {
+        auto v = backend.alloc(r.dtype, {std::max<int64_t>(r.n, 1)});
+        if (!v) return wrap_error(fmt::format("moe state buffers (capacity {})", capacity), v.error());
+        *r.view = *v;
+    }
+    s.offsets_host_.assign(static_cast<size_t>(shape.n_experts + 1), 0);
+    return s;
+}
+
+bool MoeState::serves(int layer) const {
+    return is_moe_layer(*model_, layer) && moe_shape(*model_, layer) == shape_ &&
+           workspace_floats(*backend_, *model_, layer, capacity_) <= workspace_.numel();
+}
+
+Result<void> MoeState::refresh(int layer, TensorView x, const MoeObserver &observe) {
+    if (!serves(layer)) {
+        if (!is_moe_layer(*model_, layer)) {
+            return make_error("moe refresh: layer {} is not a MoE layer of the model", layer);
+        }
+        const MoeShape o = moe_shape(*model_, layer);
+        return make_error("moe refresh: layer {} has {} experts (held {} .. {}) top-{} of width {} and a shared "
+                          "expert of {}; the state was prepared for {} experts (held {} .. {}) top-{} of width {} "
+                          "and {}",
+                          layer, o.n_experts, o.experts.begin, o.experts.end, o.top_k, o.d_expert, o.d_shared,
+                          shape_.n_experts, shape_.experts.begin, shape_.experts.end, shape_.top_k, shape_.d_expert,
+                          shape_.d_shared);
+    }
+    const int64_t d = shape_.d_model;
+    if (x.dtype != DType::kF32 || x.rank != 2 || x.row_elems() != d) {
+        return make_error("moe refresh: x is [{}, {}] {}, expected [n, {}] F32", x.rows(), x.row_elems(),
+                          dtype_name(x.dtype), d);
+    }
+    const int64_t n = x.rows();
+    if (n < 1 || n > capacity_) {
+        return make_error("moe refresh: {} rows, the state was prepared for 1 .. {} rows", n, capacity_);
+    }
+
+    // Routing is replicated: every rank computes the same router bits, selections and sorted pairs.
+    const Step35Config &cfg = model_->cfg;
+    const LayerGeometry &g = cfg.layers[static_cast<size_t>(layer)];
+    const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
+    Backend &be = *backend_;
+    const int64_t k = shape_.top_k;
+    const TensorView logits = mat(router_, n, shape_.n_experts);  // [n, n_experts] f32 router logits
+    const TensorView ids = mat(ids_, n, k);                        // [n, top_k] i32
+    const TensorView weights = mat(weights_, n, k);                // [n, top_k] f32
+    const TensorView offsets = mat(offsets_, shape_.n_experts + 1, 1);
+    const TensorView sorted_pair = mat(sorted_pair_, n * k, 1);  // [n * top_k] i32
+    const TensorView row_of_pair = mat(row_of_pair_, n * k, 1);
+    const TensorView x_sorted = mat(x_sorted_, n * k, d);  // [n * top_k, d_model], expert order
+    be.matmul(x, w.moe.router, logits);
+    be.router_topk(RouterConfig{g.n_experts, k, cfg.norm_expert_weight,
+                                static_cast<float>(cfg.moe_router_scaling_factor)},
+                   logits, w.moe.router_bias, ids, weights);
+    if (observe) {
+        observe(MoeStage::kRouterLogits, logits);
+        observe(MoeStage::kExpertIds, ids);
+        observe(MoeStage::kExpertWeights, weights);
+    }
+    be.moe_sort_pairs(ids, g.n_experts, offsets, sorted_pair, row_of_pair);
+    be.moe_permute(x, sorted_pair, k, x_sorted);
+    layer_ = layer;
+    n_ = n;
+    x_ = x;
+    ++generation_;
+    return {};
+}
+
+Result<void> MoeState::run(TensorView residual, TensorView out, const MoeObserver &observe) {
+    if (generation_ == 0) return make_error("moe run: nothing routed yet; refresh the state first");
+    const int64_t d = shape_.d_model;
+    for (const auto &[name, v] : {std::pair{"residual", residual}, std::pair{"out", out}}) {
+        if (v.dtype != DType::kF32 || v.rank != 2 || v.rows() != n_ || v.row_elems() != d) {
+            return make_error("moe run: {} is [{}, {}] {}, expected [{}, {}] F32 (the rows of the last refresh)",
+                              name, v.rows(), v.row_elems(), dtype_name(v.dtype), n_, d);
+        }
+    }
+    if (auto ok = routed_experts(observe); !ok) return ok;
+
+    // The shared expert is replicated: every rank computes it whole.
+    const LayerGeometry &g = model_->cfg.layers[static_cast<size_t>(layer_)];
+    const LayerWeights &w = model_->layers[static_cast<size_t>(layer_)];
+    Backend &be = *backend_;
+    const TensorView s_gate = mat(s_gate_, n_, shape_.d_shared);  // [n, d_shared]
+    const TensorView s_up = mat(s_up_, n_, shape_.d_shared);
+    const TensorView shared = mat(shared_, n_, d);  // [n, d_model]
+    be.matmul(x_, w.moe.shared.gate, s_gate);
+    be.matmul(x_, w.moe.shared.up, s_up);
+    be.swiglu(s_gate, s_up, g.clamp_shared, s_gate);
+    be.matmul_canonical(s_gate, w.moe.shared.down, shared, workspace_);
+    if (observe) observe(MoeStage::kSharedOut, shared);
+    // out = residual + (routed + shared), the routed rows added in canonical slot order.
+    be.moe_combine(residual, mat(e_out_, n_ * shape_.top_k, d), mat(row_of_pair_, n_ * shape_.top_k, 1),
+                   mat(weights_, n_, shape_.top_k), shared, out);
+    return {};
+}
+
+// e_out[p] = expert(x_sorted[p]) for every sorted pair p, on every rank, with the TP = 1 bits.
+Result<void> MoeState::routed_experts(const MoeObserver &observe) {
+    const LayerGeometry &g = model_->cfg.layers[static_cast<size_t>(layer_)];
+    const LayerWeights &w = model_->layers[static_cast<size_t>(layer_)];
+    Backend &be = *backend_;
+    const int64_t n_pairs = n_ * shape_.top_k;
+    const int64_t d = shape_.d_model;
+    const TensorView offsets = mat(offsets_, shape_.n_experts + 1, 1);
+    const TensorView x_sorted = mat(x_sorted_, n_pairs, d);
+    const TensorView e_gate = mat(e_gate_, n_pairs, shape_.d_expert);  // [n * top_k, d_expert held]
+    const TensorView e_up = mat(e_up_, n_pairs, shape_.d_expert);
+    const TensorView e_out = mat(e_out_, n_pairs, d);  // [n * top_k, d_model]
+    const auto seen = [&observe](MoeStage stage, TensorView v) {
+        if (observe) observe(stage, v);
+    };
+
+    if (!ep_) {
+        // Whole experts (TP = 1), or every expert's d_expert slice: gate/up are per-column products, and
+        // the down_proj is row-parallel over the rank's canonical blocks, finished like o_proj.
+        be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
+        be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
+        seen(MoeStage::kExpertGate, e_gate);
+        seen(MoeStage::kExpertUp, e_up);
+        be.swiglu(e_gate, e_up, g.clamp_routed, e_gate);
+        seen(MoeStage::kExpertAct, e_gate);
+        if (comm_ == nullptr) {
+            be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
+            seen(MoeStage::kExpertDown, e_out);
+            return {};
+        }
+        const TensorView all = mat(gather_, tp_, e_out.numel());  // [tp, n * top_k * d_model]
+        be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, own_slot(all, n_pairs, d), workspace_);
+        if (auto ok = all_gather(all, "expert down_proj"); !ok) return ok;
+        be.canonical_combine(all, e_out);
+        seen(MoeStage::kExpertDown, e_out);
+        return {};
+    }
+
+    // EP: the owner computes its experts' pairs whole (all 8 blocks, the full tree, locally), so its rows
+    // are the TP = 1 rows. The sorted pairs of one owner are contiguous (owners hold contiguous experts and
+    // pairs are sorted by expert), and routing is replicated, so every rank knows each owner's row range:
+    // one broadcast per owner lands its rows in place, in sorted order, and the combine is unchanged.
+    // (An all-gather would need capacity-padded slots, tp times the bytes, and a repack; the price here is
+    // reading the tiny offsets array back to the host once per refresh.)
+    const parallel::Range own = owner_pairs(tp_rank_);
+    be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
+    be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
+    seen(MoeStage::kExpertGate, e_gate);
+    seen(MoeStage::kExpertUp, e_up);
+    be.swiglu(e_gate.row_slice(own.begin, own.end), e_up.row_slice(own.begin, own.end), g.clamp_routed,
+              e_gate.row_slice(own.begin, own.end));
+    seen(MoeStage::kExpertAct, e_gate);
+    be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
+    seen(MoeStage::kExpertDownOwn, e_out);
+    for (int owner = 0; owner < tp_; ++owner) {
+        const parallel::Range rows = owner_pairs(owner);
+        if (rows.empty()) continue;  // every rank skips the same owners
+        if (auto ok = broadcast(e_out.row_slice(rows.begin, rows.end), owner, "expert rows"); !ok) return ok;
+    }
+    seen(MoeStage::kExpertDown, e_out);
+    return {};
+}
+
+std::span<const int32_t> MoeState::expert_offsets() {
+    MEMRA_CHECK(generation_ > 0, "moe state: expert offsets before the first refresh");
+    if (offsets_generation_ != generation_) {
+        backend_->copy_to_host(mat(offsets_, shape_.n_experts + 1, 1), offsets_host_.data());
+        offsets_generation_ = generation_;
+    }
+    return offsets_host_;
+}
+
+int64_t MoeState::expert_pairs(int expert) {
+    MEMRA_CHECK(expert >= 0 && expert < shape_.n_experts, "moe state: expert {} of {}", expert, shape_.n_experts);
+    const std::span<const int32_t> off = expert_offsets();
+    return off[static_cast<size_t>(expert) + 1] - off[static_cast<size_t>(expert)];
+}
+
+parallel::Range MoeState::owner_pairs(int owner) {
+    MEMRA_CHECK(owner >= 0 && owner < tp_, "moe state: owner {} of {} ranks", owner, tp_);
+    const parallel::Range experts = parallel::experts_of(owner, static_cast<int>(shape_.n_experts), tp_);
+    const std::span<const int32_t> off = expert_offsets();
+    return parallel::Range{off[static_cast<size_t>(experts.begin)], off[static_cast<size_t>(experts.end)]};
+}
+
+void MoeState::read_routing(MoeRouting &out) const {
+    MEMRA_CHECK(generation_ > 0, "moe state: routing before the first refresh");
+    const int64_t k = shape_.top_k;
+    const auto pairs = static_cast<size_t>(n_ * k);
+    out.n_tokens = n_;
+    out.top_k = k;
+    out.n_experts = shape_.n_experts;
+    out.expert_ids.resize(pairs);
+    out.weights.resize(pairs);
+    out.offsets.resize(static_cast<size_t>(shape_.n_experts + 1));
+    out.sorted_pair.resize(pairs);
+    out.row_of_pair.resize(pairs);
+    const MoeBuffers b = buffers();
+    backend_->copy_to_host(b.expert_ids, out.expert_ids.data());
+    backend_->copy_to_host(b.expert_weights, out.weights.data());
+    backend_->copy_to_host(b.offsets, out.offsets.data());
+    backend_->copy_to_host(b.sorted_pair, out.sorted_pair.data());
+    backend_->copy_to_host(b.row_of_pair, out.row_of_pair.data());
+}
+
+MoeBuffers MoeState::buffers() const {
+    const int64_t n = n_;
+    const int64_t k = shape_.top_k;
+    const int64_t d = shape_.d_model;
+    MoeBuffers b;
+    b.router_logits = mat(router_, n, shape_.n_experts);
+    b.expert_ids = mat(ids_, n, k);
+    b.expert_weights = mat(weights_, n, k);
+    b.offsets = mat(offsets_, shape_.n_experts + 1, 1);
+    b.sorted_pair = mat(sorted_pair_, n * k, 1);
+    b.row_of_pair = mat(row_of_pair_, n * k, 1);
+    b.x_sorted = mat(x_sorted_, n * k, d);
+    b.expert_act = mat(e_gate_, n * k, shape_.d_expert);
+    b.expert_up = mat(e_up_, n * k, shape_.d_expert);
+    b.expert_out = mat(e_out_, n * k, d);
+    b.shared_out = mat(shared_, n, d);
+    return b;
+}
+
+TensorView MoeState::own_slot(TensorView all, int64_t rows, int64_t cols) const {
+    return all.row_slice(tp_rank_, tp_rank_ + 1).reshaped({rows, cols});
+}
+
+Result<void> gather_rank_slots(parallel::Communicator &comm, int tp, int rank, TensorView all, const char *what,
+                               CommCounters &counters) {
+    // all: [tp, m] with this rank's slot (row `rank`) filled; afterwards every slot is filled.
+    const size_t bytes = all.n_bytes();
+    const size_t slot = bytes / static_cast<size_t>(tp);
+    const std::span<std::byte> recv(static_cast<std::byte *>(all.data), bytes);
+    ++counters.all_gathers;
+    counters.bytes += static_cast<int64_t>(bytes);
+    auto ok = comm.all_gather(recv.subspan(static_cast<size_t>(rank) * slot, slot), recv);
+    if (!ok) return wrap_error(fmt::format("{} all_gather", what), ok.error());
+    return {};
+}
+
+Result<void> MoeState::all_gather(TensorView all, const char *what) {
+    return gather_rank_slots(*comm_, tp_, tp_rank_, all, what, comm_counters_);
+}
+
+Result<void> MoeState::broadcast(TensorView buf, int root, const char *what) {
+    ++comm_counters_.broadcasts;
+    comm_counters_.bytes += static_cast<int64_t>(buf.n_bytes());
+    auto ok = comm_->broadcast(std::span<std::byte>(static_cast<std::byte *>(buf.data), buf.n_bytes()), root);
+    if (!ok) return wrap_error(fmt::format("{} broadcast from rank {}", what, root), ok.error());
+    return {};
+}
+
+}  // namespace memra::model

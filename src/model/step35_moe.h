@@ -1,0 +1,193 @@
+// MoeState: one Step-3.5 MoE layer's routed and shared experts as a prepared state (DETERMINISM.md rule 5,
+// D4). create() allocates every backend buffer for a token capacity; refresh() routes new input rows (router
+// product, sigmoid top-k, stable counting sort of the (token, slot) pairs by expert, permute into expert
+// order) and bumps a generation counter; run() projects the sorted pairs through their experts (gate, up,
+// SwiGLU, down) as grouped work per owner, exchanges the expert rows between ranks, and adds them in canonical
+// top-k slot order (separate multiply and add) with the shared expert onto the residual, so every rank holds
+// the layer's output with the TP = 1 bits. Neither refresh() nor run() allocates. The forward keeps one state
+// per distinct MoE shape and refreshes it layer by layer; the bench times one directly.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/result.h"
+#include "model/step35_model.h"
+#include "parallel/comm.h"
+#include "parallel/plan.h"
+
+namespace memra::model {
+
+// Collective calls made since the last reset (a forward's, or one MoE state's).
+struct CommCounters {
+    int64_t all_gathers = 0;
+    int64_t broadcasts = 0;
+    int64_t bytes = 0;  // receive-buffer bytes: all slots of an all-gather, the buffer of a broadcast
+
+    CommCounters &operator+=(const CommCounters &o) {
+        all_gathers += o.all_gathers;
+        broadcasts += o.broadcasts;
+        bytes += o.bytes;
+        return *this;
+    }
+};
+
+// The all-gather of a row-split buffer, counted: all is [tp, m] with row `rank` (this rank's slot) filled;
+// afterwards every rank holds every slot. The error names `what`.
+Result<void> gather_rank_slots(parallel::Communicator &comm, int tp, int rank, TensorView all, const char *what,
+                               CommCounters &counters);
+
+// What a MoE state's buffers are shaped for: the layer as the model (whole, or a rank's shard) holds it.
+// MoE layers of equal shape can share one state.
+struct MoeShape {
+    int64_t d_model = 0;
+    int64_t n_experts = 0;    // routed experts of the layer (all of them, also on an EP rank)
+    int64_t top_k = 0;        // experts per token
+    int64_t d_expert = 0;     // rows of each held expert's gate/up: all, or a TP rank's slice without EP
+    int64_t d_shared = 0;     // shared expert width (replicated whole on every rank)
+    parallel::Range experts;  // experts held: all of them, or the rank's own under EP
+
+    bool operator==(const MoeShape &) const = default;
+};
+
+// The shape of MoE layer `layer` of `model` (MEMRA_CHECK: a MoE layer of the model).
+MoeShape moe_shape(const Step35Model &model, int layer);
+
+// The routing of the last refresh as host data, for tests, `memra verify` and reports (read_routing).
+struct MoeRouting {
+    int64_t n_tokens = 0;
+    int64_t top_k = 0;
+    int64_t n_experts = 0;
+    std::vector<int32_t> expert_ids;   // [n_tokens * top_k] selected experts, slot order per token
+    std::vector<float> weights;        // [n_tokens * top_k] their combine weights
+    std::vector<int32_t> offsets;      // [n_experts + 1] expert e's sorted rows are offsets[e] .. offsets[e + 1]
+    std::vector<int32_t> sorted_pair;  // [n_tokens * top_k] pair index t * top_k + k of each sorted row
+    std::vector<int32_t> row_of_pair;  // [n_tokens * top_k] sorted row of each pair (the reverse map)
+};
+
+// Views of the state's backend buffers at the row count of the last refresh: what the last refresh / run
+// left there (the intermediates `memra verify` compares).
+struct MoeBuffers {
+    TensorView router_logits;   // [n, n_experts] f32
+    TensorView expert_ids;      // [n, top_k] i32
+    TensorView expert_weights;  // [n, top_k] f32
+    TensorView offsets;         // [n_experts + 1, 1] i32
+    TensorView sorted_pair;     // [n * top_k, 1] i32
+    TensorView row_of_pair;     // [n * top_k, 1] i32
+    TensorView x_sorted;        // [n * top_k, d_model] the input rows in expert order
+    TensorView expert_act;      // [n * top_k, d_expert held] SwiGLU(gate, up) of the pairs this rank computed
+    TensorView expert_up;       // [n * top_k, d_expert held] up projection of those pairs
+    TensorView expert_out;      // [n * top_k, d_model] every pair's expert output (after the exchange)
+    TensorView shared_out;      // [n, d_model] the shared expert's output
+};
+
+// The intermediates refresh() and run() can hand to an observer, each right after the op that completes it,
+// as a view of the state's backend buffer (valid only during the call). On a TP rank a view holds the rank's
+// part: its d_expert columns of every pair, or under EP whole rows valid only for its own experts' pairs.
+enum class MoeStage {
+    kRouterLogits,   // [n, n_experts] f32
+    kExpertIds,      // [n, top_k] i32
+    kExpertWeights,  // [n, top_k] f32
+    kExpertGate,     // [n * top_k, d_expert held] grouped gate projection, rows in expert-sorted pair order
+    kExpertUp,       // [n * top_k, d_expert held] grouped up projection
+    kExpertAct,      // [n * top_k, d_expert held] swiglu(gate, up)
+    kExpertDownOwn,  // [n * top_k, d_model] EP only: the rank's own experts' rows before the broadcasts
+    kExpertDown,     // [n * top_k, d_model] every pair's down projection, on every rank
+    kSharedOut,      // [n, d_model] shared expert output
+};
+// Called on the thread running refresh() / run(); must not call back into the state.
+using MoeObserver = std::function<void(MoeStage stage, TensorView view)>;
+
+class MoeState {
+public:
+    // A state for up to `capacity` token rows of MoE layers shaped like `layer` of `model` (moe_shape). A whole
+    // model runs alone (comm == nullptr); a rank's shard (bind_step35_model with a plan) needs the rank's
+    // communicator on its TP group, and every rank of the group must refresh and run in step. Refused: a
+    // layer that is not MoE, capacity < 1 or more than 2^31 - 1 pairs, a missing or mismatched communicator,
+    // a backend allocation failure.
+    static Result<MoeState> create(Backend &backend, const Step35Model &model, int layer, int64_t capacity,
+                                   parallel::Communicator *comm);
+
+    // Whether refresh() takes `layer`: a MoE layer of the model with this state's shape.
+    bool serves(int layer) const;
+
+    // Routes the rows of x through layer `layer`'s router: logits, top-k ids and weights, the stable counting
+    // sort of the pairs by expert (offsets, sorted pairs, reverse map) and x permuted into expert order; then
+    // the generation goes up by one. x: [n, d_model] f32 backend rows, 1 <= n <= capacity(); run() reads x
+    // again (the shared expert), so it must hold the same values until then. Refused before anything runs,
+    // leaving the previous routing and generation intact: a layer the state does not serve, an x of another
+    // shape or dtype, n outside [1, capacity()].
+    // observe (when not empty) sees kRouterLogits, kExpertIds, kExpertWeights.
+    Result<void> refresh(int layer, TensorView x, const MoeObserver &observe = {});
+
+    // out = residual + (routed + shared) for the rows of the last refresh: the routed experts of every pair
+    // (grouped per expert; on a rank: its d_expert slices finished across ranks by the canonical tree, or under
+    // EP its own experts' pairs broadcast by their owner), combined per token in top-k slot order with a
+    // rounded multiply then add, plus the shared expert. Every rank ends with the same bits, equal to TP = 1.
+    // residual, out: [n, d_model] f32; out may be residual. Refused: no refresh yet, shapes that do not match
+    // the refresh; a communicator failure (the group is then aborted).
+    // observe (when not empty) sees the expert and shared-expert stages.
+    Result<void> run(TensorView residual, TensorView out, const MoeObserver &observe = {});
+
+    // Host-visible routing of the last refresh. The expert offsets are read back from the backend once per
+    // generation (one host copy; an EP run needs them too) and kept; neither call allocates.
+    std::span<const int32_t> expert_offsets();  // [n_experts + 1]
+    int64_t expert_pairs(int expert);            // sorted rows routed to `expert`
+    parallel::Range owner_pairs(int owner);      // sorted rows of the experts rank `owner` owns under EP
+    // Every routing fact of the last refresh (host copies; resizes out's vectors, so not for the hot path).
+    void read_routing(MoeRouting &out) const;
+    MoeBuffers buffers() const;
+
+    uint64_t generation() const { return generation_; }  // successful refreshes so far
+    int64_t capacity() const { return capacity_; }
+    int64_t n_tokens() const { return n_; }  // rows of the last refresh (0 before the first)
+    int layer() const { return layer_; }    // layer of the last refresh (-1 before the first)
+    const MoeShape &shape() const { return shape_; }
+
+    const CommCounters &comm_counters() const { return comm_counters_; }
+    void reset_comm_counters() { comm_counters_ = {}; }
+
+private:
+    MoeState() = default;
+    Result<void> routed_experts(const MoeObserver &observe);
+    Result<void> all_gather(TensorView all, const char *what);
+    Result<void> broadcast(TensorView buf, int root, const char *what);
+    TensorView own_slot(TensorView all, int64_t rows, int64_t cols) const;
+
+    Backend *backend_ = nullptr;
+    const Step35Model *model_ = nullptr;
+    MoeShape shape_;
+    int64_t capacity_ = 0;
+
+    // Rank context: no communicator for a whole model.
+    parallel::Communicator *comm_ = nullptr;
+    int tp_ = 1;
+    int tp_rank_ = 0;
+    bool ep_ = false;
+    CommCounters comm_counters_;
+
+    // The last refresh.
+    uint64_t generation_ = 0;
+    int layer_ = -1;
+    int64_t n_ = 0;
+    TensorView x_;                     // [n, d_model] its input (the caller's rows)
+    uint64_t offsets_generation_ = 0;  // generation offsets_host_ was read for (0: none)
+
+    // Backend buffers, flat, sized for the capacity (T rows, T * top_k pairs).
+    TensorView router_;                      // [T, n_experts]
+    TensorView ids_, weights_;               // [T * top_k]
+    TensorView offsets_;                     // [n_experts + 1] i32
+    TensorView sorted_pair_, row_of_pair_;   // [T * top_k] i32
+    TensorView x_sorted_, e_out_;            // [T * top_k, d_model]
+    TensorView e_gate_, e_up_;               // [T * top_k, d_expert held]
+    TensorView s_gate_, s_up_;               // [T, d_shared]
+    TensorView shared_;                      // [T, d_model]
+    TensorView workspace_;                   // canonical products (grouped and shared down_proj)
+    TensorView gather_;                      // [tp, T * top_k * d_model] (TP without EP only)
+    std::vector<int32_t> offsets_host_;      // [n_experts + 1]
+};
+
+}  // namespace memra::model
