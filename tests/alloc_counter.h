@@ -1,8 +1,9 @@
 // Counting replacements of every global operator new / delete, for the tests that show a hot path
 // allocates nothing (ARCHITECTURE.md "Hot-path rules"). Include it from exactly one source file of a
 // test executable; read g_allocations before and after the code under test. All variants forward to
-// malloc/free, so sanitizers see matching pairs. The deletes are not inlined, so g++ does not pair a
-// free() it can see with a new-expression at the call site (-Wmismatched-new-delete).
+// malloc/free, so sanitizers see matching pairs. Neither the news nor the deletes are inlined, so g++ never
+// pairs a malloc() or free() it can see with a delete- or new-expression at the call site
+// (-Wmismatched-new-delete; g++ 13 pairs an inlined malloc with std::allocator's sized delete).
 #pragma once
 
 #include <atomic>
@@ -29,18 +30,18 @@ void *counted_aligned(std::size_t size, std::align_val_t align) {
 
 }  // namespace
 
-void *operator new(std::size_t size) {
+[[gnu::noinline]] void *operator new(std::size_t size) {
     if (void *p = counted_malloc(size)) return p;
     throw std::bad_alloc();
 }
-void *operator new[](std::size_t size) { return ::operator new(size); }
-void *operator new(std::size_t size, const std::nothrow_t &) noexcept { return counted_malloc(size); }
-void *operator new[](std::size_t size, const std::nothrow_t &) noexcept { return counted_malloc(size); }
-void *operator new(std::size_t size, std::align_val_t align) {
+[[gnu::noinline]] void *operator new[](std::size_t size) { return ::operator new(size); }
+[[gnu::noinline]] void *operator new(std::size_t size, const std::nothrow_t &) noexcept { return counted_malloc(size); }
+[[gnu::noinline]] void *operator new[](std::size_t size, const std::nothrow_t &) noexcept { return counted_malloc(size); }
+[[gnu::noinline]] void *operator new(std::size_t size, std::align_val_t align) {
     if (void *p = counted_aligned(size, align)) return p;
     throw std::bad_alloc();
 }
-void *operator new[](std::size_t size, std::align_val_t align) { return ::operator new(size, align); }
+[[gnu::noinline]] void *operator new[](std::size_t size, std::align_val_t align) { return ::operator new(size, align); }
 [[gnu::noinline]] void operator delete(void *p) noexcept { std::free(p); }
 [[gnu::noinline]] void operator delete[](void *p) noexcept { std::free(p); }
 [[gnu::noinline]] void operator delete(void *p, std::size_t) noexcept { std::free(p); }

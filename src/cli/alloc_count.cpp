@@ -1,8 +1,8 @@
 // Counting replacements of every global operator new / delete for the memra executable (alloc_count.h).
 // The replaced operators are global by the language's definition, so the count they bump is a
 // process-wide atomic: the one global of the CLI, documented here. Every variant forwards to malloc /
-// aligned_alloc / free, so sanitizers see matching pairs; the deletes are not inlined so that g++ does not
-// pair a visible free() with a new-expression (-Wmismatched-new-delete).
+// aligned_alloc / free, so sanitizers see matching pairs; neither the news nor the deletes are inlined, so
+// g++ never pairs a visible malloc() or free() with a delete- or new-expression (-Wmismatched-new-delete).
 #include "cli/alloc_count.h"
 
 #include <atomic>
@@ -33,28 +33,28 @@ int64_t heap_allocations() { return g_heap_allocations.load(std::memory_order_re
 
 }  // namespace memra::cli
 
-void *operator new(std::size_t size) {
+[[gnu::noinline]] void *operator new(std::size_t size) {
     if (void *p = counted(size)) return p;
     throw std::bad_alloc();
 }
-void *operator new[](std::size_t size) {
+[[gnu::noinline]] void *operator new[](std::size_t size) {
     if (void *p = counted(size)) return p;
     throw std::bad_alloc();
 }
-void *operator new(std::size_t size, const std::nothrow_t &) noexcept { return counted(size); }
-void *operator new[](std::size_t size, const std::nothrow_t &) noexcept { return counted(size); }
-void *operator new(std::size_t size, std::align_val_t align) {
+[[gnu::noinline]] void *operator new(std::size_t size, const std::nothrow_t &) noexcept { return counted(size); }
+[[gnu::noinline]] void *operator new[](std::size_t size, const std::nothrow_t &) noexcept { return counted(size); }
+[[gnu::noinline]] void *operator new(std::size_t size, std::align_val_t align) {
     if (void *p = counted_aligned(size, align)) return p;
     throw std::bad_alloc();
 }
-void *operator new[](std::size_t size, std::align_val_t align) {
+[[gnu::noinline]] void *operator new[](std::size_t size, std::align_val_t align) {
     if (void *p = counted_aligned(size, align)) return p;
     throw std::bad_alloc();
 }
-void *operator new(std::size_t size, std::align_val_t align, const std::nothrow_t &) noexcept {
+[[gnu::noinline]] void *operator new(std::size_t size, std::align_val_t align, const std::nothrow_t &) noexcept {
     return counted_aligned(size, align);
 }
-void *operator new[](std::size_t size, std::align_val_t align, const std::nothrow_t &) noexcept {
+[[gnu::noinline]] void *operator new[](std::size_t size, std::align_val_t align, const std::nothrow_t &) noexcept {
     return counted_aligned(size, align);
 }
 [[gnu::noinline]] void operator delete(void *p) noexcept { std::free(p); }

@@ -1031,7 +1031,8 @@ private:
             line.has_counts = true;
             if (line.counts.allocations >= 0) line.counts.allocations = allocations;
             line.comparisons.push_back(probe);
-            line.note = fmt::format("counts: the decode step of {} sequences; allocs over all {} steps", b, 2 * b);
+            line.note = fmt::format("counts: the batch's decode step; allocs: all {} steps of the {} slot runs", 2 * b,
+                                    b);
             emit(report_, o_, std::move(line));
         }
         return {};

@@ -256,10 +256,10 @@ protected:
         g_dirs = nullptr;
     }
 
-    static const fs::path &dir(const std::string &dtype) { return g_dirs->dirs.at(dtype); }
+    static const fs::path &dir(const char *dtype) { return g_dirs->dirs.at(dtype); }
 
     // The TP=1 reference run of a dtype, computed once.
-    static const Reference &reference(const std::string &dtype) {
+    static const Reference &reference(const char *dtype) {
         auto it = refs_->find(dtype);
         if (it == refs_->end()) it = refs_->emplace(dtype, run_reference(dir(dtype))).first;
         return *it->second;
