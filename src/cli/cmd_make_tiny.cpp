@@ -30,6 +30,11 @@ Command add_make_tiny_command(CLI::App &app) {
     sub->add_option("--dtype", opts->dtype, "Weight format: bf16, or fp8 (routed experts F8_E4M3, 128x128 scales)")
         ->check(CLI::IsMember({"bf16", "fp8"}))
         ->capture_default_str();
+    sub->add_option("--moe-intermediate-size", opts->moe_intermediate_size,
+                    "Routed expert width, replacing the preset's (e.g. 1024: fp8 experts then split into whole "
+                    "128-wide scale tiles at --tp 8 without --ep); 0 keeps the preset's")
+        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyMoeIntermediateSize))
+        ->capture_default_str();
     sub->add_flag("-f,--force", opts->force, "Replace the generator's own files in a non-empty OUT_DIR");
 
     return {sub, [opts, out_dir]() {

@@ -281,7 +281,7 @@ TEST_F(CliTest, MakeTinyHelpMentionsEveryOptionAndPreset) {
     const RunResult r = run_memra({"make-tiny", "--help"});
     EXPECT_EQ(r.exit_code, 0) << describe(r);
     for (const char *word : {"Usage: memra make-tiny", "OUT_DIR", "--help", "-s,--seed", "--preset", "--dtype",
-                             "-f,--force", "tiny", "small", "bf16", "fp8"}) {
+                             "--moe-intermediate-size", "-f,--force", "tiny", "small", "bf16", "fp8"}) {
         EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
     }
 }
@@ -1299,26 +1299,34 @@ const std::vector<std::string> kVerifyGates = {
 TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegreeWithAndWithoutEp) {
     const fs::path bf16 = make_tiny("bf16", {"--seed", "31"});
     const fs::path fp8 = make_tiny("fp8", {"--seed", "32", "--dtype", "fp8"});
-    // bf16 in two calls, so that no call nears the 120 s limit in the sanitizer build (each run of the scenario
-    // takes seconds there); fp8 runs only 5 of its 8 combinations.
+    // fp8 experts 1024 wide: split by d_expert into whole 128-wide scale tiles up to tp 8, so the plan
+    // accepts tp 2, 4, 8 without EP (the preset's 96 is refused there, and its tiles are partial).
+    const fs::path fp8_wide =
+        make_tiny("fp8_wide", {"--seed", "33", "--dtype", "fp8", "--moe-intermediate-size", "1024"});
+    // Every call stays well under the 120 s child limit in the sanitizer build (a run of the scenario takes
+    // seconds there, the wide fp8 ones ~12 s): bf16 in two calls, wide fp8 without EP in two.
     struct Call {
         fs::path dir;
         std::string tp;
+        bool ep_both;  // else ep off only
         int runs;
         int skipped;
     };
-    for (const Call &call : {Call{bf16, "1,2", 4, 0}, Call{bf16, "4,8", 4, 0}, Call{fp8, "1,2,4,8", 5, 3}}) {
-        const bool is_fp8 = call.dir == fp8;
-        const RunResult r = run_memra({"verify", call.dir.string(), "--tp", call.tp, "--ep-both", "--tokens", "17",
-                                       "--decode", "1", "--batch", "2"});
+    for (const Call &call : {Call{bf16, "1,2", true, 4, 0}, Call{bf16, "4,8", true, 4, 0},
+                             Call{fp8, "1,2,4,8", true, 5, 3}, Call{fp8_wide, "1,2", false, 2, 0},
+                             Call{fp8_wide, "4,8", false, 2, 0}}) {
+        std::vector<std::string> args = {"verify", call.dir.string(), "--tp", call.tp, "--tokens", "17",
+                                         "--decode", "1", "--batch", "2"};
+        if (call.ep_both) args.push_back("--ep-both");
+        const RunResult r = run_memra(args);
         EXPECT_EQ(r.exit_code, 0) << describe(r);
         EXPECT_EQ(r.err, "") << describe(r);
-        EXPECT_TRUE(contains(r.out, fmt::format("memra verify {}: tp {}, ep off+on; prefill 17, decode 1, batch "
+        EXPECT_TRUE(contains(r.out, fmt::format("memra verify {}: tp {}, ep {}; prefill 17, decode 1, batch "
                                                 "1..2; kv f32/f32; 1 thread per rank\n",
-                                                call.dir.string(), call.tp)))
+                                                call.dir.string(), call.tp, call.ep_both ? "off+on" : "off")))
             << describe(r);
-        // Every gate passes; fp8 experts cannot be split by d_expert (96 / tp is no whole 128-wide scale block),
-        // so the plan refuses tp 2, 4, 8 without EP: skipped with its reason.
+        // Every gate passes; the preset's fp8 experts cannot be split by d_expert (96 / tp is no whole 128-wide
+        // scale block), so the plan refuses tp 2, 4, 8 without EP: skipped with its reason.
         for (const std::string &gate : kVerifyGates) {
             const std::string line = gate_line(r.out, gate);
             EXPECT_TRUE(contains(line, " PASS")) << gate << "\n" << describe(r);
@@ -1328,10 +1336,14 @@ TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegreeWithAndWithoutEp) {
             << describe(r);
         EXPECT_EQ(count_of(r.out, "SKIP             the plan refuses it: tp="), static_cast<size_t>(call.skipped))
             << describe(r);
-        if (is_fp8) {
+        if (call.dir == fp8) {
             EXPECT_TRUE(contains(r.out, "tp=4 ep=off  SKIP             the plan refuses it: tp=4 without ep: fp8 "
                                         "routed experts on layer 2 split d_expert 96 into 24 per rank, not a "
                                         "multiple of the fp8 scale block 128; use ep\n"))
+                << describe(r);
+        }
+        if (call.dir == fp8_wide) {
+            EXPECT_TRUE(contains(r.out, "model: fp8 experts, 6 layers + 1 MTP, d_model 256, 16 experts top-8;"))
                 << describe(r);
         }
         EXPECT_FALSE(contains(r.out, "FAIL")) << describe(r);
@@ -1342,7 +1354,7 @@ TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegreeWithAndWithoutEp) {
         EXPECT_GT(t.compared, 1'000'000) << describe(r);
         EXPECT_EQ(t.steps, call.runs * 22) << describe(r);
         EXPECT_EQ(t.nonzero_allocs, 0) << describe(r);
-        const std::string last = call.tp.back() == '8' ? "tp=8 ep=on  " : "tp=2 ep=on  ";
+        const std::string last = fmt::format("tp={} ep={}", call.tp.back(), call.ep_both ? "on  " : "off ");
         for (const char *stage : {"prefill", "L2 prefill", "mtp prompt", "mtp chained", "decode 1", "txn partial",
                                   "txn rollback", "txn recommit", "grow", "grown decode", "ring 12", "batch 2"}) {
             EXPECT_TRUE(contains(r.out, fmt::format("{} {:<16} ", last, stage))) << stage << "\n" << describe(r);

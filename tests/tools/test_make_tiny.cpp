@@ -393,6 +393,47 @@ TEST_F(MakeTinyTest, TinyLayoutFollowsTheOfficialNamesAndShapes) {
     EXPECT_EQ(ck.find("model.layers.7.input_layernorm.weight"), nullptr);
 }
 
+TEST_F(MakeTinyTest, MoeIntermediateSizeReplacesThePresetsExpertWidthOnly) {
+    TinyOptions o;
+    o.out_dir = root_ / "wide";
+    o.seed = 5;
+    o.dtype = "fp8";
+    o.moe_intermediate_size = 1024;
+    auto r = make_tiny_checkpoint(o);
+    ASSERT_TRUE(r.has_value()) << r.error().message;
+    io::Checkpoint ck = open_checkpoint(root_ / "wide");
+    const io::TensorInfo *gate = ck.find("model.layers.4.moe.gate_proj.weight");
+    const io::TensorInfo *down = ck.find("model.layers.4.moe.down_proj.weight");
+    const io::TensorInfo *down_scale = ck.find("model.layers.4.moe.down_proj.weight_scale_inv");
+    ASSERT_NE(gate, nullptr);
+    ASSERT_NE(down, nullptr);
+    ASSERT_NE(down_scale, nullptr);
+    EXPECT_EQ(gate->shape, (std::vector<int64_t>{16, 1024, 256}));
+    EXPECT_EQ(down->shape, (std::vector<int64_t>{16, 256, 1024}));
+    EXPECT_EQ(down_scale->shape, (std::vector<int64_t>{16, 2, 8}));  // 128x128 tiles: 256 rows x 1024 columns
+    EXPECT_NE(read_file(root_ / "wide" / "config.json").find("\"moe_intermediate_size\": 1024,"), std::string::npos);
+    // Everything but the routed experts is the preset's, weight for weight.
+    generate(root_ / "ref", 5, "fp8");
+    io::Checkpoint ref = open_checkpoint(root_ / "ref");
+    for (const char *name : {"model.layers.1.self_attn.q_proj.weight", "model.layers.5.share_expert.up_proj.weight",
+                                    "model.layers.2.moe.gate.weight", "lm_head.weight"}) {
+        EXPECT_EQ(tensor_bytes(ck, name), tensor_bytes(ref, name)) << name;
+    }
+    EXPECT_GT(r->n_params, 50'000'000u);  // 4 MoE layers x 16 experts x 3 x 256 x 1024 = 50.3M expert weights
+
+    for (const int64_t bad : {int64_t{-1}, kMaxTinyMoeIntermediateSize + 1}) {
+        o.out_dir = root_ / "bad";
+        o.moe_intermediate_size = bad;
+        auto refused = make_tiny_checkpoint(o);
+        ASSERT_FALSE(refused.has_value()) << bad;
+        EXPECT_EQ(refused.error().message,
+                  fmt::format("make-tiny: moe_intermediate_size must be in [1, 8192] (0 keeps the preset's 96), "
+                              "found {}",
+                              bad));
+        EXPECT_FALSE(fs::exists(root_ / "bad"));
+    }
+}
+
 TEST(MakeTinyPresets, NamesAndDescriptions) {
     EXPECT_EQ(tiny_preset_names(), (std::vector<std::string>{"tiny", "small"}));
     for (const TinyPresetInfo &p : tiny_presets()) {

@@ -146,6 +146,13 @@ Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
     } else if (options.dtype != "bf16") {
         return make_error("make-tiny: unknown dtype '{}' (valid dtypes: bf16, fp8)", options.dtype);
     }
+    if (options.moe_intermediate_size < 0 || options.moe_intermediate_size > kMaxTinyMoeIntermediateSize) {
+        return make_error("make-tiny: moe_intermediate_size must be in [1, {}] (0 keeps the preset's {}), found {}",
+                          kMaxTinyMoeIntermediateSize, preset->d_expert, options.moe_intermediate_size);
+    }
+    if (options.moe_intermediate_size > 0) {
+        preset->d_expert = options.moe_intermediate_size;
+    }
     if (options.out_dir.empty()) {
         return make_error("make-tiny: no output directory given");
     }

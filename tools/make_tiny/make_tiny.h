@@ -13,12 +13,18 @@
 
 namespace memra::tools {
 
+// The widest routed expert make-tiny writes (16 experts x 3 matrices x 256 x 8192 is 100M weights per layer).
+inline constexpr int64_t kMaxTinyMoeIntermediateSize = 8192;
+
 struct TinyOptions {
     std::filesystem::path out_dir;
     uint64_t seed = 0;
     std::string preset = "tiny";  // one of tiny_preset_names()
     std::string dtype = "bf16";   // "bf16", or "fp8" (routed experts F8_E4M3 with 128x128 block scales)
     bool force = false;           // replace the generator's own files in a non-empty out_dir
+    // Replaces the preset's routed expert width (moe_intermediate_size) when > 0, e.g. 1024 so that fp8
+    // experts split into whole 128-wide scale tiles at TP 8 without EP. 0: the preset's width.
+    int64_t moe_intermediate_size = 0;
 };
 
 struct TinySummary {
@@ -39,7 +45,8 @@ struct TinyPresetInfo {
 };
 
 // Generates the checkpoint. Refuses (with an Error naming the problem): an unknown preset (the
-// message lists the valid ones), an unknown dtype, an out_dir that is a file, an out_dir that
+// message lists the valid ones), an unknown dtype, a moe_intermediate_size outside
+// [0, kMaxTinyMoeIntermediateSize], an out_dir that is a file, an out_dir that
 // exists and is not empty without force, a directory that cannot be created or written.
 // The files are written into a temporary directory first and moved into place at the end, so a
 // failure leaves no half-written checkpoint. With force, only the generator's own files are
