@@ -133,8 +133,7 @@ private:
     std::optional<kv::KvCache> cache_;
 };
 
-// Each group step starts the rank threads anew (Step35RankGroup is a verification runner, not a serving
-// loop), so the times include that start.
+// The ranks' persistent threads run each step; the times include waking them and the step's checks.
 class RankGroupEngine final : public BenchEngine {
 public:
     RankGroupEngine(model::Step35RankGroup &group, kv::KvFormat k, kv::KvFormat v) : group_(group), k_(k), v_(v) {}

@@ -106,7 +106,7 @@ int run_verify_command(const VerifyCliOptions &opt) {
                 dir.string().c_str(), tps.c_str(), opt.ep_both ? "off+on" : opt.ep ? "on" : "off", opt.tokens,
                 opt.decode, opt.batch, opt.kv_k.c_str(), opt.kv_v.c_str(), threads, threads == 1 ? "" : "s");
     std::printf("counts per native step, rank 0: backend op launches, host copies, collectives; allocs: heap "
-                "allocations of all ranks while the step ran\n");
+                "allocations on every thread from the step's call to its return\n");
     std::fflush(stdout);
     auto report = model::run_verify(*ckpt, *cfg, vo);
     if (!report) return report_error(report.error().message);

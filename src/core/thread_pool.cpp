@@ -21,7 +21,7 @@ struct ThreadPool::State {
     bool stopping = false;
     int pending = 0;  // workers still running the current generation
     // The current job: ranges [i * chunk, min(n, (i + 1) * chunk)) for i = 0 .. n_threads-1.
-    const std::function<void(int64_t, int64_t)> *fn = nullptr;
+    const FunctionRef<void(int64_t, int64_t)> *fn = nullptr;
     int64_t n = 0;
     int64_t chunk = 0;
 
@@ -66,7 +66,7 @@ ThreadPool::~ThreadPool() {
 
 int ThreadPool::n_threads() const { return state_->n_threads; }
 
-void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t)> &fn, int64_t grain) {
+void ThreadPool::parallel_for(int64_t n, FunctionRef<void(int64_t, int64_t)> fn, int64_t grain) {
     if (n <= 0) return;
     grain = std::max<int64_t>(grain, 1);
     const int64_t max_ranges = std::max<int64_t>(1, n / grain);

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
+#include "core/function_ref.h"
 
 namespace memra {
 
@@ -21,7 +21,7 @@ public:
     // Calls fn(begin, end) on disjoint contiguous ranges covering [0, n) (at most n_threads ranges,
     // each at least `grain` long except possibly the last) and returns when all are done. The calling
     // thread takes part. Not reentrant: fn must not call parallel_for on the same pool.
-    void parallel_for(int64_t n, const std::function<void(int64_t begin, int64_t end)> &fn, int64_t grain = 1);
+    void parallel_for(int64_t n, FunctionRef<void(int64_t begin, int64_t end)> fn, int64_t grain = 1);
 
 private:
     struct State;

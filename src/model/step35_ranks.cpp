@@ -104,22 +104,17 @@ Result<void> Step35RankGroup::check_sequences(std::span<RankSequence *const> seq
     return {};
 }
 
-Result<void> Step35RankGroup::run_all(const std::function<Result<void>(int rank)> &fn) {
+Result<void> Step35RankGroup::counted(FunctionRef<Result<void>()> body) {
     step_allocations_ = -1;
-    int64_t before = 0;
-    auto ran = group_->run([this, &fn, &before](int rank, parallel::Communicator &comm) -> Result<void> {
-        if (!count_allocations_) return fn(rank);
-        // Every rank thread has started once all reach the first barrier; only the steps run between the
-        // second and the third, and the main thread waits in run() meanwhile.
-        if (auto ok = comm.barrier(); !ok) return ok;
-        if (rank == 0) before = count_allocations_();
-        if (auto ok = comm.barrier(); !ok) return ok;
-        auto r = fn(rank);
-        if (!r) return r;
-        if (auto ok = comm.barrier(); !ok) return ok;
-        if (rank == 0) step_allocations_ = count_allocations_() - before;
-        return r;
-    });
+    if (!count_allocations_) return body();
+    const int64_t before = count_allocations_();
+    auto r = body();
+    step_allocations_ = count_allocations_() - before;
+    return r;
+}
+
+Result<void> Step35RankGroup::run_all(FunctionRef<Result<void>(int rank)> fn) {
+    auto ran = group_->run([&fn](int rank, parallel::Communicator &) { return fn(rank); });
     if (!ran) {
         broken_ = ran.error().message;
         return wrap_error("rank group step", ran.error());
@@ -164,6 +159,14 @@ Result<void> Step35RankGroup::check_after(std::span<RankSequence *const> seqs, i
 }
 
 Result<void> Step35RankGroup::step(std::span<const RankSeqChunk> chunks) {
+    return counted([&] { return step_body(chunks); });
+}
+
+Result<void> Step35RankGroup::mtp_step(int mtp, std::span<const RankMtpChunk> chunks, HiddenRows h_prev) {
+    return counted([&] { return mtp_step_body(mtp, chunks, h_prev); });
+}
+
+Result<void> Step35RankGroup::step_body(std::span<const RankSeqChunk> chunks) {
     step_seqs_.clear();
     for (const RankSeqChunk &c : chunks) {
         if (step_seqs_.size() < step_seqs_.capacity()) step_seqs_.push_back(c.seq);
@@ -189,7 +192,7 @@ Result<void> Step35RankGroup::step(std::span<const RankSeqChunk> chunks) {
     return check_after(step_seqs_, -1);
 }
 
-Result<void> Step35RankGroup::mtp_step(int mtp, std::span<const RankMtpChunk> chunks, HiddenRows h_prev) {
+Result<void> Step35RankGroup::mtp_step_body(int mtp, std::span<const RankMtpChunk> chunks, HiddenRows h_prev) {
     if (mtp < 0 || mtp >= cfg_.n_mtp_layers) {
         return make_error("mtp_step: MTP layer {} outside [0, {})", mtp, cfg_.n_mtp_layers);
     }

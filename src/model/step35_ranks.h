@@ -2,8 +2,8 @@
 // parallel::InProcessGroup), each with its own backend, model shard, forward and KV caches, stepped together
 // with the same chunks. Every rank ends a step with the full logits; the group checks that they are bit for
 // bit the same on every rank and that every rank's caches agree (DETERMINISM.md D3, D4). The TP tests and
-// `memra verify` drive it; backends come from a factory, so CPU or (later) device ranks plug in alike. Each
-// step starts the rank threads anew (InProcessGroup::run): a verification tool, not a serving loop.
+// `memra verify` and `memra bench --tp` drive it; backends come from a factory, so CPU or (later) device ranks
+// plug in alike. The rank threads are the group's persistent threads: a step wakes them and allocates nothing.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/function_ref.h"
 #include "core/result.h"
 #include "io/safetensors.h"
 #include "kv/kv_cache.h"
@@ -112,10 +113,10 @@ public:
     Result<void> grow(RankSequence &seq, int64_t new_capacity);
 
     // count() returns the process's heap allocations so far (a counting operator new, e.g. memra verify's);
-    // empty turns counting off. While on, every step / mtp_step counts the allocations made while the ranks
-    // run it, between barriers of the rank threads (so the threads' own start-up is not counted).
+    // empty turns counting off. While on, every step / mtp_step counts the allocations made from its call
+    // to its return, on every thread: the caller's checks and dispatch and all ranks' work.
     void set_allocation_counter(std::function<int64_t()> count) { count_allocations_ = std::move(count); }
-    // Heap allocations made while the ranks ran the last step / mtp_step; -1 when not counted.
+    // Heap allocations made during the last step / mtp_step; -1 when not counted.
     int64_t step_allocations() const { return step_allocations_; }
 
     // The last step's logits (rank 0's; all ranks hold the same bits): [rows, vocab_size], rows in chunk
@@ -141,7 +142,12 @@ private:
     Step35RankGroup() = default;
     Result<void> check_sequences(std::span<RankSequence *const> seqs) const;
     Result<void> check_after(std::span<RankSequence *const> seqs, int mtp) const;
-    Result<void> run_all(const std::function<Result<void>(int rank)> &fn);
+    // Runs body and, while counting is on, records the allocations it made in step_allocations_.
+    Result<void> counted(FunctionRef<Result<void>()> body);
+    Result<void> step_body(std::span<const RankSeqChunk> chunks);
+    Result<void> mtp_step_body(int mtp, std::span<const RankMtpChunk> chunks, HiddenRows h_prev);
+    // fn(rank) on every rank's thread; the group is broken by a failure.
+    Result<void> run_all(FunctionRef<Result<void>(int rank)> fn);
 
     Step35Config cfg_;
     int tp_ = 1;

@@ -96,7 +96,11 @@ struct InProcessGroup::State {
     Result<void> collective(int me, const CollectiveDesc &desc, std::byte *dst);
     Result<void> check_collective(int slot, int64_t index) const;
     Result<void> run_group(int me, const char *op);
-    Result<void> run_rank(int rank, const std::function<Result<void>(int, Communicator &)> &fn);
+    Result<void> run_rank(int rank, RankFn fn);
+    // Rank `rank`'s persistent thread: runs the function of each run() once, until stopping.
+    void rank_thread(int rank);
+    // Stops and joins the rank threads (the group destructor; create() when a thread fails to start).
+    void stop_rank_threads();
 
     bool wait_for(std::unique_lock<std::mutex> &lock, int me, WaitKind kind, bool abortable);
     bool ready(int rank);
@@ -119,6 +123,16 @@ struct InProcessGroup::State {
     bool aborted = false;
     std::string abort_reason;
     bool running = false;
+
+    // run(): rank r's thread, started by create(), runs *run_fn once per generation.
+    std::vector<std::thread> workers;
+    std::condition_variable run_cv;   // rank threads wait here for the next generation or stopping
+    std::condition_variable done_cv;  // run() waits here for run_pending to reach 0
+    uint64_t run_generation = 0;
+    int run_pending = 0;
+    bool stopping = false;
+    const RankFn *run_fn = nullptr;
+    std::vector<Result<void>> results;  // [n]: each rank's result of the current run
 };
 
 class InProcessGroup::State::RankComm final : public Communicator {
@@ -221,6 +235,8 @@ InProcessGroup::State::State(int n_ranks) : n(n_ranks), ranks(std::make_unique<R
     for (int r = 0; r < n; ++r) ranks[r].ops.reserve(2 * static_cast<size_t>(n));
     comms.reserve(static_cast<size_t>(n));
     for (int r = 0; r < n; ++r) comms.emplace_back(this, r);
+    workers.reserve(static_cast<size_t>(n));
+    results.resize(static_cast<size_t>(n));
 }
 
 void InProcessGroup::State::notify_others(int me) {
@@ -485,7 +501,7 @@ Result<void> InProcessGroup::State::run_group(int me, const char *op) {
     return result;
 }
 
-Result<void> InProcessGroup::State::run_rank(int rank, const std::function<Result<void>(int, Communicator &)> &fn) {
+Result<void> InProcessGroup::State::run_rank(int rank, RankFn fn) {
     Result<void> result;
     try {
         result = fn(rank, comms[static_cast<size_t>(rank)]);
@@ -506,18 +522,56 @@ Result<void> InProcessGroup::State::run_rank(int rank, const std::function<Resul
     return result;
 }
 
+void InProcessGroup::State::rank_thread(int rank) {
+    uint64_t seen = 0;  // the generation it last ran
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+        run_cv.wait(lock, [&] { return stopping || run_generation != seen; });
+        if (stopping) return;
+        seen = run_generation;
+        const RankFn fn = *run_fn;
+        lock.unlock();
+        Result<void> result = run_rank(rank, fn);
+        lock.lock();
+        results[static_cast<size_t>(rank)] = std::move(result);
+        if (--run_pending == 0) done_cv.notify_one();
+    }
+}
+
+void InProcessGroup::State::stop_rank_threads() {
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        stopping = true;
+    }
+    run_cv.notify_all();
+    for (std::thread &t : workers) t.join();
+    workers.clear();
+}
+
 // ---- InProcessGroup ----------------------------------------------------------------------------------
 
 InProcessGroup::InProcessGroup(std::unique_ptr<State> state) : state_(std::move(state)) {}
 InProcessGroup::InProcessGroup(InProcessGroup &&) noexcept = default;
 InProcessGroup &InProcessGroup::operator=(InProcessGroup &&) noexcept = default;
-InProcessGroup::~InProcessGroup() = default;
+InProcessGroup::~InProcessGroup() {
+    if (state_) state_->stop_rank_threads();  // else moved from
+}
 
 Result<InProcessGroup> InProcessGroup::create(int n_ranks) {
     if (n_ranks < 1 || n_ranks > kMaxRanks) {
         return make_error("in-process group: expected 1 to {} ranks, found {}", kMaxRanks, n_ranks);
     }
-    return InProcessGroup(std::make_unique<State>(n_ranks));
+    auto state = std::make_unique<State>(n_ranks);
+    for (int r = 0; r < n_ranks; ++r) {
+        try {
+            state->workers.emplace_back([s = state.get(), r] { s->rank_thread(r); });
+        } catch (const std::system_error &e) {
+            state->stop_rank_threads();
+            return make_error("in-process group: could not start the thread of rank {} of {}: {}", r, n_ranks,
+                              e.what());
+        }
+    }
+    return InProcessGroup(std::move(state));
 }
 
 int InProcessGroup::size() const { return state_->n; }
@@ -538,7 +592,7 @@ bool InProcessGroup::aborted() const {
     return state_->aborted;
 }
 
-Result<void> InProcessGroup::run(const std::function<Result<void>(int rank, Communicator &comm)> &fn) {
+Result<void> InProcessGroup::run(RankFn fn) {
     State &s = *state_;
     {
         std::lock_guard<std::mutex> lock(s.mu);
@@ -546,21 +600,17 @@ Result<void> InProcessGroup::run(const std::function<Result<void>(int rank, Comm
         s.running = true;
         for (int r = 0; r < s.n; ++r) s.ranks[r].saw_abort = false;
     }
-    std::vector<Result<void>> results(static_cast<size_t>(s.n));
-    std::vector<std::thread> threads;
-    threads.reserve(static_cast<size_t>(s.n));
-    for (int r = 0; r < s.n; ++r) {
-        try {
-            threads.emplace_back([&s, &fn, &results, r] { results[static_cast<size_t>(r)] = s.run_rank(r, fn); });
-        } catch (const std::system_error &e) {
-            // Ranks already started are released by the abort; later ones never start.
-            results[static_cast<size_t>(r)] = make_error("could not start its thread: {}", e.what());
-            std::lock_guard<std::mutex> lock(s.mu);
-            s.abort_locked(fmt::format("rank {}: could not start its thread: {}", r, e.what()));
-            break;
-        }
+    {
+        std::unique_lock<std::mutex> lock(s.mu);
+        for (Result<void> &r : s.results) r = {};
+        s.run_fn = &fn;
+        s.run_pending = s.n;
+        ++s.run_generation;
+        s.run_cv.notify_all();
+        s.done_cv.wait(lock, [&] { return s.run_pending == 0; });
+        s.run_fn = nullptr;
     }
-    for (std::thread &t : threads) t.join();
+    const std::vector<Result<void>> &results = s.results;
 
     {
         std::lock_guard<std::mutex> lock(s.mu);
@@ -587,7 +637,7 @@ Result<void> InProcessGroup::run(const std::function<Result<void>(int rank, Comm
     return wrap_error(fmt::format("rank {}", pick), results[static_cast<size_t>(pick)].error());
 }
 
-Result<void> run_ranks(int n_ranks, const std::function<Result<void>(int rank, Communicator &comm)> &fn) {
+Result<void> run_ranks(int n_ranks, RankFn fn) {
     auto group = InProcessGroup::create(n_ranks);
     if (!group) return tl::unexpected(group.error());
     return group->run(fn);

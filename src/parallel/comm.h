@@ -6,14 +6,19 @@
 #pragma once
 
 #include <cstddef>
-#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 
+#include "core/function_ref.h"
 #include "core/result.h"
 
 namespace memra::parallel {
+
+class Communicator;
+
+// What a group runs on each rank: fn(rank, that rank's communicator).
+using RankFn = FunctionRef<Result<void>(int rank, Communicator &comm)>;
 
 // One rank's handle on its group. Bytes are opaque and copied bit for bit, so every call takes byte spans;
 // typed data goes through std::as_bytes / std::as_writable_bytes. Every call returns an Error instead of
@@ -62,7 +67,9 @@ public:
 
 // N ranks in one process, each driven by its own thread. All slots are allocated by create(), so the
 // operations allocate nothing (a send/recv group larger than 2 * n operations grows its buffer once).
-// Synchronisation is one mutex per group plus one condition variable per rank.
+// Synchronisation is one mutex per group plus one condition variable per rank. The rank threads are
+// persistent: the first run() starts them and every run() after it only wakes them, so a run allocates
+// nothing and starts no thread.
 //
 // Hangs become errors: abort(reason) makes every rank blocked in, or later entering, an operation fail
 // with the reason; and a group in which every rank is blocked in an operation (or has returned from its
@@ -78,7 +85,7 @@ public:
 
     InProcessGroup(InProcessGroup &&) noexcept;
     InProcessGroup &operator=(InProcessGroup &&) noexcept;
-    ~InProcessGroup();  // no rank may still be inside an operation
+    ~InProcessGroup();  // stops and joins the rank threads; no rank may still be inside an operation
 
     int size() const;
     // Rank r's communicator, owned by the group; r in [0, size()). One thread at a time per communicator.
@@ -87,11 +94,12 @@ public:
     void abort(const std::string &reason);
     bool aborted() const;
 
-    // Runs fn(r, communicator(r)) for every rank on its own std::thread and joins them all. When a rank
-    // fails (returns an error or throws), the group is aborted with "rank r: <message>" so the others are
-    // released. Returns the first failure by rank order, prefixed "rank r: ", preferring ranks that failed
-    // on their own over ranks that only saw the abort. After a successful run the group can run again.
-    Result<void> run(const std::function<Result<void>(int rank, Communicator &comm)> &fn);
+    // Runs fn(r, communicator(r)) for every rank on rank r's thread (the same thread on every run) and
+    // returns when all have returned. When a rank fails (returns an error or throws), the group is aborted
+    // with "rank r: <message>" so the others are released. Returns the first failure by rank order, prefixed
+    // "rank r: ", preferring ranks that failed on their own over ranks that only saw the abort. After a
+    // successful run the group can run again. A rank thread that cannot be started fails its rank.
+    Result<void> run(RankFn fn);
 
 private:
     struct State;
@@ -100,6 +108,6 @@ private:
 };
 
 // InProcessGroup::create(n_ranks) then run(fn).
-Result<void> run_ranks(int n_ranks, const std::function<Result<void>(int rank, Communicator &comm)> &fn);
+Result<void> run_ranks(int n_ranks, RankFn fn);
 
 }  // namespace memra::parallel

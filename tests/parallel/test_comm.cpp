@@ -616,6 +616,36 @@ TEST(CommHotPath, SteadyStateOperationsDoNotAllocate) {
     EXPECT_GT(refused_allocations, 0);
 }
 
+TEST(CommHotPath, RunKeepsEachRanksThreadAndAllocatesNothing) {
+    constexpr int kRanks = 4;
+    auto group = InProcessGroup::create(kRanks);
+    ASSERT_TRUE(group.has_value());
+    std::array<std::thread::id, kRanks> first{}, now{};
+    std::array<int64_t, kRanks> sums{};
+    int64_t a = 1, b = 2, c = 3, d = 4;  // captured by reference, with the arrays: a large closure
+    auto body = [&](int me, Communicator &comm) -> Result<void> {
+        now[static_cast<size_t>(me)] = std::this_thread::get_id();
+        sums[static_cast<size_t>(me)] += a + b + c + d + me;
+        return comm.barrier();
+    };
+    ASSERT_TRUE(group->run(body).has_value());
+    first = now;
+    const int64_t before = g_allocations.load();
+    int moved = 0;
+    for (int i = 0; i < 50; ++i) {
+        auto run = group->run(body);
+        ASSERT_TRUE(run.has_value()) << run.error().message;
+        if (now != first) ++moved;
+    }
+    EXPECT_EQ(g_allocations.load() - before, 0);
+    EXPECT_EQ(moved, 0);  // rank r ran on the same thread every time
+    for (int r = 0; r < kRanks; ++r) {
+        EXPECT_EQ(sums[static_cast<size_t>(r)], 51 * (10 + r));
+        EXPECT_NE(first[static_cast<size_t>(r)], std::this_thread::get_id());
+        for (int q = 0; q < r; ++q) EXPECT_NE(first[static_cast<size_t>(r)], first[static_cast<size_t>(q)]);
+    }
+}
+
 TEST(CommHotPath, MeasuredAllGatherOf4KiB) {
     constexpr size_t kBytes = 4096;
     for (int n : {2, 4, 8}) {

@@ -334,7 +334,6 @@ void run_task(ThreadPool &pool, const Task &task) {
     if (task.n_rows == 0 || task.n_tokens == 0) return;
     const int64_t threads = pool.n_threads();
     const bool split_rows = task.n_rows >= 32 * threads || task.n_tokens < 4 * threads;
-    // The lambda captures one reference, so std::function stores it inline (no allocation).
     if (split_rows) {
         pool.parallel_for(
             task.n_rows, [&task](int64_t b, int64_t e) { run_range(task, b, e, 0, task.n_tokens); }, kRowBlock);

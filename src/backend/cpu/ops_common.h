@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 
 #include "core/dtype.h"
 #include "core/float_formats.h"
@@ -20,15 +19,12 @@ inline float load_f32_or_bf16(const void *data, DType dtype, int64_t i) {
 }
 
 // Runs fn(begin, end) over disjoint ranges of [0, n_rows) on the pool. row_cost (roughly the floats a row
-// touches) only sets the grain, so that tiny ops stay on the calling thread. The std::function handed to the
-// pool wraps a reference to fn, which libstdc++ stores inline: no heap allocation per op call, however many
-// variables fn captures.
+// touches) only sets the grain, so that tiny ops stay on the calling thread.
 template <class Fn>
 void parallel_rows(ThreadPool &pool, int64_t n_rows, int64_t row_cost, const Fn &fn) {
     constexpr int64_t kMinWorkPerRange = 1 << 14;
     const int64_t grain = std::max<int64_t>(1, kMinWorkPerRange / std::max<int64_t>(row_cost, 1));
-    const std::function<void(int64_t, int64_t)> body(std::cref(fn));
-    pool.parallel_for(n_rows, body, grain);
+    pool.parallel_for(n_rows, fn, grain);
 }
 
 }  // namespace memra::cpu::detail
