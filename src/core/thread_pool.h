@@ -1,6 +1,8 @@
 // A fixed pool of worker threads for the CPU backend. Work is split into contiguous index ranges;
 // every output element is computed by exactly one thread in its op's fixed order, so results never
-// depend on the thread count (DETERMINISM.md D5). No allocation per call.
+// depend on the thread count (DETERMINISM.md D5). No allocation per call. Between jobs the workers stay
+// awake for ~100 us (polling, yielding the core) before they sleep, so the ~140 small ops of a decode
+// step do not each pay a sleep and a wake-up.
 #pragma once
 
 #include <cstdint>
