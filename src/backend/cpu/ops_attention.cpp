@@ -10,6 +10,12 @@
 #include "core/math.h"
 
 namespace memra::cpu {
+namespace {
+
+// Scores one work item keeps on its stack between the passes (16 KiB); keys past it are scored twice.
+constexpr int64_t kScoreCache = 4096;
+
+}  // namespace
 
 float attention_scale(int64_t head_dim) {
     MEMRA_CHECK(head_dim > 0, "attention_scale: head_dim must be > 0, got {}", head_dim);
@@ -51,16 +57,20 @@ void attention(ThreadPool &pool, const AttentionShape &shape, const float *q, in
             auto key = [&](int64_t p) { return k + (p - kv_begin) * kv_row + kv_off; };
             auto value = [&](int64_t p) { return v + (p - kv_begin) * kv_row + kv_off; };
 
+            // Pass 1's scores of the first kScoreCache keys are kept for pass 2 (the same bits as recomputing).
+            float scores[kScoreCache];
+            auto score = [&](int64_t p) { return dot_f32(qv, key(p), head_dim) * scale; };
             float m = -std::numeric_limits<float>::infinity();
             for (int64_t p = lo; p <= hi; ++p) {
-                const float s = dot_f32(qv, key(p), head_dim) * scale;
+                const float s = score(p);
+                if (p - lo < kScoreCache) scores[p - lo] = s;
                 m = s > m ? s : m;
             }
             float *o = out + (i * n_heads + h) * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
             float l = 0.0f;
             for (int64_t p = lo; p <= hi; ++p) {
-                const float e = exp_f32(dot_f32(qv, key(p), head_dim) * scale - m);
+                const float e = exp_f32((p - lo < kScoreCache ? scores[p - lo] : score(p)) - m);
                 l = l + e;
                 const float *vv = value(p);
                 for (int64_t d = 0; d < head_dim; ++d) o[d] = o[d] + e * vv[d];

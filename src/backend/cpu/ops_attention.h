@@ -28,12 +28,12 @@ float attention_scale(int64_t head_dim);
 //   m    = max of s_p over visible p                          (pass 1, increasing p; a NaN score is skipped
 //                                                              here and propagates through pass 2)
 //   pass 2, p = lo..P in increasing order, o[d] and l starting at +0:
-//        e_p  = exp_f32(s_p - m)                              (s_p recomputed, same bits as pass 1)
+//        e_p  = exp_f32(s_p - m)                              (s_p of pass 1, kept or recomputed: same bits)
 //        l    = l + e_p
 //        o[d] = o[d] + e_p * v[p, g, d]                       (product rounded, then the add)
 //   out[i, h, d] = o[d] / l
 //   gate (when gate != nullptr): out[i, h, d] = out[i, h, d] * sigmoid_f32(gate[i * gate_stride + h])
-// (the weights are normalised once at the end, by division, as flash attention does; no scratch memory.)
+// (the weights are normalised once at the end, by division, as flash attention does; no heap scratch.)
 //
 // q: query i head h at q[i * q_stride + h * head_dim], q_stride >= n_heads * head_dim.
 // q_pos: [n_q] absolute positions, any order. k, v: [kv_end - kv_begin, n_kv_heads, head_dim] f32, row r holding
