@@ -633,22 +633,31 @@ Result<void> Step35Forward::emit_logits(TensorView x, VectorId norm, MatrixId he
     return {};
 }
 
-Result<void> Step35Forward::load_trunk_slots(std::span<const SeqChunk> chunks, int64_t &rows) {
-    if (chunks.empty() || static_cast<int64_t>(chunks.size()) > cap_.max_seqs) {
-        return make_error("step: {} chunks, expected 1 .. {}", chunks.size(), cap_.max_seqs);
+Result<void> Step35Forward::begin_slots(size_t n_chunks, const char *op) {
+    if (n_chunks == 0 || static_cast<int64_t>(n_chunks) > cap_.max_seqs) {
+        return make_error("{}: {} chunks, expected 1 .. {}", op, n_chunks, cap_.max_seqs);
     }
     slots_.clear();
+    return {};
+}
+
+Result<void> Step35Forward::add_slot(size_t i, kv::KvCache *cache, std::span<const int32_t> tokens, bool all_logits,
+                                     int64_t commit, int64_t &rows) {
+    if (cache == nullptr) return make_error("chunk {}: no KV cache", i);
+    if (tokens.empty()) return make_error("chunk {}: no tokens", i);
+    const auto n = static_cast<int64_t>(tokens.size());
+    if (rows + n <= cap_.max_tokens) std::copy(tokens.begin(), tokens.end(), ids_host_.begin() + rows);
+    slots_.push_back(Slot{cache, {}, rows, n, cache->length(), all_logits, commit});
+    rows += n;
+    return {};
+}
+
+Result<void> Step35Forward::load_trunk_slots(std::span<const SeqChunk> chunks, int64_t &rows) {
+    if (auto ok = begin_slots(chunks.size(), "step"); !ok) return ok;
     rows = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
         const SeqChunk &c = chunks[i];
-        if (c.cache == nullptr) return make_error("chunk {}: no KV cache", i);
-        if (c.tokens.empty()) return make_error("chunk {}: no tokens", i);
-        const auto n = static_cast<int64_t>(c.tokens.size());
-        if (rows + n <= cap_.max_tokens) {
-            std::copy(c.tokens.begin(), c.tokens.end(), ids_host_.begin() + rows);
-        }
-        slots_.push_back(Slot{c.cache, {}, rows, n, c.cache->length(), c.all_logits, c.commit});
-        rows += n;
+        if (auto ok = add_slot(i, c.cache, c.tokens, c.all_logits, c.commit, rows); !ok) return ok;
     }
     const size_t n_ids = static_cast<size_t>(std::min(rows, cap_.max_tokens));
     return check_slots(0, model_->cfg.n_layers, rows, {ids_host_.data(), n_ids});
@@ -694,21 +703,11 @@ Result<void> Step35Forward::load_mtp_slots(int mtp, std::span<const MtpChunk> ch
     if (mtp < 0 || mtp >= cfg.n_mtp_layers) {
         return make_error("mtp_step: MTP layer {} outside [0, {})", mtp, cfg.n_mtp_layers);
     }
-    if (chunks.empty() || static_cast<int64_t>(chunks.size()) > cap_.max_seqs) {
-        return make_error("mtp_step: {} chunks, expected 1 .. {}", chunks.size(), cap_.max_seqs);
-    }
-    slots_.clear();
+    if (auto ok = begin_slots(chunks.size(), "mtp_step"); !ok) return ok;
     rows = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
         const MtpChunk &c = chunks[i];
-        if (c.cache == nullptr) return make_error("chunk {}: no KV cache", i);
-        if (c.next_tokens.empty()) return make_error("chunk {}: no tokens", i);
-        const auto n = static_cast<int64_t>(c.next_tokens.size());
-        if (rows + n <= cap_.max_tokens) {
-            std::copy(c.next_tokens.begin(), c.next_tokens.end(), ids_host_.begin() + rows);
-        }
-        slots_.push_back(Slot{c.cache, {}, rows, n, c.cache->length(), c.all_logits, c.commit});
-        rows += n;
+        if (auto ok = add_slot(i, c.cache, c.next_tokens, c.all_logits, c.commit, rows); !ok) return ok;
     }
     if (h_prev.dtype != DType::kF32 || h_prev.rows() != rows || h_prev.row_elems() != cfg.d_model) {
         return make_error("mtp_step: h_prev is [{}, {}] {}, expected [{}, {}] F32", h_prev.rows(), h_prev.row_elems(),

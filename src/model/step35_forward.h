@@ -184,6 +184,10 @@ private:
     Step35Forward() = default;
     static Result<Step35Forward> create_impl(Backend &backend, const Step35Model &model, const ForwardCapacity &cap,
                                              parallel::Communicator *comm);
+    // The chunk-list checks and the slot of one chunk (its ids staged while they fit), shared by both steps.
+    Result<void> begin_slots(size_t n_chunks, const char *op);
+    Result<void> add_slot(size_t i, kv::KvCache *cache, std::span<const int32_t> tokens, bool all_logits,
+                          int64_t commit, int64_t &rows);
     Result<void> load_trunk_slots(std::span<const SeqChunk> chunks, int64_t &rows);
     Result<void> load_mtp_slots(int mtp, std::span<const MtpChunk> chunks, TensorView h_prev, int64_t &rows);
     Result<void> check_slots(int first_cache_layer, int n_cache_layers, int64_t n_rows, std::span<const int32_t> ids);

@@ -2,7 +2,6 @@
 // determinism (D1), thread invariance (D5), batch invariance over batch size and slot (D2), chunked prefill
 // == one-shot prefill == token-by-token decode (rule 9), partial commits, MTP, refusals, and the per-step
 // launch / host-copy counts. Every comparison is on raw logit bits.
-#include <unistd.h>
 
 #include <bit>
 #include <cmath>
@@ -20,12 +19,12 @@
 #include "backend/cpu/cpu_backend.h"
 #include "io/safetensors.h"
 #include "kv/kv_cache.h"
-#include "make_tiny/make_tiny.h"
 #include "model/step35_config.h"
 #include "model/step35_forward.h"
 #include "model/step35_model.h"
 
 #include "model/model_test_util.h"
+#include "model/tiny_dirs.h"
 
 namespace memra::model {
 namespace {
@@ -45,26 +44,8 @@ struct Engine {
 
 class ForwardTest : public ::testing::TestWithParam<const char *> {
 protected:
-    static void SetUpTestSuite() {
-        dirs_ = new std::map<std::string, fs::path>();
-        for (const char *dtype : {"bf16", "fp8"}) {
-            const fs::path dir =
-                fs::temp_directory_path() / fmt::format("memra_forward_test_{}_{}", ::getpid(), dtype);
-            tools::TinyOptions opt;
-            opt.out_dir = dir;
-            opt.seed = 7;
-            opt.dtype = dtype;
-            opt.force = true;
-            auto made = tools::make_tiny_checkpoint(opt);
-            ASSERT_TRUE(made.has_value()) << made.error().message;
-            (*dirs_)[dtype] = dir;
-        }
-    }
+    static void SetUpTestSuite() { dirs_ = new TinyDirs("forward_test", 7, 7); }
     static void TearDownTestSuite() {
-        for (const auto &[name, dir] : *dirs_) {
-            std::error_code ec;
-            fs::remove_all(dir, ec);
-        }
         delete dirs_;
         dirs_ = nullptr;
     }
@@ -116,10 +97,10 @@ protected:
         return out;
     }
 
-    static std::map<std::string, fs::path> *dirs_;
+    static TinyDirs *dirs_;
 };
 
-std::map<std::string, fs::path> *ForwardTest::dirs_ = nullptr;
+TinyDirs *ForwardTest::dirs_ = nullptr;
 
 TEST_P(ForwardTest, LogitsAreFiniteWithSpread) {
     auto e = make_engine(2);

@@ -4,7 +4,6 @@
 // oracle (one plain product per pair on the full weights, combined in top-k slot order with a separate
 // multiply and add) bit for bit, TP = 2 / 4 / 8 ranks with and without EP give the TP = 1 bits on every rank,
 // and refresh / run allocate nothing.
-#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -24,7 +23,6 @@
 #include "backend/cpu/ops_moe.h"
 #include "core/thread_pool.h"
 #include "io/safetensors.h"
-#include "make_tiny/make_tiny.h"
 #include "model/step35_config.h"
 #include "model/step35_model.h"
 #include "model/step35_moe.h"
@@ -36,6 +34,7 @@
 #include "model/alloc_count.h"
 
 #include "model/model_test_util.h"
+#include "model/tiny_dirs.h"
 
 namespace memra::model {
 namespace {
@@ -48,7 +47,7 @@ constexpr int kMoeLayer = 2;
 constexpr int kClampedLayer = 5;
 constexpr int kDenseLayer = 0;
 
-std::map<std::string, fs::path> *g_dirs = nullptr;
+TinyDirs *g_dirs = nullptr;
 
 // n rows of width d from a 64-bit LCG keyed by seed, uniform in [-2, 2) (normed hidden states' range).
 std::vector<float> make_rows(uint64_t seed, int64_t n, int64_t d) {
@@ -247,25 +246,8 @@ bool same_routing(const MoeRouting &a, const MoeRouting &b) {
 // Generates the tiny bf16 and fp8 checkpoints once per suite.
 class TinyModels : public ::testing::Test {
 protected:
-    static void SetUpTestSuite() {
-        g_dirs = new std::map<std::string, fs::path>();
-        for (const char *dtype : {"bf16", "fp8"}) {
-            const fs::path dir = fs::temp_directory_path() / fmt::format("memra_moe_test_{}_{}", ::getpid(), dtype);
-            tools::TinyOptions opt;
-            opt.out_dir = dir;
-            opt.seed = 7;
-            opt.dtype = dtype;
-            opt.force = true;
-            auto made = tools::make_tiny_checkpoint(opt);
-            ASSERT_TRUE(made.has_value()) << made.error().message;
-            (*g_dirs)[dtype] = dir;
-        }
-    }
+    static void SetUpTestSuite() { g_dirs = new TinyDirs("moe_test", 7, 7); }
     static void TearDownTestSuite() {
-        for (const auto &[name, dir] : *g_dirs) {
-            std::error_code ec;
-            fs::remove_all(dir, ec);
-        }
         delete g_dirs;
         g_dirs = nullptr;
     }

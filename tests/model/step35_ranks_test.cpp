@@ -4,7 +4,6 @@
 // partial commit, a batch of 3 sequences of different lengths, two MTP steps) must give the same raw logit
 // bits on every rank and at every degree, and every rank's KV cache must hold exactly its KV heads' bytes of
 // the TP=1 cache. A skewed reduction order and a rank with a different logit join show the gates can fail.
-#include <unistd.h>
 
 #include <bit>
 #include <chrono>
@@ -23,7 +22,6 @@
 #include "backend/cpu/cpu_backend.h"
 #include "io/safetensors.h"
 #include "kv/kv_cache.h"
-#include "make_tiny/make_tiny.h"
 #include "model/step35_config.h"
 #include "model/step35_forward.h"
 #include "model/step35_model.h"
@@ -35,6 +33,8 @@
 #include "model/alloc_count.h"
 
 #include "model/model_test_util.h"
+#include "model/skewed_combine_backend.h"
+#include "model/tiny_dirs.h"
 
 namespace memra::model {
 namespace {
@@ -82,9 +82,6 @@ std::vector<StepSpec> make_scenario(int32_t vocab) {
 
 // ---- TP=1 reference: one whole model on one CPU backend ----
 
-struct TinyDirs {
-    std::map<std::string, fs::path> dirs;
-};
 TinyDirs *g_dirs = nullptr;
 
 struct Reference {
@@ -231,32 +228,17 @@ int64_t kv_mismatches(const kv::KvCache &ref, const kv::KvCache &rank_cache, con
 class RanksTest : public ::testing::Test {
 protected:
     static void SetUpTestSuite() {
-        g_dirs = new TinyDirs();
-        for (const char *dtype : {"bf16", "fp8"}) {
-            const fs::path dir = fs::temp_directory_path() / fmt::format("memra_ranks_test_{}_{}", ::getpid(), dtype);
-            tools::TinyOptions opt;
-            opt.out_dir = dir;
-            opt.seed = 7;
-            opt.dtype = dtype;
-            opt.force = true;
-            auto made = tools::make_tiny_checkpoint(opt);
-            ASSERT_TRUE(made.has_value()) << made.error().message;
-            g_dirs->dirs[dtype] = dir;
-        }
+        g_dirs = new TinyDirs("ranks_test", 7, 7);
         refs_ = new std::map<std::string, std::unique_ptr<Reference>>();
     }
     static void TearDownTestSuite() {
         delete refs_;
         refs_ = nullptr;
-        for (const auto &[name, dir] : g_dirs->dirs) {
-            std::error_code ec;
-            fs::remove_all(dir, ec);
-        }
         delete g_dirs;
         g_dirs = nullptr;
     }
 
-    static const fs::path &dir(const char *dtype) { return g_dirs->dirs.at(dtype); }
+    static const fs::path &dir(const char *dtype) { return g_dirs->at(dtype); }
 
     // The TP=1 reference run of a dtype, computed once.
     static const Reference &reference(const char *dtype) {
@@ -363,24 +345,6 @@ std::string combo_name(const ::testing::TestParamInfo<Combo> &p) {
 INSTANTIATE_TEST_SUITE_P(Tiny, RanksMatrixTest, ::testing::ValuesIn(all_combos()), combo_name);
 
 // ---- The gates can fail ----
-
-// Finishes the canonical tree left to right, ((s0 + s1) + s2) + s3 ..., instead of the balanced tree.
-class SkewedCombineBackend : public cpu::CpuBackend {
-public:
-    using cpu::CpuBackend::CpuBackend;
-    void canonical_combine(TensorView subtree_sums, TensorView out) override {
-        count_launch();
-        const int64_t tp = subtree_sums.rows();
-        const int64_t n = out.numel();
-        const auto *in = static_cast<const float *>(subtree_sums.data);
-        auto *o = static_cast<float *>(out.data);
-        for (int64_t i = 0; i < n; ++i) {
-            float s = in[i];
-            for (int64_t r = 1; r < tp; ++r) s = s + in[r * n + i];
-            o[i] = s;
-        }
-    }
-};
 
 // Joins the logit slices of ranks 0 and 1 swapped.
 class SwappedJoinBackend : public cpu::CpuBackend {

@@ -2,7 +2,6 @@
 // (tp, ep) the plan allows reports zero mismatches and zero hot-path allocations, refused ones are skipped
 // with the plan's reason, and the gates can fail: a reduction finished in another order, a grouped expert
 // product that differs from the per-expert oracle and a rank op that allocates are each caught.
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -17,13 +16,14 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "io/safetensors.h"
-#include "make_tiny/make_tiny.h"
 #include "kv/kv_cache.h"
 #include "model/step35_config.h"
 #include "model/step35_ranks.h"
 #include "model/step35_verify.h"
 
 #include "model/alloc_count.h"
+#include "model/skewed_combine_backend.h"
+#include "model/tiny_dirs.h"
 
 namespace memra::model {
 namespace {
@@ -35,25 +35,6 @@ namespace fs = std::filesystem;
 Result<std::unique_ptr<Backend>> cpu(int threads) {
     return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
 }
-
-// Finishes the canonical tree left to right, ((s0 + s1) + s2) + s3 ..., instead of the balanced tree: the same
-// as the canonical order for 2 ranks, another order for 4 and 8.
-class SkewedCombineBackend : public cpu::CpuBackend {
-public:
-    using cpu::CpuBackend::CpuBackend;
-    void canonical_combine(TensorView subtree_sums, TensorView out) override {
-        count_launch();
-        const int64_t tp = subtree_sums.rows();
-        const int64_t n = out.numel();
-        const auto *in = static_cast<const float *>(subtree_sums.data);
-        auto *o = static_cast<float *>(out.data);
-        for (int64_t i = 0; i < n; ++i) {
-            float s = in[i];
-            for (int64_t r = 1; r < tp; ++r) s = s + in[r * n + i];
-            o[i] = s;
-        }
-    }
-};
 
 // A grouped product whose first output value has its lowest mantissa bit flipped.
 class FlippedGroupedBackend : public cpu::CpuBackend {
@@ -82,32 +63,12 @@ public:
 
 // ---- Fixture ----
 
-struct Dirs {
-    std::map<std::string, fs::path> dirs;
-};
-Dirs *g_dirs = nullptr;
+TinyDirs *g_dirs = nullptr;
 
 class VerifyTest : public ::testing::Test {
 protected:
-    static void SetUpTestSuite() {
-        g_dirs = new Dirs();
-        for (const char *dtype : {"bf16", "fp8"}) {
-            const fs::path dir = fs::temp_directory_path() / fmt::format("memra_verify_test_{}_{}", ::getpid(), dtype);
-            tools::TinyOptions opt;
-            opt.out_dir = dir;
-            opt.seed = std::string(dtype) == "bf16" ? 17 : 18;
-            opt.dtype = dtype;
-            opt.force = true;
-            auto made = tools::make_tiny_checkpoint(opt);
-            ASSERT_TRUE(made.has_value()) << made.error().message;
-            g_dirs->dirs[dtype] = dir;
-        }
-    }
+    static void SetUpTestSuite() { g_dirs = new TinyDirs("verify_test", 17, 18); }
     static void TearDownTestSuite() {
-        for (const auto &[name, dir] : g_dirs->dirs) {
-            std::error_code ec;
-            fs::remove_all(dir, ec);
-        }
         delete g_dirs;
         g_dirs = nullptr;
     }
@@ -129,7 +90,7 @@ protected:
     }
 
     static Result<VerifyReport> verify(const std::string &dtype, const VerifyOptions &o) {
-        const fs::path &dir = g_dirs->dirs.at(dtype);
+        const fs::path &dir = g_dirs->at(dtype);
         auto cfg = load_step35_config(dir);
         if (!cfg) return tl::unexpected(cfg.error());
         auto ckpt = io::Checkpoint::open(dir);
@@ -437,7 +398,7 @@ TEST_F(VerifyTest, AFailingRankBackendStopsThatRunOnly) {
 // ---- What verify added to the rank group: grow and the step allocation count ----
 
 TEST_F(VerifyTest, RankGroupGrowsEveryCacheAndCountsStepAllocations) {
-    const fs::path &dir = g_dirs->dirs.at("bf16");
+    const fs::path &dir = g_dirs->at("bf16");
     auto cfg = load_step35_config(dir);
     ASSERT_TRUE(cfg.has_value());
     auto ckpt = io::Checkpoint::open(dir);

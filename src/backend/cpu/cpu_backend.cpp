@@ -35,6 +35,19 @@ void check_same_shape(const char *op, TensorView a, TensorView b) {
                 a.rows(), a.row_elems(), b.rows(), b.row_elems());
 }
 
+// The shape checks of a grouped product over bank bk; returns the offsets (rows of expert e of the whole bank:
+// [offsets[e], offsets[e + 1]) of x_sorted and y).
+const int32_t *grouped_offsets(const char *op, TensorView x_sorted, const WeightBankRef &bk, TensorView offsets,
+                               TensorView y) {
+    const int32_t *off = i32(offsets);
+    MEMRA_CHECK(offsets.numel() >= bk.first_expert + bk.n_experts + 1 && off[offsets.numel() - 1] == x_sorted.rows() &&
+                    x_sorted.row_elems() == bk.cols && y.rows() == x_sorted.rows() && y.row_elems() == bk.rows,
+                "{}: x [{}, {}], bank [{}, {}, {}] from expert {}, {} offsets, y [{}, {}]", op, x_sorted.rows(),
+                x_sorted.row_elems(), bk.n_experts, bk.rows, bk.cols, bk.first_expert, offsets.numel(), y.rows(),
+                y.row_elems());
+    return off;
+}
+
 bool linear_dtype(DType t) {
     return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16 || t == DType::kF8E4M3;
 }
@@ -292,12 +305,7 @@ void CpuBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, Tensor
 void CpuBackend::matmul_grouped(TensorView x_sorted, BankId b, TensorView offsets, TensorView y) {
     ++counters_.launches;
     const WeightBankRef &bk = bank(b);
-    const int32_t *off = i32(offsets);
-    MEMRA_CHECK(offsets.numel() >= bk.first_expert + bk.n_experts + 1 && off[offsets.numel() - 1] == x_sorted.rows() &&
-                    x_sorted.row_elems() == bk.cols && y.rows() == x_sorted.rows() && y.row_elems() == bk.rows,
-                "matmul_grouped: x [{}, {}], bank [{}, {}, {}] from expert {}, {} offsets, y [{}, {}]",
-                x_sorted.rows(), x_sorted.row_elems(), bk.n_experts, bk.rows, bk.cols, bk.first_expert,
-                offsets.numel(), y.rows(), y.row_elems());
+    const int32_t *off = grouped_offsets("matmul_grouped", x_sorted, bk, offsets, y);
     for (int64_t e = 0; e < bk.n_experts; ++e) {
         const int64_t r0 = off[bk.first_expert + e];
         const int64_t r1 = off[bk.first_expert + e + 1];
@@ -311,12 +319,7 @@ void CpuBackend::matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorV
                                           TensorView workspace) {
     ++counters_.launches;
     const WeightBankRef &bk = bank(b);
-    const int32_t *off = i32(offsets);
-    MEMRA_CHECK(offsets.numel() >= bk.first_expert + bk.n_experts + 1 && off[offsets.numel() - 1] == x_sorted.rows() &&
-                    x_sorted.row_elems() == bk.cols && y.rows() == x_sorted.rows() && y.row_elems() == bk.rows,
-                "matmul_grouped_canonical: x [{}, {}], bank [{}, {}, {}] from expert {}, {} offsets, y [{}, {}]",
-                x_sorted.rows(), x_sorted.row_elems(), bk.n_experts, bk.rows, bk.cols, bk.first_expert,
-                offsets.numel(), y.rows(), y.row_elems());
+    const int32_t *off = grouped_offsets("matmul_grouped_canonical", x_sorted, bk, offsets, y);
     for (int64_t e = 0; e < bk.n_experts; ++e) {
         const int64_t r0 = off[bk.first_expert + e];
         const int64_t r1 = off[bk.first_expert + e + 1];
