@@ -1137,7 +1137,7 @@ void summarize(VerifyReport &report, const Step35Config &cfg, const Scenario &sc
                 }
             }
             gate.runs = report.runs;
-            if (!none_ran) gate.totals = fmt::format("{} native runs", report.runs);
+            if (!none_ran) gate.totals = fmt::format("{} native run{}", report.runs, report.runs == 1 ? "" : "s");
             gate.status = none_ran ? GateStatus::kSkip : errors.empty() ? GateStatus::kPass : GateStatus::kFail;
             gate.detail = none_ran ? "every (tp, ep) was refused by the plan" : errors;
             gate.mismatches = errors.empty() ? 0 : 1;

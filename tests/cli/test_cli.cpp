@@ -1369,6 +1369,8 @@ TEST_F(CliTest, VerifyDefaultModelQuantizedKvCache) {
     EXPECT_TRUE(contains(r.out, "memra verify " + default_model().string() + ": tp 8, ep on;")) << describe(r);
     EXPECT_TRUE(contains(r.out, "kv q8_0/q5_1;")) << describe(r);
     EXPECT_TRUE(contains(r.out, "VERIFY PASS: 1 native run, 0 skipped by the plan, 0 mismatches\n")) << describe(r);
+    EXPECT_TRUE(contains(gate_line(r.out, "NATIVE_RUN"), "PASS  1 native run")) << describe(r);
+    EXPECT_FALSE(contains(r.out, "1 native runs")) << describe(r);
     const VerifyTotals t = verify_totals(r.out);
     EXPECT_EQ(t.mismatches, 0) << describe(r);
     EXPECT_GT(t.pairs, 50) << describe(r);
