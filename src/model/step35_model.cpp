@@ -239,6 +239,11 @@ bool same_layer_plan(const parallel::RankLayerPlan &a, const parallel::RankLayer
 }  // namespace
 
 Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg) {
+    // One rank still cuts every row-parallel product into the canonical K blocks: the TP=1 plan says whether
+    // the config's widths allow them.
+    if (auto one = parallel::make_plan(plan_shape(cfg), parallel::PlanRequest{}); !one) {
+        return wrap_error("bind: the config cannot run even on one rank", one.error());
+    }
     if (auto valid = check_checkpoint(ckpt, cfg); !valid) return tl::unexpected(valid.error());
     return bind(backend, ckpt, cfg, nullptr);
 }

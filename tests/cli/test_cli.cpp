@@ -457,6 +457,23 @@ TEST_F(CliTest, InspectConfigWithWrongTypes) {
     EXPECT_TRUE(contains(r.err, "model_type")) << describe(r);
 }
 
+// Widths without 8 canonical K blocks cannot run even on one rank: an error naming the width, not an abort.
+TEST_F(CliTest, RunRefusesAWidthWithoutCanonicalBlocks) {
+    const fs::path ckpt = make_tiny("odd");
+    Json cfg = Json::parse(read_text(ckpt / "config.json"));
+    cfg["moe_intermediate_size"] = 100;
+    write_text(ckpt / "config.json", cfg.dump(2));
+    for (const std::vector<std::string> &args : {std::vector<std::string>{"run", ckpt.string(), "-p", "hi", "-n", "1"},
+                                                 std::vector<std::string>{"bench", ckpt.string(), "-p", "4", "-n", "1"}}) {
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, 1) << describe(r);
+        EXPECT_TRUE(contains(r.err, "the config cannot run even on one rank: layer 2: d_expert 100 cannot be cut into "
+                                    "8 canonical blocks of the routed down_proj"))
+            << describe(r);
+        EXPECT_FALSE(contains(r.err, "invariant violated")) << describe(r);
+    }
+}
+
 TEST_F(CliTest, InspectCheckpointWithADeletedShard) {
     const fs::path ckpt = make_tiny("ckpt");
     const fs::path shard = ckpt / "model-00002-of-00005.safetensors";

@@ -432,6 +432,12 @@ TEST_F(MakeTinyTest, MoeIntermediateSizeReplacesThePresetsExpertWidthOnly) {
                               bad));
         EXPECT_FALSE(fs::exists(root_ / "bad"));
     }
+    o.moe_intermediate_size = 100;
+    auto refused = make_tiny_checkpoint(o);
+    ASSERT_FALSE(refused.has_value());
+    EXPECT_EQ(refused.error().message, "make-tiny: moe_intermediate_size must be a multiple of 8 (the routed "
+                                       "down_proj is reduced in 8 canonical K blocks), found 100");
+    EXPECT_FALSE(fs::exists(root_ / "bad"));
 }
 
 TEST(MakeTinyPresets, NamesAndDescriptions) {

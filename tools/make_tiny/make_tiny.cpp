@@ -150,6 +150,11 @@ Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
         return make_error("make-tiny: moe_intermediate_size must be in [1, {}] (0 keeps the preset's {}), found {}",
                           kMaxTinyMoeIntermediateSize, preset->d_expert, options.moe_intermediate_size);
     }
+    if (options.moe_intermediate_size % 8 != 0) {
+        return make_error("make-tiny: moe_intermediate_size must be a multiple of 8 (the routed down_proj is reduced "
+                          "in 8 canonical K blocks), found {}",
+                          options.moe_intermediate_size);
+    }
     if (options.moe_intermediate_size > 0) {
         preset->d_expert = options.moe_intermediate_size;
     }

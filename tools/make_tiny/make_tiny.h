@@ -46,7 +46,7 @@ struct TinyPresetInfo {
 
 // Generates the checkpoint. Refuses (with an Error naming the problem): an unknown preset (the
 // message lists the valid ones), an unknown dtype, a moe_intermediate_size outside
-// [0, kMaxTinyMoeIntermediateSize], an out_dir that is a file, an out_dir that
+// [0, kMaxTinyMoeIntermediateSize] or not a multiple of 8, an out_dir that is a file, an out_dir that
 // exists and is not empty without force, a directory that cannot be created or written.
 // The files are written into a temporary directory first and moved into place at the end, so a
 // failure leaves no half-written checkpoint. With force, only the generator's own files are
