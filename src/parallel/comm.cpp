@@ -552,7 +552,13 @@ void InProcessGroup::State::stop_rank_threads() {
 
 InProcessGroup::InProcessGroup(std::unique_ptr<State> state) : state_(std::move(state)) {}
 InProcessGroup::InProcessGroup(InProcessGroup &&) noexcept = default;
-InProcessGroup &InProcessGroup::operator=(InProcessGroup &&) noexcept = default;
+InProcessGroup &InProcessGroup::operator=(InProcessGroup &&other) noexcept {
+    if (this != &other) {
+        if (state_) state_->stop_rank_threads();  // the threads refer to the state about to go
+        state_ = std::move(other.state_);
+    }
+    return *this;
+}
 InProcessGroup::~InProcessGroup() {
     if (state_) state_->stop_rank_threads();  // else moved from
 }

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -86,6 +87,18 @@ protected:
         o.make_reference_backend = [] { return cpu(2); };
         o.make_rank_backend = [](int tp, int rank) { return cpu(tp <= 2 ? 1 + rank % 2 : 1); };
         o.count_allocations = test::allocation_count;
+        return o;
+    }
+
+    // One EP setting, batch 1 and an 8-token prompt: enough to show a gate failing or skipping (the
+    // window-crossing prompt runs in the tests above).
+    static VerifyOptions short_options(std::vector<int> tp, bool ep) {
+        VerifyOptions o = small_options();
+        o.tp = std::move(tp);
+        o.ep = {ep};
+        o.ep_both = false;
+        o.batch = 1;
+        o.prefill_tokens = 8;
         return o;
     }
 
@@ -212,12 +225,7 @@ TEST_F(VerifyTest, DegreesWithAndWithoutEpHaveZeroMismatches) {
 // ---- The gates can fail ----
 
 TEST_F(VerifyTest, AReductionInAnotherOrderFails) {
-    VerifyOptions o = small_options();
-    o.tp = {2, 4};
-    o.ep = {false};
-    o.ep_both = false;
-    o.batch = 1;
-    o.prefill_tokens = 8;  // enough to show the failure; the window-crossing prompt runs in the tests above
+    VerifyOptions o = short_options({2, 4}, false);
     o.make_rank_backend = [](int, int) -> Result<std::unique_ptr<Backend>> {
         return std::unique_ptr<Backend>(std::make_unique<SkewedCombineBackend>(1));
     };
@@ -243,12 +251,7 @@ TEST_F(VerifyTest, AReductionInAnotherOrderFails) {
 }
 
 TEST_F(VerifyTest, AGroupedProductOffTheOracleFails) {
-    VerifyOptions o = small_options();
-    o.tp = {1};
-    o.ep = {false};
-    o.ep_both = false;
-    o.batch = 1;
-    o.prefill_tokens = 8;  // enough to show the failure; the window-crossing prompt runs in the tests above
+    VerifyOptions o = short_options({1}, false);
     o.make_reference_backend = []() -> Result<std::unique_ptr<Backend>> {
         return std::unique_ptr<Backend>(std::make_unique<FlippedGroupedBackend>(1));
     };
@@ -263,12 +266,7 @@ TEST_F(VerifyTest, AGroupedProductOffTheOracleFails) {
 }
 
 TEST_F(VerifyTest, ARankOpThatAllocatesFailsTheHotPathGate) {
-    VerifyOptions o = small_options();
-    o.tp = {2};
-    o.ep = {true};
-    o.ep_both = false;
-    o.batch = 1;
-    o.prefill_tokens = 8;  // enough to show the failure; the window-crossing prompt runs in the tests above
+    VerifyOptions o = short_options({2}, true);
     o.make_rank_backend = [](int, int) -> Result<std::unique_ptr<Backend>> {
         return std::unique_ptr<Backend>(std::make_unique<AllocatingBackend>(1));
     };
@@ -297,12 +295,7 @@ TEST_F(VerifyTest, ARankOpThatAllocatesFailsTheHotPathGate) {
 // ---- Skips and refusals ----
 
 TEST_F(VerifyTest, ADenseLayerSkipsTheMoeGates) {
-    VerifyOptions o = small_options();
-    o.tp = {2};
-    o.ep = {false};
-    o.ep_both = false;
-    o.batch = 1;
-    o.prefill_tokens = 8;  // enough to show the failure; the window-crossing prompt runs in the tests above
+    VerifyOptions o = short_options({2}, false);
     o.layer = 0;
     auto report = verify("bf16", o);
     ASSERT_TRUE(report.has_value()) << report.error().message;
@@ -375,12 +368,7 @@ TEST_F(VerifyTest, BadOptionsAreRefused) {
 }
 
 TEST_F(VerifyTest, AFailingRankBackendStopsThatRunOnly) {
-    VerifyOptions o = small_options();
-    o.tp = {1, 2};
-    o.ep = {false};
-    o.ep_both = false;
-    o.batch = 1;
-    o.prefill_tokens = 8;  // enough to show the failure; the window-crossing prompt runs in the tests above
+    VerifyOptions o = short_options({1, 2}, false);
     o.make_rank_backend = [](int tp, int rank) -> Result<std::unique_ptr<Backend>> {
         if (tp == 2 && rank == 1) return make_error("rank {} has no device", rank);
         return cpu(1);

@@ -564,6 +564,22 @@ TEST(Comm, GroupRunsAgainAfterSuccessAndWorksWithOwnThreads) {
     EXPECT_EQ(group->communicator(2).size(), 3);
 }
 
+TEST(Comm, MoveAssignedGroupStopsTheOldThreadsAndRunsTheNewOnes) {
+    auto a = InProcessGroup::create(3);
+    auto b = InProcessGroup::create(2);
+    ASSERT_TRUE(a.has_value() && b.has_value());
+    ASSERT_TRUE(a->run([](int, Communicator &comm) { return comm.barrier(); }).has_value());
+    *a = std::move(*b);  // a's three rank threads are stopped and joined here
+    EXPECT_EQ(a->size(), 2);
+    int ran = 0;
+    auto run = a->run([&](int me, Communicator &comm) -> Result<void> {
+        if (me == 0) ran = 1;
+        return comm.barrier();
+    });
+    EXPECT_TRUE(run.has_value()) << run.error().message;
+    EXPECT_EQ(ran, 1);
+}
+
 // ---- The hot path ----
 
 TEST(CommHotPath, SteadyStateOperationsDoNotAllocate) {
