@@ -50,27 +50,44 @@ endforeach()
 
 # Python oracle suites (ml_dtypes, gguf, safetensors, tokenizers), run from the project's venv.
 set(MEMRA_PYTHON ${PROJECT_SOURCE_DIR}/.venv/bin/python CACHE FILEPATH "Python with the oracle packages")
-# The model oracles (transformers, llama.cpp: requirements-oracle.txt) are registered only when the
-# venv has them; CMake says so loudly when it does not, and fails with MEMRA_REQUIRE_ORACLES (CI).
-option(MEMRA_REQUIRE_ORACLES "Fail configuration when the model oracles are not installed" OFF)
+# The model oracles (transformers with its Step-3.5 text model, llama.cpp: requirements-oracle.txt) are
+# registered only when the venv has them; CMake says so loudly when it does not, and fails with
+# MEMRA_REQUIRE_ORACLES (CI). The probe imports transformers.models.step3p7 itself: an older transformers
+# imports fine but lacks the model, and its suites would only skip.
+option(MEMRA_REQUIRE_ORACLES "Fail configuration without the model oracles, and fail an oracle test that skips" OFF)
 set(memra_heavy_oracle_tests test_hf_oracle test_engine_oracle test_bench_vs_llamacpp)
-execute_process(COMMAND ${MEMRA_PYTHON} -c "import torch, transformers, llama_cpp"
-                RESULT_VARIABLE memra_heavy_oracles_missing OUTPUT_QUIET ERROR_QUIET)
+set(memra_heavy_oracles "torch / transformers with transformers.models.step3p7 / llama_cpp")
+execute_process(COMMAND ${MEMRA_PYTHON} -c "import torch, transformers, transformers.models.step3p7, llama_cpp"
+                RESULT_VARIABLE memra_heavy_oracles_missing OUTPUT_QUIET ERROR_VARIABLE memra_heavy_oracles_error)
+if(memra_heavy_oracles_missing)
+    # The last line of the traceback names what failed to import.
+    string(STRIP "${memra_heavy_oracles_error}" memra_heavy_oracles_error)
+    string(REGEX REPLACE ".*\n" "" memra_heavy_oracles_error "${memra_heavy_oracles_error}")
+    if(NOT memra_heavy_oracles_error)
+        set(memra_heavy_oracles_error "${memra_heavy_oracles_missing}")  # the python itself did not run
+    endif()
+endif()
 if(memra_heavy_oracles_missing AND MEMRA_REQUIRE_ORACLES)
-    message(FATAL_ERROR "torch / transformers / llama_cpp are not in ${MEMRA_PYTHON}: "
+    message(FATAL_ERROR "${memra_heavy_oracles} are not all in ${MEMRA_PYTHON} (${memra_heavy_oracles_error}): "
                         "run scripts/setup.sh (MEMRA_REQUIRE_ORACLES is on)")
+endif()
+# Under MEMRA_REQUIRE_ORACLES every oracle suite runs with MEMRA_REQUIRE_ORACLES=1, which
+# tests/oracle/conftest.py reads to turn any skip (a module-level importorskip included) into a failure.
+set(memra_oracle_env "MEMRA_BUILD_DIR=${PROJECT_BINARY_DIR}" "MEMRA_EXE=$<TARGET_FILE:memra_cli>")
+if(MEMRA_REQUIRE_ORACLES)
+    list(APPEND memra_oracle_env "MEMRA_REQUIRE_ORACLES=1")
 endif()
 file(GLOB py_tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/oracle/test_*.py)
 foreach(py ${py_tests})
     get_filename_component(name ${py} NAME_WE)
     if(name IN_LIST memra_heavy_oracle_tests AND memra_heavy_oracles_missing)
-        message(WARNING "oracle.${name} not registered: torch / transformers / llama_cpp are not in "
-                        "${MEMRA_PYTHON} (scripts/setup.sh installs requirements-oracle.txt)")
+        message(WARNING "oracle.${name} not registered: ${memra_heavy_oracles} are not all in "
+                        "${MEMRA_PYTHON} (${memra_heavy_oracles_error}; scripts/setup.sh installs "
+                        "requirements-oracle.txt)")
         continue()
     endif()
     add_test(NAME oracle.${name}
              COMMAND ${MEMRA_PYTHON} -m pytest -q -p no:cacheprovider ${py}
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-    set_tests_properties(oracle.${name} PROPERTIES LABELS oracle
-        ENVIRONMENT "MEMRA_BUILD_DIR=${PROJECT_BINARY_DIR};MEMRA_EXE=$<TARGET_FILE:memra_cli>")
+    set_tests_properties(oracle.${name} PROPERTIES LABELS oracle ENVIRONMENT "${memra_oracle_env}")
 endforeach()

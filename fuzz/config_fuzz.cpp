@@ -1,6 +1,7 @@
 // libFuzzer target for the Step-3.5 config parser: any input must give an Error or a config whose
 // resolved geometry keeps every promise of step35_config.h (one LayerGeometry per trunk and MTP layer,
-// heads divisible by KV heads, an even rot_dim inside the head, windows only on sliding layers, ...).
+// heads divisible by KV heads, an even rot_dim inside the head, windows only on sliding layers, eos ids
+// inside the vocabulary, ...).
 // An accepted config is then pushed through what consumes it (tensor catalogue, validation of the
 // catalogue against itself, parameter accounting, plan_shape and make_plan), so that UBSan and ASan see
 // any overflow or out-of-range access a hostile but accepted config could cause downstream.
@@ -65,6 +66,10 @@ void check_config(const Step35Config &c) {
     if (c.layer_types.size() != c.layers.size()) __builtin_trap();
     if (!positive_dim(c.d_model) || !positive_dim(c.vocab_size) || !positive_dim(c.d_ff)) __builtin_trap();
     if (c.context_length <= 0) __builtin_trap();
+    // Every eos id indexes the vocabulary, so the CLI's narrowing to int32 token ids is exact.
+    for (int64_t id : c.eos_token_ids) {
+        if (id < 0 || id >= c.vocab_size) __builtin_trap();
+    }
     if (!(c.rms_norm_eps > 0.0) || !std::isfinite(c.rms_norm_eps)) __builtin_trap();
     for (size_t i = 0; i < c.moe_layers.size(); ++i) {
         if (c.moe_layers[i] < 0 || c.moe_layers[i] >= c.n_layers) __builtin_trap();

@@ -4,8 +4,9 @@
 //      decode for the same ids, in complete UTF-8 pieces;
 //   1: an Oniguruma pattern: translation and matching on a fixed text must end in matches or an
 //      Error, and every match must lie inside the text on character boundaries;
-//   2: a tokenizer.json: loading must give a Tokenizer or an Error, and an accepted one must encode
-//      and decode a fixed text.
+//   2: a tokenizer.json: loading must give a Tokenizer or an Error, an accepted one must have fewer
+//      than 2^24 ids (larger ids are refused before any table is sized by them) and must encode and
+//      decode a fixed text.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "text/byte_level.h"
+#include "text/json_fields.h"
 #include "text/onig_regex.h"
 #include "text/tokenizer.h"
 #include "text/utf8.h"
@@ -109,6 +111,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     default: {
         auto tok = Tokenizer::from_json_text(rest);
         if (!tok) break;
+        if (tok->n_tokens() > memra::text::kTokenIdLimit) __builtin_trap();
         auto ids = tok->encode("Hello <s> world \xE6\x97\xA5\xE6\x9C\xAC 123");
         if (ids) (void)tok->decode(*ids);
         break;

@@ -607,6 +607,7 @@ Result<void> read_quantization(ObjectReader &root, Step35Config &cfg) {
     return {};
 }
 
+// bos / pad / eos token ids. Needs vocab_size already parsed (the eos ids are checked against it).
 Result<void> read_token_ids(ObjectReader &r, Step35Config &cfg) {
     for (std::string_view key : {"bos_token_id", "pad_token_id"}) {
         int64_t id = -1;
@@ -626,14 +627,19 @@ Result<void> read_token_ids(ObjectReader &r, Step35Config &cfg) {
     if (eos == nullptr) {
         return {};
     }
+    // Kept as int64 and bounded by vocab_size (parsed before this), so consumers may narrow them to the
+    // int32 token ids the engine samples: vocab_size is at most kMaxConfigDim.
     const bool is_list = eos->is_array();
     const size_t n = is_list ? eos->size() : 1;
     for (size_t i = 0; i < n; ++i) {
         const Json &e = is_list ? (*eos)[i] : *eos;
+        const std::string field = is_list ? fmt::format("eos_token_id[{}]", i) : std::string("eos_token_id");
         const std::optional<int64_t> id = json_int(e);
         if (!id || *id < 0) {
-            return make_error("eos_token_id{}: expected a token id >= 0, found {}",
-                              is_list ? fmt::format("[{}]", i) : std::string(), describe(e));
+            return make_error("{}: expected a token id >= 0, found {}", field, describe(e));
+        }
+        if (*id >= cfg.vocab_size) {
+            return make_error("{}: expected a token id below vocab_size {}, found {}", field, cfg.vocab_size, *id);
         }
         cfg.eos_token_ids.push_back(*id);
     }

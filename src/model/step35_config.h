@@ -143,7 +143,8 @@ struct Step35Config {
     bool tie_word_embeddings = true;   // "tie_word_embeddings" (HF PretrainedConfig default true; release false)
     std::optional<int64_t> bos_token_id;  // "bos_token_id"
     std::optional<int64_t> pad_token_id;  // "pad_token_id"
-    std::vector<int64_t> eos_token_ids;   // "eos_token_id": an int or a list of ints (release [1, 2, 128007])
+    std::vector<int64_t> eos_token_ids;   // "eos_token_id": an int or a list of ints (release [1, 2, 128007]);
+                                          // each in [0, vocab_size), so narrowing to int32 is exact
 
     QuantizationConfig quantization;  // "quantization_config"
 

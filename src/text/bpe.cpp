@@ -35,6 +35,8 @@ Result<BpeModel> BpeModel::from_json(const Json &model, const std::string &path)
     for (const auto &[token, value] : (*vocab)->items()) {
         auto id = json_id(value, vocab_path + "[\"" + token + "\"]");
         if (!id) return tl::unexpected(id.error());
+        // Bounded before the id -> token table below is sized by it.
+        if (auto ok = check_token_id(*id, token, vocab_path); !ok) return tl::unexpected(ok.error());
         if (static_cast<size_t>(*id) >= bpe.tokens_.size()) {
             bpe.tokens_.resize(static_cast<size_t>(*id) + 1);
             bpe.has_token_.resize(static_cast<size_t>(*id) + 1, false);

@@ -66,6 +66,13 @@ Result<int32_t> json_id(const Json &value, const std::string &path) {
     return static_cast<int32_t>(id);
 }
 
+Result<void> check_token_id(int32_t id, std::string_view token, const std::string &path) {
+    if (id < kTokenIdLimit) return {};
+    std::string shown(token.substr(0, 40));
+    if (token.size() > 40) shown += "...";
+    return make_error("{}: token \"{}\" has id {}, memra refuses ids >= {} (2^24)", path, shown, id, kTokenIdLimit);
+}
+
 Result<const Json *> json_object(const Json &obj, std::string_view key, const std::string &path) {
     const Json *v = json_find(obj, key);
     if (v == nullptr) return make_error("{}: missing", json_path(path, key));

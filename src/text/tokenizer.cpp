@@ -101,6 +101,10 @@ Result<std::vector<AddedToken>> parse_added_tokens(const Json &root, const std::
         if (id_value == nullptr) return make_error("{}.id: missing", ipath);
         auto file_id = json_id(*id_value, json_path(ipath, "id"));
         if (!file_id) return tl::unexpected(file_id.error());
+        // Bounded first: n_tokens (1 + the largest id) sizes the id space the engine and its tables use.
+        if (auto ok = check_token_id(*file_id, t.content, json_path(ipath, "id")); !ok) {
+            return tl::unexpected(ok.error());
+        }
         struct Flag {
             const char *key;
             bool *dst;

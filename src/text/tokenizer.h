@@ -45,7 +45,8 @@ public:
     std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
     // The raw bytes one token stands for (may be part of a UTF-8 character); empty for unknown ids.
     std::string token_text(int32_t id) const;
-    // Size of the id space: 1 + the largest id of the vocabulary or of an added token.
+    // Size of the id space: 1 + the largest id of the vocabulary or of an added token; at most 2^24,
+    // since loading refuses larger ids (kTokenIdLimit in json_fields.h).
     int32_t n_tokens() const;
     // Id of a vocabulary entry or added token, by its tokenizer.json spelling.
     std::optional<int32_t> token_id(std::string_view piece) const;

@@ -390,6 +390,26 @@ TEST(Step35Config, ErrorsMissingAndTypes) {
     j = release_json();
     j["eos_token_id"] = -2;
     EXPECT_ERROR(j, "eos_token_id: expected a token id >= 0, found -2");
+    // eos ids stay int64 and must index the vocabulary (release vocab_size 128896), so that narrowing
+    // them to int32 token ids is exact.
+    j = release_json();
+    j["eos_token_id"] = {1, 128896, 2};
+    EXPECT_ERROR(j, "eos_token_id[1]: expected a token id below vocab_size 128896, found 128896");
+    j = release_json();
+    j["eos_token_id"] = 128896;
+    EXPECT_ERROR(j, "eos_token_id: expected a token id below vocab_size 128896, found 128896");
+    j = release_json();
+    j["eos_token_id"] = {1, -7};
+    EXPECT_ERROR(j, "eos_token_id[1]: expected a token id >= 0, found -7");
+    j = release_json();
+    j["eos_token_id"] = int64_t{1} << 40;
+    EXPECT_ERROR(j, "eos_token_id: expected a token id below vocab_size 128896, found 1099511627776");
+    j = release_json();
+    j["eos_token_id"] = {1, int64_t{1} << 40};
+    EXPECT_ERROR(j, "eos_token_id[1]: expected a token id below vocab_size 128896, found 1099511627776");
+    j = release_json();
+    j["eos_token_id"] = {0, 128895};  // both ends of the vocabulary are fine
+    EXPECT_EQ(parse_ok(j).eos_token_ids, (std::vector<int64_t>{0, 128895}));
     j = release_json();
     j["bos_token_id"] = -1;
     EXPECT_ERROR(j, "bos_token_id: expected a token id >= 0, found -1");

@@ -3,11 +3,14 @@
 // job of tests/oracle/test_tokenizer.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <thread>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "text/utf8.h"
@@ -221,6 +224,74 @@ TEST(TokenizerRefusals, AddedTokensAndFiles) {
     auto missing = Tokenizer::load("/nonexistent/dir/tokenizer.json");
     ASSERT_FALSE(missing);
     EXPECT_EQ(missing.error().message, "/nonexistent/dir/tokenizer.json: cannot open for reading");
+}
+
+// Runs `load` (returning a load's error message) in a child process whose address space may grow by at most
+// 1 GiB beyond what it already maps (under ASan that includes the shadow, so the margin is the same), and
+// expects the child to finish with exactly `expected`. A loader that sized a table by a hostile id fails its
+// allocation there (bad_alloc, or the sanitizer's out-of-memory report) instead of taking tens of GiB from
+// the machine, as it would in this process on a host with that much memory.
+template <class Load>
+void expect_refused_within_1_gib(Load load, const std::string &expected) {
+    EXPECT_EXIT(
+        {
+            long pages = 0;
+            std::ifstream("/proc/self/statm") >> pages;  // first field: the mapped size in pages
+            const auto mapped = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE));
+            rlimit limit{};
+            ::getrlimit(RLIMIT_AS, &limit);
+            limit.rlim_cur = std::min(limit.rlim_max, mapped + (rlim_t{1} << 30));
+            ::setrlimit(RLIMIT_AS, &limit);
+            const std::string message = load();
+            std::fprintf(stderr, "load error: %s\n", message.c_str());
+            std::_Exit(message == expected ? 0 : 1);
+        },
+        ::testing::ExitedWithCode(0), "")
+        << "expected: " << expected;
+}
+
+TEST(TokenizerRefusals, TokenIdsAtOrAbove2To24) {
+    // A vocabulary id near 2^31 sized the id -> token table (64 GiB of std::string) before the fix.
+    json j = small_tokenizer_json();
+    j["model"]["vocab"]["huge"] = 2147483000;
+    expect_refused_within_1_gib(
+        [&] { return load_error(j); },
+        "tokenizer.json: model.vocab: token \"huge\" has id 2147483000, memra refuses ids >= 16777216 (2^24)");
+    j["model"]["vocab"]["huge"] = 16777216;  // the bound itself (a 512 MiB table before the fix)
+    expect_refused_within_1_gib(
+        [&] { return load_error(j); },
+        "tokenizer.json: model.vocab: token \"huge\" has id 16777216, memra refuses ids >= 16777216 (2^24)");
+    j = small_tokenizer_json();
+    j["model"]["vocab"]["hello"] = 100000;  // a sparse id below the bound still loads
+    const Tokenizer sparse = load_small(j);
+    EXPECT_EQ(sparse.token_id("hello"), 100000);
+    EXPECT_EQ(sparse.n_tokens(), 100001);
+
+    // An added token is checked before Hugging Face's id assignment, so the message is about the bound.
+    j = small_tokenizer_json();
+    json huge = j["added_tokens"][2];
+    huge["content"] = "<huge>";
+    huge["id"] = 2147483000;
+    j["added_tokens"].push_back(huge);
+    expect_refused_within_1_gib([&] { return load_error(j); },
+                                "tokenizer.json: added_tokens[3].id: token \"<huge>\" has id 2147483000, memra "
+                                "refuses ids >= 16777216 (2^24)");
+
+    // Loaded from disk, the message names the file.
+    const std::filesystem::path dir =
+        std::filesystem::temp_directory_path() / ("memra_text_huge_id_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    j = small_tokenizer_json();
+    j["model"]["vocab"]["huge"] = 2147483000;
+    std::ofstream(dir / "tokenizer.json") << j.dump();
+    expect_refused_within_1_gib(
+        [&] {
+            auto tok = Tokenizer::load(dir);
+            return tok ? std::string() : tok.error().message;
+        },
+        (dir / "tokenizer.json").string() +
+            ": model.vocab: token \"huge\" has id 2147483000, memra refuses ids >= 16777216 (2^24)");
+    std::filesystem::remove_all(dir);
 }
 
 // ---- the tokenizer of `memra make-tiny` ----------------------------------------------------
