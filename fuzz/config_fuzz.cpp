@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <numeric>
 #include <string_view>
 #include <vector>
 
@@ -115,24 +114,26 @@ void check_consumers(const Step35Config &c) {
     if (stats.checkpoint_bytes != stats.expected_bytes) __builtin_trap();
 
     const memra::parallel::ModelShape shape = memra::model::plan_shape(c);
-    if (shape.layers.size() != c.layers.size() || shape.fp8_block <= 0) __builtin_trap();
-    // The scale tile edge is the lcm of the two block sizes, exactly (computed here without overflow).
-    if (c.is_fp8()) {
-        const int64_t tile = std::lcm(int64_t{c.quantization.block_out}, int64_t{c.quantization.block_in});
-        if (shape.fp8_block != tile) __builtin_trap();
-    }
+    if (shape.layers.size() != c.layers.size()) __builtin_trap();
     for (int tp : {1, 2, 4, 8}) {
-        for (bool ep : {false, true}) {
-            memra::parallel::PlanRequest request;
-            request.tp = tp;
-            request.ep = ep;
-            request.devices_available = tp;
-            auto plan = memra::parallel::make_plan(shape, request);
-            if (!plan) continue;  // the config may not split at this degree; that is an Error, not a bug
-            if (plan->n_ranks != tp || plan->ranks.size() != static_cast<size_t>(tp)) __builtin_trap();
+        memra::parallel::PlanRequest request;
+        request.tp = tp;
+        request.devices_available = tp;
+        auto plan = memra::parallel::make_plan(shape, request);
+        if (!plan) continue;  // the config may not split at this degree; that is an Error, not a bug
+        if (plan->n_ranks != tp || plan->ranks.size() != static_cast<size_t>(tp)) __builtin_trap();
+        for (const memra::parallel::RankPlan &rank : plan->ranks) {
+            if (rank.layers.size() != c.layers.size()) __builtin_trap();
+        }
+        // Routed experts are owned whole: the ranks' ranges tile [0, n_experts) in rank order.
+        for (size_t l = 0; l < shape.layers.size(); ++l) {
+            int next = 0;
             for (const memra::parallel::RankPlan &rank : plan->ranks) {
-                if (rank.layers.size() != c.layers.size()) __builtin_trap();
+                const memra::parallel::Range &e = rank.layers[l].experts;
+                if (e.size() > 0 && e.begin != next) __builtin_trap();
+                next += e.size();
             }
+            if (next != shape.layers[l].n_experts) __builtin_trap();
         }
     }
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine (device tool), over a copy of the tree with .deps carried
 # (scripts/gpu_deps.sh makes it): builds with CUDA for sm_90a, runs every test (GPU tests included)
-# and the benchmarks, and prints a short table last. Logs go to $OUT (or ./gpu-out).
+# and the benchmarks (`memra verify` and `memra bench` on this host's CPU cores included), and prints
+# a short table last. Logs go to $OUT (or ./gpu-out).
 #   device run:  bash scripts/gpu.sh      (carry: [".deps"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,11 @@ ctest_rc=$?
 gpu_tests=$(build-gpu/memra_cuda_tests --gtest_brief=1 2>&1 | tee "$out/cuda_tests.log" | tail -3)
 skipped=$(grep -c "SKIPPED" "$out/cuda_tests.log")
 
+# The engine on this host's cores: the determinism gates with every thread, and llama-bench-style speed.
+build-gpu/memra verify >"$out/verify.log" 2>&1
+verify_rc=$?
+build-gpu/memra bench -p 512 -n 64 -r 3 >"$out/engine_bench.log" 2>&1
+
 for b in build-gpu/memra_bench_*; do
     [ -x "$b" ] && "$b" --benchmark_min_time=0.2 --benchmark_format=console >>"$out/bench.log" 2>&1
 done
@@ -34,7 +40,9 @@ echo "| --- | --- |"
 echo "| build (s) | $((t1 - t0)) |"
 echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
 echo "| cuda tests | $(echo "$gpu_tests" | grep -E 'PASSED|FAILED' | tr '\n' ' ') skipped lines: $skipped |"
+echo "| memra verify (rc $verify_rc) | $(tail -1 "$out/verify.log") |"
+grep -E '\| (pp|tg)[0-9]+ ' "$out/engine_bench.log" | awk -F'|' '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i); printf "| memra bench %s, -t %s | %s t/s, peak %s MiB |\n", $8, $6, $9, $10}'
 grep -iE '^bm_' "$out/bench.log" |
     awk '{x=""; for (i = 4; i <= NF; i++) if ($i ~ /bytes_per_second|vs_memcpy/) x = x " " $i;
           printf "| %s | %s %s%s |\n", $1, $2, $3, x}'
-exit $ctest_rc
+[ $ctest_rc -eq 0 ] && [ $verify_rc -eq 0 ]

@@ -10,7 +10,9 @@
 #include <span>
 
 #include "core/dtype.h"
+#include "core/kv_page.h"
 #include "core/result.h"
+#include "core/sampling.h"
 #include "core/tensor.h"
 
 namespace memra {
@@ -55,18 +57,13 @@ struct MatrixWindow {
     static MatrixWindow whole(const HostMatrix &m) { return MatrixWindow{0, m.rows, 0, m.cols}; }
 };
 
-// The part of a HostBank one upload holds: experts [expert_begin, expert_end) (EP: the experts a rank owns)
-// and, of each, rows [row_begin, row_end) and K columns [col_begin, col_end) as for MatrixWindow (without
-// EP: every expert's d_expert slice).
+// The part of a HostBank one upload holds: experts [expert_begin, expert_end), whole (a TP rank's own experts;
+// routed experts are never split by width, ENGINE.md section 3).
 struct BankWindow {
     int64_t expert_begin = 0;
     int64_t expert_end = 0;
-    int64_t row_begin = 0;
-    int64_t row_end = 0;
-    int64_t col_begin = 0;
-    int64_t col_end = 0;
 
-    static BankWindow whole(const HostBank &b) { return BankWindow{0, b.n_experts, 0, b.rows, 0, b.cols}; }
+    static BankWindow whole(const HostBank &b) { return BankWindow{0, b.n_experts}; }
 };
 
 // A vector: an RMSNorm weight (kBF16 or kF32, applied as (1 + w)) or the router's selection bias (kF32).
@@ -90,6 +87,10 @@ struct VectorId {
     bool valid() const { return id >= 0; }
 };
 struct RopeId {
+    int32_t id = -1;
+    bool valid() const { return id >= 0; }
+};
+struct KvPoolId {
     int32_t id = -1;
     bool valid() const { return id >= 0; }
 };
@@ -129,8 +130,11 @@ struct RouterConfig {
 // host copy per transfer between host memory and backend buffers (inputs, KV rows, logits).
 struct BackendCounters {
     int64_t launches = 0;
-    int64_t host_copies = 0;
-    int64_t host_copy_bytes = 0;
+    int64_t h2d_copies = 0;  // host -> backend transfers
+    int64_t d2h_copies = 0;  // backend -> host transfers (each one waits for the work before it)
+    int64_t copy_bytes = 0;  // bytes of both
+
+    int64_t host_copies() const { return h2d_copies + d2h_copies; }
 };
 
 class Backend {
@@ -160,8 +164,13 @@ public:
                                              int64_t n_positions) = 0;
     // Floats of workspace matmul_canonical needs for n_rows rows of w (scaled to the blocks w holds).
     virtual int64_t canonical_workspace_floats(int64_t n_rows, MatrixId w) const = 0;
-    // Floats of workspace matmul_grouped_canonical needs for n_rows sorted rows of bank b.
-    virtual int64_t grouped_canonical_workspace_floats(int64_t n_rows, BankId b) const = 0;
+
+    // A zero-filled paged KV pool (core/kv_page.h layout). Refused: a bad spec, an allocation failure.
+    virtual Result<KvPoolId> create_kv_pool(const KvPoolSpec &spec) = 0;
+    // The pool's bytes as one [pool bytes] kU8 view (for copies of single rows; verification only).
+    virtual TensorView kv_pool_storage(KvPoolId pool) const = 0;
+    // Sizes the sampling op's workspace for rows of up to vocab_size logits.
+    virtual Result<void> prepare_sampling(int32_t vocab_size) = 0;
 
     // ---- Host transfers (counted as host copies). ----
 
@@ -188,15 +197,13 @@ public:
     // matrix (the TP = 1 product), the rank's aligned subtree sum for a K window (finished across ranks by
     // canonical_combine). x: [n, K columns held]; y: [n, rows]; workspace: canonical_workspace_floats(n, w).
     virtual void matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) = 0;
-    // Grouped column-parallel product over an expert bank: rows offsets[e] .. offsets[e + 1] of x_sorted
-    // go through expert e. x_sorted: [n_pairs, cols]; offsets: [n_experts + 1] i32 over every expert of
-    // the layer; y: [n_pairs, rows held]. A bank window of experts [e0, e1) runs only rows offsets[e0] ..
-    // offsets[e1] and leaves the other rows of y untouched.
-    virtual void matmul_grouped(TensorView x_sorted, BankId b, TensorView offsets, TensorView y) = 0;
-    // The same with each expert's product row-parallel over the canonical K blocks the bank holds (expert
-    // down_proj): all 8 for whole experts, a TP rank's subtree sum for a K window. x_sorted: [n_pairs, K held].
-    virtual void matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorView offsets, TensorView y,
-                                          TensorView workspace) = 0;
+    // Grouped product over the experts bank b holds, [e0, e1) (all of them for a whole bank), in its owner's
+    // compact row order: expert e's rows are offsets[e] - offsets[e0] .. offsets[e + 1] - offsets[e0] of x and
+    // y, and each goes through expert e whole, the canonical K loop over the full K (cpu::matmul) — gate and
+    // up, and the down projection too (one K order, ENGINE.md section 3). x: [rows >= offsets[e1] -
+    // offsets[e0], cols]; offsets: [n_experts + 1] i32 over every expert of the layer, read by the op (no host
+    // read); y: [x rows, rows held]. Rows past offsets[e1] - offsets[e0] are left untouched.
+    virtual void matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) = 0;
     // Finishes row-parallel products from the TP ranks' subtree sums, gathered in rank order
     // (cpu::canonical_tree_combine): out = the canonical tree over them. subtree_sums: [tp, ...] with tp
     // 1, 2, 4 or 8, each rank's slot holding out.numel() values ([n, d] row-major); out: [n, d].
@@ -207,12 +214,20 @@ public:
     // NeoX RoPE in place over dims [0, rot_dim) of every head: cpu::rope_apply. x: [n, n_heads * head_dim];
     // positions: [n] i64, each inside the table (an invariant the caller checks).
     virtual void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) = 0;
-    // Causal (+ sliding window) GQA attention with the optional per-head sigmoid gate: cpu::attention.
-    // q: [n_q, n_heads * head_dim]; q_pos: [n_q] i64; k, v: [kv_end - kv_begin, n_kv_heads * head_dim], row r
-    // holding position kv_begin + r; gate: [n_q, n_heads] raw logits, or a view with data == nullptr;
-    // out: [n_q, n_heads * head_dim].
-    virtual void attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView k, TensorView v,
-                           int64_t kv_begin, TensorView gate, TensorView out) = 0;
+    // Causal (+ sliding window) GQA attention over a paged KV pool, for every sequence of a step at once,
+    // with the optional per-head sigmoid gate: cpu::paged_attention. Query row i (position q_pos[i], step
+    // sequence q_seq[i]) sees the keys of its own sequence at positions [lo, q_pos[i]], lo = max(first_pos,
+    // q_pos[i] - window + 1) on a sliding layer and first_pos on a full one, read back through the pool's
+    // formats (keys and values decoded exactly as stored: DETERMINISM.md rule 9). Position p of sequence s
+    // lives in page block_tables[s, p / 64], row p % 64 of `layer`; every visible position must have a page.
+    // q: [n, n_heads * head_dim]; q_pos: [n] i64; q_seq: [n] i32; block_tables: [n_seqs, max_blocks] i32;
+    // gate: [n, n_heads] raw logits, or a view with data == nullptr; out: [n, n_heads * head_dim].
+    virtual void paged_attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView q_seq,
+                                 KvPoolId pool, int layer, TensorView block_tables, int64_t first_pos, TensorView gate,
+                                 TensorView out) = 0;
+    // Encodes the step's new K and V rows into their slots of `layer` in the pool's formats (slot = page * 64
+    // + position % 64): cpu::kv_write. k, v: [n, row_elems] f32; slots: [n] i32.
+    virtual void kv_write(KvPoolId pool, int layer, TensorView k, TensorView v, TensorView slots) = 0;
     // x rounded in place (RowRounding; kNone leaves it untouched): cpu::round_rows. x: [n, d] f32, d a
     // multiple of 32 for kQ8.
     virtual void round_rows(TensorView x, RowRounding r) = 0;
@@ -226,15 +241,33 @@ public:
     // offsets: [n_experts + 1] i32; sorted_pair, row_of_pair: [n * top_k] i32.
     virtual void moe_sort_pairs(TensorView expert_ids, int64_t n_experts, TensorView offsets, TensorView sorted_pair,
                                 TensorView row_of_pair) = 0;
-    // x_sorted[r] = x[sorted_pair[r] / top_k]: cpu::moe_permute. x_sorted: [n * top_k, d].
-    virtual void moe_permute(TensorView x, TensorView sorted_pair, int64_t top_k, TensorView x_sorted) = 0;
-    // out = h + (sum over slots of weight * expert_out + shared): cpu::moe_combine. out may equal h.
-    virtual void moe_combine(TensorView h, TensorView expert_out, TensorView row_of_pair, TensorView weights,
+    // The input rows of the pairs routed to experts [expert_begin, expert_end), in sorted order:
+    // x_own[j] = x[sorted_pair[offsets[expert_begin] + j] / top_k] for j < offsets[expert_end] -
+    // offsets[expert_begin] (cpu::moe_permute); rows of x_own past that are left untouched.
+    // x: [n, d]; sorted_pair: [n * top_k] i32; offsets: [n_experts + 1] i32; x_own: [rows, d].
+    virtual void moe_permute(TensorView x, TensorView sorted_pair, TensorView offsets, int64_t expert_begin,
+                             int64_t expert_end, int64_t top_k, TensorView x_own) = 0;
+    // Where each pair's expert output lies once the owners' compact rows are gathered ([n_owners, capacity,
+    // d] as rows): the owner of pair q's expert e is o = e / (n_experts / n_owners), and
+    // src_row[q] = o * capacity + row_of_pair[q] - offsets[o * n_experts / n_owners]. Reads only backend
+    // buffers (routing is replicated, so every rank knows every route without traffic).
+    // expert_ids, row_of_pair, src_row: [n * top_k] i32; offsets: [n_experts + 1] i32.
+    virtual void moe_source_rows(TensorView expert_ids, TensorView row_of_pair, TensorView offsets, int64_t n_owners,
+                                 int64_t capacity, TensorView src_row) = 0;
+    // out = h + (sum over slots of weight * expert_out[src_row[pair]] + shared): cpu::moe_combine, slot order.
+    // expert_out: [rows, d] indexed through src_row ([n * top_k] i32); out may equal h.
+    virtual void moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,
                              TensorView shared, TensorView out) = 0;
     // dst[i, :] = src[rows[i], :] (exact copies). rows: [n_out] i32 on the backend.
     virtual void gather_rows(TensorView src, TensorView rows, TensorView dst) = 0;
     // out[t] = [a[t] | b[t]] (exact copies). a: [n, da]; b: [n, db]; out: [n, da + db].
     virtual void concat_cols(TensorView a, TensorView b, TensorView out) = 0;
+
+    // Samples one token per row (core/sampling.h: penalties, temperature, top-k / top-p / min-p, Gumbel-max
+    // keyed by (seed, choice, position)), over the ids [0, n_valid) only, and the log-probabilities a row asks
+    // for: out[i] = the SampledToken of rows[i]. logits: [L, vocab] f32; rows: [n] SampleRow as kU8 bytes;
+    // history: i32 tokens the rows' penalty windows index; out: [n] SampledToken as kU8 bytes.
+    virtual void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) = 0;
 
     // ---- Counters ----
     virtual BackendCounters counters() const = 0;

@@ -1,10 +1,14 @@
-// `memra bench [MODEL_DIR]`: llama-bench's two speed tests on the CPU engine. ppN prefills N prompt tokens
-// into an empty KV cache in one step (last logits only); tgN decodes N tokens from an empty cache, one step
-// each, feeding the argmax of the previous step's logits. Each test runs once untimed (warm-up), then REPS
-// timed runs; the table (Markdown or JSON) gives the mean and sample stddev of tokens/s over those runs.
-// Only the forward steps are timed: the KV cache is created and the argmax taken outside the clock.
+// `memra bench [MODEL_DIR]`: llama-bench's two speed tests on the CPU engine (runtime/engine.h). ppN prefills
+// N prompt tokens into a fresh sequence in steps of the row budget (-ub; one step at the default 512) and
+// samples after the last; tgN decodes N tokens from a fresh sequence, one step each, feeding the token the
+// engine sampled (greedy). Each test runs once untimed (warm-up), then REPS timed runs; the table (Markdown or
+// JSON) gives the mean and sample stddev of tokens/s over those runs and the peak resident memory. Only the
+// engine steps are timed: sequences are created outside the clock.
 // `memra bench --experts` instead times one MoE layer's routed experts (model::MoeState: refresh + run) on
-// seeded hidden rows, on tp CPU ranks with or without EP, and checks that the output's checksum never changes.
+// seeded hidden rows, on tp CPU ranks (experts whole on their owners), and checks that the output's checksum
+// never changes.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -25,17 +29,15 @@
 #include "backend/cpu/cpu_backend.h"
 #include "cli/commands.h"
 #include "io/safetensors.h"
-#include "kv/kv_cache.h"
-#include "kv/kv_format.h"
+#include "core/kv_format.h"
+#include "core/sampling.h"
 #include "model/step35_config.h"
-#include "model/step35_forward.h"
 #include "model/step35_moe.h"
 #include "model/step35_plan.h"
-#include "model/step35_ranks.h"
 #include "model/step35_stats.h"
 #include "parallel/comm.h"
 #include "parallel/plan.h"
-#include "runtime/sampler.h"
+#include "runtime/engine.h"
 #include "text/tokenizer.h"
 
 namespace memra::cli {
@@ -51,6 +53,8 @@ struct BenchOptions {
     int threads = 1;
     std::string kv_k = "bf16";
     std::string kv_v = "bf16";
+    int64_t ctx_size = 0;  // 0: the larger test's positions
+    int64_t step_rows = runtime::kCpuStepRows;
     uint64_t seed = 0;  // of the prompt token ids
     std::string output = "md";
     bool print_tokens = false;
@@ -60,7 +64,6 @@ struct BenchOptions {
     int layer = -1;  // MoE layer; -1: the first one
     int tokens = 64;
     int tp = 1;
-    bool ep = false;
     int warmup = 3;
     int iterations = 20;
 };
@@ -71,7 +74,7 @@ struct BenchTokens {
     int32_t gen_first = 0;
 };
 
-// Marks the bench's Philox stream ("bnch"), apart from the sampler's (runtime/sampler.h).
+// Marks the bench's Philox stream ("bnch"), apart from the sampler's (core/sampling.h).
 constexpr uint32_t kTokenStream = 0x626e6368u;
 
 // Draw i of the token sequence of `seed`, uniform over [0, n_real): word i % 4 of Philox4x32-10 at
@@ -79,7 +82,7 @@ constexpr uint32_t kTokenStream = 0x626e6368u;
 // word * n_real (a bias below n_real / 2^32).
 int32_t bench_token(uint64_t seed, int64_t i, int32_t n_real) {
     const auto block = static_cast<uint64_t>(i / 4);
-    const std::array<uint32_t, 4> words = runtime::philox4x32_10(
+    const std::array<uint32_t, 4> words = philox4x32_10(
         {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u, kTokenStream},
         {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
     const uint64_t word = words[static_cast<size_t>(i % 4)];
@@ -99,90 +102,44 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// What the pp / tg tests drive: one sequence on the single-rank forward, or on tp CPU ranks
-// (model::Step35RankGroup). reset() makes fresh caches outside the clock; step() is what is timed.
-class BenchEngine {
-public:
-    virtual ~BenchEngine() = default;
-    virtual Result<void> reset(int64_t capacity, int max_stage_rows) = 0;
-    virtual Result<void> step(std::span<const int32_t> tokens) = 0;
-    virtual std::span<const float> logits() const = 0;
-};
-
-class SingleRankEngine final : public BenchEngine {
-public:
-    SingleRankEngine(model::Step35Forward &fwd, const model::Step35Config &cfg, kv::KvFormat k, kv::KvFormat v)
-        : fwd_(fwd), cfg_(cfg), k_(k), v_(v) {}
-    Result<void> reset(int64_t capacity, int max_stage_rows) override {
-        cache_.reset();
-        auto cache = kv::KvCache::create(model::trunk_kv_spec(cfg_, k_, v_, capacity, max_stage_rows));
-        if (!cache) return wrap_error(fmt::format("KV cache ({} tokens)", capacity), cache.error());
-        cache_.emplace(std::move(*cache));
-        return {};
-    }
-    Result<void> step(std::span<const int32_t> tokens) override {
-        const model::SeqChunk chunk{&*cache_, tokens, false, -1};
-        return fwd_.step(std::span(&chunk, 1));
-    }
-    std::span<const float> logits() const override { return fwd_.logits(); }
-
-private:
-    model::Step35Forward &fwd_;
-    const model::Step35Config &cfg_;
-    kv::KvFormat k_, v_;
-    std::optional<kv::KvCache> cache_;
-};
-
-// The ranks' persistent threads run each step; the times include waking them and the step's checks.
-class RankGroupEngine final : public BenchEngine {
-public:
-    RankGroupEngine(model::Step35RankGroup &group, kv::KvFormat k, kv::KvFormat v) : group_(group), k_(k), v_(v) {}
-    Result<void> reset(int64_t capacity, int max_stage_rows) override {
-        seq_.reset();
-        auto seq = group_.create_sequence(k_, v_, capacity, max_stage_rows);
-        if (!seq) return wrap_error(fmt::format("KV caches ({} tokens)", capacity), seq.error());
-        seq_.emplace(std::move(*seq));
-        return {};
-    }
-    Result<void> step(std::span<const int32_t> tokens) override {
-        const model::RankSeqChunk chunk{&*seq_, tokens, false, -1};
-        return group_.step(std::span(&chunk, 1));
-    }
-    std::span<const float> logits() const override { return group_.logits(); }
-
-private:
-    model::Step35RankGroup &group_;
-    kv::KvFormat k_, v_;
-    std::optional<model::RankSequence> seq_;
-};
-
-// One pp run: fresh caches, then one timed step over the whole prompt. Returns the step's milliseconds.
-Result<double> time_prompt(BenchEngine &engine, std::span<const int32_t> prompt) {
-    auto fresh = engine.reset(static_cast<int64_t>(prompt.size()), static_cast<int>(prompt.size()));
-    if (!fresh) return tl::unexpected(fresh.error());
+// One pp run: a fresh sequence, then the timed steps over the whole prompt (chunked by the row budget) and
+// the sampling after its last token. Returns the milliseconds of those steps.
+Result<double> time_prompt(runtime::Engine &engine, const runtime::SequenceOptions &so,
+                           std::span<const int32_t> prompt) {
+    auto seq = engine.create_sequence(so);
+    if (!seq) return tl::unexpected(seq.error());
+    (*seq)->tokens.assign(prompt.begin(), prompt.end());
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = engine.step(prompt);
+    auto r = runtime::feed(engine, **seq);
     const double ms = ms_since(t0);
     if (!r) return tl::unexpected(r.error());
     return ms;
 }
 
-// One tg run: fresh caches, then n_gen timed one-token steps, each feeding the argmax (ties to the lower id)
-// of the previous logits. Returns the summed milliseconds of the steps.
-Result<double> time_generation(BenchEngine &engine, int32_t first, int64_t n_gen) {
-    auto fresh = engine.reset(n_gen, 1);
-    if (!fresh) return tl::unexpected(fresh.error());
-    int32_t token = first;
+// One tg run: a fresh sequence, then n_gen timed one-token steps, each feeding the token the previous step
+// sampled. Returns the summed milliseconds of the steps.
+Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceOptions &so, int32_t first,
+                               int64_t n_gen) {
+    auto seq = engine.create_sequence(so);
+    if (!seq) return tl::unexpected(seq.error());
+    (*seq)->tokens.reserve(static_cast<size_t>(n_gen));
+    (*seq)->tokens.push_back(first);
     double ms = 0.0;
     for (int64_t i = 0; i < n_gen; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
-        auto r = engine.step(std::span(&token, 1));
+        auto r = runtime::feed(engine, **seq);
         ms += ms_since(t0);
         if (!r) return tl::unexpected(r.error());
-        const std::span<const float> logits = engine.logits();
-        token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        if (i + 1 < n_gen) (*seq)->tokens.push_back(*r);
     }
     return ms;
+}
+
+// The process's peak resident memory so far, in bytes (getrusage: ru_maxrss is in KiB on Linux).
+int64_t peak_rss_bytes() {
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    return static_cast<int64_t>(ru.ru_maxrss) * 1024;
 }
 
 struct TestResult {
@@ -192,6 +149,7 @@ struct TestResult {
     std::vector<double> samples_ms;  // one per timed run
     double avg_ts = 0.0;             // mean of the runs' tokens/s
     double stddev_ts = 0.0;          // their sample standard deviation (0 for one run)
+    int64_t peak_rss = 0;            // the process's peak resident bytes after the test
 };
 
 // Like llama-bench: statistics over each run's tokens/s, not tokens over the summed time.
@@ -214,7 +172,6 @@ struct BenchFacts {
     std::string dtype;  // "bf16", or "fp8" for FP8 block-scaled routed experts
     int threads = 0;  // per rank
     int tp = 1;
-    bool ep = false;
     std::string type_k, type_v;
 };
 
@@ -252,12 +209,13 @@ std::string format_table(const std::vector<std::string> &header, const std::vect
 std::string markdown_table(const BenchFacts &f, const std::vector<TestResult> &tests) {
     std::vector<std::vector<std::string>> rows;
     for (const TestResult &t : tests) {
-        rows.push_back({f.model, human_count(f.n_params), f.dtype, fmt::format("{}", f.tp), f.ep ? "on" : "off",
+        rows.push_back({f.model, human_count(f.n_params), f.dtype, fmt::format("{}", f.tp),
                         fmt::format("{}", f.threads), f.type_k + "/" + f.type_v, t.name,
-                        fmt::format("{:.2f} ± {:.2f}", t.avg_ts, t.stddev_ts)});
+                        fmt::format("{:.2f} ± {:.2f}", t.avg_ts, t.stddev_ts),
+                        fmt::format("{:.1f}", static_cast<double>(t.peak_rss) / (1024.0 * 1024.0))});
     }
-    return format_table({"model", "params", "dtype", "tp", "ep", "threads", "kv", "test", "t/s"},
-                        {false, true, false, true, false, true, false, true, true}, rows);
+    return format_table({"model", "params", "dtype", "tp", "threads", "kv", "test", "t/s", "peak MiB"},
+                        {false, true, false, true, true, false, true, true, true}, rows);
 }
 
 Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int reps) {
@@ -267,7 +225,6 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
                            {"n_params", f.n_params},
                            {"dtype", f.dtype},
                            {"tp", f.tp},
-                           {"ep", f.ep},
                            {"threads", f.threads},
                            {"type_k", f.type_k},
                            {"type_v", f.type_v},
@@ -277,7 +234,8 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
                            {"reps", reps},
                            {"samples_ms", t.samples_ms},
                            {"avg_ts", t.avg_ts},
-                           {"stddev_ts", t.stddev_ts}});
+                           {"stddev_ts", t.stddev_ts},
+                           {"peak_rss_bytes", t.peak_rss}});
     }
     return out;
 }
@@ -292,7 +250,7 @@ constexpr uint32_t kHiddenStream = 0x6869646eu;
 // low, seed high).
 float bench_hidden(uint64_t seed, int64_t i) {
     const auto block = static_cast<uint64_t>(i / 4);
-    const std::array<uint32_t, 4> words = runtime::philox4x32_10(
+    const std::array<uint32_t, 4> words = philox4x32_10(
         {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), 0u, kHiddenStream},
         {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
     const uint32_t top = words[static_cast<size_t>(i % 4)] >> 8;
@@ -345,15 +303,15 @@ std::string experts_table(const BenchFacts &f, const BenchOptions &opt, const Ex
     const auto ms = [](double v) { return fmt::format("{:.3f}", v); };
     const std::vector<std::vector<std::string>> rows = {
         {f.model, f.dtype, fmt::format("{}", r.layer), fmt::format("{}", opt.tokens), fmt::format("{}", r.top_k),
-         fmt::format("{}", opt.tp), opt.ep ? "on" : "off", fmt::format("{}", r.threads),
+         fmt::format("{}", opt.tp), fmt::format("{}", r.threads),
          fmt::format("{}", opt.warmup), fmt::format("{}", opt.iterations), ms(r.mean_ms), ms(r.min_ms),
          ms(r.p50_ms), ms(r.p90_ms), ms(r.p95_ms), ms(r.p99_ms), ms(r.max_ms), fmt::format("{:.0f}", r.routes_per_s),
          fmt::format("{:016x}", r.checksum)}};
-    return format_table({"model", "dtype", "layer", "tokens", "top_k", "tp", "ep", "threads", "warm-up", "iters",
+    return format_table({"model", "dtype", "layer", "tokens", "top_k", "tp", "threads", "warm-up", "iters",
                          "mean ms", "min ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "routes/s",
                          "checksum"},
-                        {false, false, true, true, true, true, false, true, true, true, true, true, true, true, true,
-                         true, true, true, false},
+                        {false, false, true, true, true, true, true, true, true, true, true, true, true, true, true,
+                         true, true, false},
                         rows);
 }
 
@@ -367,7 +325,6 @@ Json experts_json(const BenchFacts &f, const BenchOptions &opt, const ExpertsRes
                              {"n_experts", r.n_experts},
                              {"routes", opt.tokens * r.top_k},
                              {"tp", opt.tp},
-                             {"ep", opt.ep},
                              {"threads", r.threads},
                              {"seed", opt.seed},
                              {"warmup", opt.warmup},
@@ -412,27 +369,24 @@ int run_experts_bench(const BenchOptions &opt) {
 
     auto ckpt = io::Checkpoint::open(dir);
     if (!ckpt) return report_error(ckpt.error().message);
-    // A lone rank without EP binds the whole model and runs without a communicator; otherwise the plan decides.
-    const bool whole = opt.tp == 1 && !opt.ep;
+    // A lone rank binds the whole model and runs without a communicator; otherwise the plan decides.
+    const bool whole = opt.tp == 1;
     parallel::ParallelPlan plan;
     std::optional<parallel::InProcessGroup> group;
     if (!whole) {
         parallel::PlanRequest req;
         req.tp = opt.tp;
-        req.ep = opt.ep;
         req.devices_available = opt.tp;
         auto made = parallel::make_plan(model::plan_shape(*cfg), req);
-        if (!made) {
-            return report_error(fmt::format("--tp {}{}: {}", opt.tp, opt.ep ? " --ep" : "", made.error().message));
-        }
+        if (!made) return report_error(fmt::format("--tp {}: {}", opt.tp, made.error().message));
         plan = std::move(*made);
         auto grp = parallel::InProcessGroup::create(opt.tp);
         if (!grp) return report_error(grp.error().message);
         group.emplace(std::move(*grp));
     }
-    std::fprintf(stderr, "memra bench: loading %s, experts of layer %d on %d rank%s%s, %d thread%s each\n",
-                 dir.string().c_str(), res.layer, opt.tp, opt.tp == 1 ? "" : "s", opt.ep ? " with EP" : "",
-                 res.threads, res.threads == 1 ? "" : "s");
+    std::fprintf(stderr, "memra bench: loading %s, experts of layer %d on %d rank%s, %d thread%s each\n",
+                 dir.string().c_str(), res.layer, opt.tp, opt.tp == 1 ? "" : "s", res.threads,
+                 res.threads == 1 ? "" : "s");
 
     const int64_t n = opt.tokens;
     const int64_t d = cfg->d_model;
@@ -573,69 +527,47 @@ int run_bench(const BenchOptions &opt) {
     facts.n_params = model::compute_model_stats(*cfg).total_params;
     facts.dtype = cfg->is_fp8() ? "fp8" : "bf16";
     facts.tp = opt.tp;
-    facts.ep = opt.ep;
     facts.threads = std::max(1, opt.threads / opt.tp);
-    facts.type_k = kv::kv_format_name(k_format);
-    facts.type_v = kv::kv_format_name(v_format);
-    const model::ForwardCapacity capacity{std::max(opt.n_prompt, 1), 1, std::max(opt.n_prompt, opt.n_gen), 1};
-
-    // tp 1 without EP: the single-rank forward on one backend; otherwise tp CPU ranks as the plan splits them.
-    std::fprintf(stderr, "memra bench: loading %s, tp %d%s, threads %d per rank\n", dir.string().c_str(), opt.tp,
-                 opt.ep ? " with EP" : "", facts.threads);
-    std::optional<CpuModel> cpu_model;
-    std::optional<model::Step35Forward> fwd;
-    std::optional<io::Checkpoint> ckpt;
-    std::unique_ptr<model::Step35RankGroup> group;
-    std::unique_ptr<BenchEngine> engine;
-    if (opt.tp == 1 && !opt.ep) {
-        auto loaded = load_cpu_model(dir, *cfg, facts.threads);
-        if (!loaded) return report_error(loaded.error().message);
-        cpu_model.emplace(std::move(*loaded));
-        auto created = model::Step35Forward::create(*cpu_model->backend, cpu_model->model, capacity);
-        if (!created) return report_error(created.error().message);
-        fwd.emplace(std::move(*created));
-        engine = std::make_unique<SingleRankEngine>(*fwd, *cfg, k_format, v_format);
-    } else {
-        auto opened = io::Checkpoint::open(dir);
-        if (!opened) return report_error(opened.error().message);
-        ckpt.emplace(std::move(*opened));
-        model::RankGroupOptions ro;
-        ro.tp = opt.tp;
-        ro.ep = opt.ep;
-        ro.capacity = capacity;
-        const int threads = facts.threads;
-        ro.make_backend = [threads](int) -> Result<std::unique_ptr<Backend>> {
-            return std::make_unique<cpu::CpuBackend>(threads);
-        };
-        auto created = model::Step35RankGroup::create(*ckpt, *cfg, ro);
-        if (!created) {
-            return report_error(fmt::format("--tp {}{}: {}", opt.tp, opt.ep ? " --ep" : "", created.error().message));
-        }
-        group = std::move(*created);
-        engine = std::make_unique<RankGroupEngine>(*group, k_format, v_format);
-    }
+    facts.type_k = kv_format_name(k_format);
+    facts.type_v = kv_format_name(v_format);
+    runtime::EngineOptions eo;
+    eo.tp = opt.tp;
+    eo.k_format = k_format;
+    eo.v_format = v_format;
+    eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size : std::max({opt.n_prompt, opt.n_gen, 1});
+    eo.step_rows = opt.step_rows;
+    eo.sample_vocab = n_real;
+    std::fprintf(stderr, "memra bench: loading %s, tp %d, threads %d per rank\n", dir.string().c_str(), opt.tp,
+                 facts.threads);
+    auto loaded = load_cpu_engine(dir, *cfg, eo, opt.threads);
+    if (!loaded) return report_error(fmt::format("--tp {}: {}", opt.tp, loaded.error().message));
+    runtime::Engine &engine = *loaded->engine;
+    runtime::SequenceOptions so;
+    so.sampling.temperature = 0.0f;  // greedy: the same tokens every run
 
     std::vector<TestResult> tests;
     if (opt.n_prompt > 0) {
         TestResult t{fmt::format("pp{}", opt.n_prompt), opt.n_prompt, 0, {}, 0.0, 0.0};
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {  // rep -1: the warm-up
-            auto ms = time_prompt(*engine, tokens.prompt);
+            auto ms = time_prompt(engine, so, tokens.prompt);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) t.samples_ms.push_back(*ms);
         }
         summarize(t);
+        t.peak_rss = peak_rss_bytes();
         tests.push_back(std::move(t));
     }
     if (opt.n_gen > 0) {
         TestResult t{fmt::format("tg{}", opt.n_gen), 0, opt.n_gen, {}, 0.0, 0.0};
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {
-            auto ms = time_generation(*engine, tokens.gen_first, opt.n_gen);
+            auto ms = time_generation(engine, so, tokens.gen_first, opt.n_gen);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) t.samples_ms.push_back(*ms);
         }
         summarize(t);
+        t.peak_rss = peak_rss_bytes();
         tests.push_back(std::move(t));
     }
 
@@ -658,12 +590,12 @@ Command add_bench_command(CLI::App &app) {
                  "--experts, the routed experts of one MoE layer on CPU ranks");
     add_model_dir_option(*sub, opt->model_dir);
     sub->add_option("-p,--n-prompt", opt->n_prompt,
-                    "ppN test: prefill N prompt tokens in one step from an empty KV cache (0 = skip)")
+                    "ppN test: prefill N prompt tokens into a fresh sequence, in steps of -ub rows (0 = skip)")
         ->envname("MEMRA_N_PROMPT")
         ->check(CLI::Range(0, kMaxInt))
         ->capture_default_str();
     sub->add_option("-n,--n-gen", opt->n_gen,
-                    "tgN test: generate N tokens one step each from an empty KV cache (0 = skip)")
+                    "tgN test: generate N tokens one step each from a fresh sequence (0 = skip)")
         ->envname("MEMRA_N_GEN")
         ->check(CLI::Range(0, kMaxInt))
         ->capture_default_str();
@@ -673,6 +605,8 @@ Command add_bench_command(CLI::App &app) {
         ->capture_default_str();
     add_threads_option(*sub, opt->threads);
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
+    add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
+    sub->get_option("--ctx-size")->description("KV cache size in positions (default 0: the larger test's positions)");
     sub->add_option("-s,--seed", opt->seed,
                     "Seed of the prompt token ids (uniform over the tokenizer's tokens; tg starts from the first); with "
                     "--experts, of the hidden rows (uniform over [-2, 2))")
@@ -699,13 +633,10 @@ Command add_bench_command(CLI::App &app) {
             ->envname("MEMRA_EXPERTS");
         sub->add_option("--tp,--tensor-parallel-size", opt->tp,
                         "CPU ranks (threads of one process) as `memra plan` splits the model; -t is divided among "
-                        "them. Routed experts split by d_expert, or whole per owner with --ep")
+                        "them; routed experts are whole, each computed by its owner rank")
             ->envname("MEMRA_TP")
             ->check(positive_int_validator())
             ->capture_default_str();
-        sub->add_flag("--ep,--enable-expert-parallel", opt->ep,
-                      "expert parallelism (each rank computes its own experts' pairs whole)")
-            ->envname("MEMRA_EP");
     const std::vector<CLI::Option *> needs_experts = {
         sub->add_option("--layer", opt->layer, "--experts: the MoE layer (default: the first MoE layer)")
             ->envname("MEMRA_LAYER")
@@ -724,7 +655,8 @@ Command add_bench_command(CLI::App &app) {
             ->capture_default_str(),
     };
     for (CLI::Option *o : needs_experts) o->needs(experts);
-    for (const char *name : {"--n-prompt", "--n-gen", "--repetitions", "--kv-k", "--kv-v"}) {
+    for (const char *name : {"--n-prompt", "--n-gen", "--repetitions", "--kv-k", "--kv-v", "--ctx-size",
+                             "--ubatch-size"}) {
         experts->excludes(sub->get_option(name));
     }
     experts->excludes(print_tokens);

@@ -31,9 +31,13 @@ Command add_make_tiny_command(CLI::App &app) {
         ->check(CLI::IsMember({"bf16", "fp8"}))
         ->capture_default_str();
     sub->add_option("--moe-intermediate-size", opts->moe_intermediate_size,
-                    "Routed expert width, replacing the preset's (e.g. 1024: fp8 experts then split into whole "
-                    "128-wide scale tiles at --tp 8 without --ep); 0 keeps the preset's")
+                    "Routed expert width, replacing the preset's (e.g. 1280, the release's); 0 keeps the preset's")
         ->check(CLI::Range(int64_t{0}, tools::kMaxTinyMoeIntermediateSize))
+        ->capture_default_str();
+    sub->add_option("--sliding-window", opts->sliding_window,
+                    "Sliding window of the sliding-attention layers, replacing the preset's (e.g. 192: three KV "
+                    "pages of 64 rows); 0 keeps the preset's")
+        ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
         ->capture_default_str();
     sub->add_flag("-f,--force", opts->force, "Replace the generator's own files in a non-empty OUT_DIR");
 

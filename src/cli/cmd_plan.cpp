@@ -1,4 +1,5 @@
-// `memra plan [MODEL_DIR] --tp N [--ep]`: the parallel layout of a model over ranks.
+// `memra plan [MODEL_DIR] --tp N`: the parallel layout of a model over ranks (routed experts always whole,
+// expert-parallel over the TP ranks).
 #include <cstdio>
 #include <memory>
 
@@ -20,9 +21,6 @@ Command add_plan_command(CLI::App &app) {
     sub->add_option("-t,--tp,--tensor-parallel-size", req->tp, "Tensor-parallel ranks per pipeline stage")
         ->envname("MEMRA_TP")
         ->capture_default_str();
-    sub->add_flag("--ep,--enable-expert-parallel", req->ep,
-                  "Expert parallelism: whole routed experts on their owner rank instead of tensor-split")
-        ->envname("MEMRA_EP");
     sub->add_option("--pp,--pipeline-parallel-size", req->pipeline_stages, "Pipeline stages")
         ->envname("MEMRA_PP")
         ->capture_default_str();

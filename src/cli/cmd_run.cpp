@@ -1,6 +1,7 @@
-// `memra run [MODEL_DIR] -p TEXT`: one-shot generation on the CPU backend. Tokenizes the prompt, prefills it
-// in one step, then samples and decodes token by token, streaming complete UTF-8 text to stdout as it comes,
-// and ends with llama.cpp-style timing lines on stderr.
+// `memra run [MODEL_DIR] -p TEXT`: one-shot generation on the CPU engine (runtime/engine.h). Tokenizes the
+// prompt, prefills it in chunks of the step budget (-ub), then samples and decodes token by token, streaming
+// complete UTF-8 text to stdout as it comes, and ends with llama.cpp-style timing lines on stderr. The KV
+// cache is sized by -c once, at start; buffers by the step budget, never by the prompt.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -12,12 +13,10 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
-#include "kv/kv_cache.h"
-#include "kv/kv_format.h"
+#include "core/kv_format.h"
+#include "core/sampling.h"
 #include "model/step35_config.h"
-#include "model/step35_forward.h"
-#include "model/step35_model.h"
-#include "runtime/sampler.h"
+#include "runtime/engine.h"
 #include "text/tokenizer.h"
 
 namespace memra::cli {
@@ -26,10 +25,12 @@ namespace {
 struct RunOptions {
     std::string model_dir;
     std::string prompt;
-    int n_predict = 64;  // -1: until EOS or the model's context length
-    runtime::SamplingParams sampling;
+    int n_predict = 64;  // -1: until EOS or the context is full
+    SamplingParams sampling;
     std::string kv_k = "bf16";
     std::string kv_v = "bf16";
+    int64_t ctx_size = 4096;
+    int64_t step_rows = runtime::kCpuStepRows;
     int threads = 1;
     bool ignore_eos = false;
 };
@@ -54,11 +55,10 @@ void write_out(const std::string &text) {
 }
 
 int run_generate(const RunOptions &opt) {
-    auto sampler_check = runtime::validate_sampling_params(opt.sampling);
+    auto sampler_check = validate_sampling_params(opt.sampling);
     if (!sampler_check) return report_error(sampler_check.error().message);
     auto kv_formats = parse_kv_format_options(opt.kv_k, opt.kv_v);
     if (!kv_formats) return report_error(kv_formats.error().message);
-    const auto [k_format, v_format] = *kv_formats;
 
     const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
     if (dir.empty()) return kExitInvalidInput;
@@ -70,60 +70,65 @@ int run_generate(const RunOptions &opt) {
     // BOS as tokenizer_config.json's add_bos_token says; special tokens written in the prompt are parsed.
     auto encoded = tok->encode(opt.prompt, text::EncodeOptions{false, true});
     if (!encoded) return report_error(fmt::format("prompt: {}", encoded.error().message));
-    std::vector<int32_t> context;
-    if (tok->add_bos_token() && tok->bos_id()) context.push_back(*tok->bos_id());
-    context.insert(context.end(), encoded->begin(), encoded->end());
-    const auto n_prompt = static_cast<int64_t>(context.size());
+    std::vector<int32_t> prompt;
+    if (tok->add_bos_token() && tok->bos_id()) prompt.push_back(*tok->bos_id());
+    prompt.insert(prompt.end(), encoded->begin(), encoded->end());
+    const auto n_prompt = static_cast<int64_t>(prompt.size());
     if (n_prompt == 0) return report_error("prompt: no tokens to evaluate (empty prompt and no BOS token)");
-    for (const int32_t id : context) {
+    for (const int32_t id : prompt) {
         if (id >= cfg->vocab_size) {
             return report_error(fmt::format("prompt: token id {} is outside the model's vocabulary of {}", id,
                                             cfg->vocab_size));
         }
     }
-    if (n_prompt + std::max(opt.n_predict, 0) > cfg->context_length) {
-        return report_error(fmt::format("prompt too long: {} prompt tokens + {} to generate exceed the model's "
-                                        "context length {}",
-                                        n_prompt, opt.n_predict, cfg->context_length));
+    // Positions: the context (-c, at most the model's), which the prompt and the tokens to feed must fit.
+    const int64_t context = std::min<int64_t>(opt.ctx_size, cfg->context_length);
+    if (n_prompt + std::max(opt.n_predict, 0) > context) {
+        return report_error(fmt::format("prompt too long: {} prompt tokens + {} to generate exceed the context of {} "
+                                        "positions (-c {}, model context length {}); raise -c or lower -n",
+                                        n_prompt, opt.n_predict, context, opt.ctx_size, cfg->context_length));
     }
-    const int64_t n_predict = opt.n_predict >= 0 ? opt.n_predict : cfg->context_length - n_prompt;
-    const int64_t capacity = n_prompt + n_predict;
+    const int64_t n_predict = opt.n_predict >= 0 ? opt.n_predict : context - n_prompt;
 
-    std::vector<int32_t> eos(cfg->eos_token_ids.begin(), cfg->eos_token_ids.end());
+    std::vector<int64_t> eos(cfg->eos_token_ids.begin(), cfg->eos_token_ids.end());
     if (eos.empty()) eos.assign(tok->eos_ids().begin(), tok->eos_ids().end());
     const auto is_eos = [&eos](int32_t id) { return std::find(eos.begin(), eos.end(), id) != eos.end(); };
 
-    auto cpu_model = load_cpu_model(dir, *cfg, opt.threads);
-    if (!cpu_model) return report_error(cpu_model.error().message);
-    auto fwd = model::Step35Forward::create(*cpu_model->backend, cpu_model->model,
-                                            model::ForwardCapacity{n_prompt, 1, capacity, 0});
-    if (!fwd) return report_error(fwd.error().message);
-    auto cache = kv::KvCache::create(
-        model::trunk_kv_spec(*cfg, k_format, v_format, capacity, static_cast<int>(n_prompt)));
-    if (!cache) return report_error(fmt::format("KV cache ({} tokens): {}", capacity, cache.error().message));
-    auto sampler = runtime::Sampler::create(cfg->vocab_size, opt.sampling);
-    if (!sampler) return report_error(sampler.error().message);
-    context.reserve(static_cast<size_t>(capacity));
+    runtime::EngineOptions eo;
+    eo.k_format = kv_formats->first;
+    eo.v_format = kv_formats->second;
+    eo.ctx_size = context;
+    eo.step_rows = opt.step_rows;
+    // Only the tokenizer's ids are sampled: the embedding's padding rows past them have no text.
+    eo.sample_vocab = std::min(cfg->vocab_size, tok->n_tokens());
+    auto loaded = load_cpu_engine(dir, *cfg, eo, opt.threads);
+    if (!loaded) return report_error(loaded.error().message);
+    runtime::Engine &engine = *loaded->engine;
+    runtime::SequenceOptions so;
+    so.sampling = opt.sampling;
+    auto seq = engine.create_sequence(so);
+    if (!seq) return report_error(seq.error().message);
+    (*seq)->tokens = prompt;
+    (*seq)->tokens.reserve(static_cast<size_t>(n_prompt + n_predict));
 
     const auto t_prompt = std::chrono::steady_clock::now();
-    model::SeqChunk chunk{&*cache, context, false, -1};
-    if (auto r = fwd->step(std::span(&chunk, 1)); !r) return report_error(r.error().message);
+    auto next = runtime::feed(engine, **seq);
+    if (!next) return report_error(next.error().message);
     const double prompt_ms = ms_since(t_prompt);
 
-    // Each sampled token is counted; an EOS ends the loop unprinted and unevaluated, the last token is not fed.
+    // Each sampled token is counted; an EOS ends the loop unprinted and unfed, and the last token is not fed.
     const auto t_gen = std::chrono::steady_clock::now();
     text::StreamDecoder decoder = tok->stream_decoder();
     int64_t generated = 0;
     for (int64_t i = 0; i < n_predict; ++i) {
-        const auto position = static_cast<int64_t>(context.size());
-        const int32_t next = sampler->sample(fwd->logits(), context, 0, position);
+        const int32_t token = *next;
         ++generated;
-        if (!opt.ignore_eos && is_eos(next)) break;
-        write_out(decoder.feed(next));
-        context.push_back(next);
+        if (!opt.ignore_eos && is_eos(token)) break;
+        write_out(decoder.feed(token));
         if (i + 1 == n_predict) break;
-        chunk = model::SeqChunk{&*cache, std::span(&context.back(), 1), false, -1};
-        if (auto r = fwd->step(std::span(&chunk, 1)); !r) return report_error(r.error().message);
+        (*seq)->tokens.push_back(token);
+        next = runtime::feed(engine, **seq);
+        if (!next) return report_error(next.error().message);
     }
     write_out(decoder.flush() + "\n");
     const double gen_ms = ms_since(t_gen);
@@ -138,13 +143,13 @@ int run_generate(const RunOptions &opt) {
 Command add_run_command(CLI::App &app) {
     auto opt = std::make_shared<RunOptions>();
     opt->threads = default_threads();
-    runtime::SamplingParams &s = opt->sampling;
+    SamplingParams &s = opt->sampling;
 
     CLI::App *sub = app.add_subcommand("run", "Generate text from a prompt (CPU backend), streaming it to stdout");
     add_model_dir_option(*sub, opt->model_dir);
     sub->add_option("-p,--prompt", opt->prompt, "Prompt text")->envname("MEMRA_PROMPT")->required();
     sub->add_option("-n,--n-predict,--predict", opt->n_predict,
-                    "Tokens to generate (-1 = until EOS or the model's context length)")
+                    "Tokens to generate (-1 = until EOS or the context (-c) is full)")
         ->envname("MEMRA_N_PREDICT")
         ->check(CLI::Range(-1, std::numeric_limits<int>::max()))
         ->capture_default_str();
@@ -184,6 +189,7 @@ Command add_run_command(CLI::App &app) {
         ->check(uint64_validator())
         ->capture_default_str();
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
+    add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     add_threads_option(*sub, opt->threads);
     sub->add_flag("--ignore-eos", opt->ignore_eos, "Keep generating past end-of-sequence tokens")
         ->envname("MEMRA_IGNORE_EOS");

@@ -1,8 +1,9 @@
-// `memra verify [MODEL_DIR]`: the determinism gates (model/step35_verify.h) on CPU backends. Each stage
-// line gives raw-bit mismatches and the native step's launches, host copies, collectives and heap
-// allocations (this executable's counting operator new, alloc_count.h); then one PASS / FAIL / SKIP line
-// per gate and an overall line. Exit 0 when no gate fails, 1 on any mismatch or when the plan refuses
-// every requested combination (nothing verified), 2 on usage errors.
+// `memra verify [MODEL_DIR]`: the determinism gates (runtime/verify.h) on CPU backends. Each stage line gives
+// raw-bit mismatches and the native step's launches, copies each way, collectives and heap allocations
+// (this executable's counting operator new, alloc_count.h); then one PASS / FAIL / SKIP line per gate and an
+// overall line. Exit 0 when no gate fails, 3 when a gate fails, 1 on invalid input or when the plan refuses
+// every requested degree (nothing verified), 2 on usage errors.
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <limits>
@@ -15,7 +16,7 @@
 
 #include "cli/alloc_count.h"
 #include "cli/commands.h"
-#include "model/step35_verify.h"
+#include "runtime/verify.h"
 
 namespace memra::cli {
 namespace {
@@ -23,13 +24,11 @@ namespace {
 struct VerifyCliOptions {
     std::string model_dir;
     std::string tp = "1,2,4,8";
-    bool ep = false;
-    bool ep_both = false;
     int tokens = 40;
     int decode = 16;
     int batch = 8;
     int layer = -1;
-    int threads = 1;
+    int threads = default_threads();
     std::string kv_k = "f32";
     std::string kv_v = "f32";
 };
@@ -77,10 +76,8 @@ int run_verify_command(const VerifyCliOptions &opt) {
     auto ckpt = io::Checkpoint::open(dir);
     if (!ckpt) return report_error(ckpt.error().message);
 
-    model::VerifyOptions vo;
+    runtime::VerifyOptions vo;
     vo.tp = *tp;
-    vo.ep = opt.ep_both ? std::vector<bool>{false, true} : std::vector<bool>{opt.ep};
-    vo.ep_both = opt.ep_both;
     vo.prefill_tokens = opt.tokens;
     vo.decode_steps = opt.decode;
     vo.batch = opt.batch;
@@ -91,33 +88,33 @@ int run_verify_command(const VerifyCliOptions &opt) {
     vo.make_reference_backend = [threads]() -> Result<std::unique_ptr<Backend>> {
         return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
     };
-    vo.make_rank_backend = [threads](int, int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
+    vo.make_rank_backend = [threads](int degree, int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(std::max(1, threads / degree)));
     };
     vo.count_allocations = heap_allocations;
-    vo.on_line = [](const model::VerifyLine &line) {
-        std::printf("%s\n", model::format_verify_line(line).c_str());
+    vo.on_line = [](const runtime::VerifyLine &line) {
+        std::printf("%s\n", runtime::format_verify_line(line).c_str());
         std::fflush(stdout);
     };
 
     std::string tps;
     for (const int t : vo.tp) tps += (tps.empty() ? "" : ",") + std::to_string(t);
-    std::printf("memra verify %s: tp %s, ep %s; prefill %d, decode %d, batch 1..%d; kv %s/%s; %d thread%s per rank\n",
-                dir.string().c_str(), tps.c_str(), opt.ep_both ? "off+on" : opt.ep ? "on" : "off", opt.tokens,
-                opt.decode, opt.batch, opt.kv_k.c_str(), opt.kv_v.c_str(), threads, threads == 1 ? "" : "s");
-    std::printf("counts per native step, rank 0: backend op launches, host copies, collectives; allocs: heap "
-                "allocations on every thread from the step's call to its return\n");
+    std::printf("memra verify %s: tp %s (routed experts expert-parallel); prefill %d, decode %d, batch 1..%d; kv "
+                "%s/%s; %d thread%s (split over the ranks)\n",
+                dir.string().c_str(), tps.c_str(), opt.tokens, opt.decode, opt.batch, opt.kv_k.c_str(), opt.kv_v.c_str(), threads, threads == 1 ? "" : "s");
+    std::printf("counts per native step (plan, run, finish), rank 0: backend op launches, host -> backend and backend "
+                "-> host copies (syncs: those made before finish()), collectives; allocs: heap allocations on every "
+                "thread from plan() to finish()\n");
     std::fflush(stdout);
-    auto report = model::run_verify(*ckpt, *cfg, vo);
+    auto report = runtime::run_verify(*ckpt, *cfg, vo);
     if (!report) return report_error(report.error().message);
-    std::printf("model: %s\n%s", report->model.c_str(), model::format_verify_summary(*report).c_str());
+    std::printf("model: %s\n%s", report->model.c_str(), runtime::format_verify_summary(*report).c_str());
     std::fflush(stdout);
-    if (report->any_fail()) return kExitInvalidInput;
-    if (report->runs == 0) {
-        return report_error(fmt::format("nothing verified: the plan refuses every requested (tp, ep) on {}",
-                                        dir.string()));
+    const int code = verify_exit_code(report->any_fail(), report->runs);
+    if (code == kExitInvalidInput) {
+        report_error(fmt::format("nothing verified: the plan refuses every requested tp on {}", dir.string()));
     }
-    return kExitOk;
+    return code;
 }
 
 }  // namespace
@@ -127,8 +124,9 @@ Command add_verify_command(CLI::App &app) {
     const int kMaxInt = std::numeric_limits<int>::max();
 
     CLI::App *sub = app.add_subcommand(
-        "verify", "Check bit-for-bit determinism: the canonical TP=1 run vs the native tensor/expert-parallel ranks, "
-                  "stage by stage, with per-step work counts");
+        "verify", "Check bit-for-bit determinism: the canonical TP=1 run vs the native tensor-parallel ranks "
+                  "(routed experts expert-parallel), stage by stage, with per-step work counts. Exit 0: every gate "
+                  "passed; 3: a gate failed; 1: invalid input or nothing verified; 2: usage");
     add_model_dir_option(*sub, opt->model_dir);
     sub->add_option("--tp,--tensor-parallel-size", opt->tp,
                     "Tensor-parallel degrees to verify, comma-separated; a degree the plan refuses is skipped with "
@@ -141,12 +139,6 @@ Command add_verify_command(CLI::App &app) {
             },
             "LIST"))
         ->capture_default_str();
-    auto *ep = sub->add_flag("--ep,--enable-expert-parallel", opt->ep,
-                             "Expert parallelism: routed experts whole on their owner ranks (default: tensor-split)")
-                   ->envname("MEMRA_EP");
-    sub->add_flag("--ep-both", opt->ep_both, "Verify every degree both without and with expert parallelism")
-        ->envname("MEMRA_EP_BOTH")
-        ->excludes(ep);
     sub->add_option("--tokens", opt->tokens,
                     "Prompt tokens of the prefill stage (at least 2; past the sliding window by default)")
         ->envname("MEMRA_VERIFY_TOKENS")
@@ -166,7 +158,9 @@ Command add_verify_command(CLI::App &app) {
                     "default: the first MoE layer")
         ->envname("MEMRA_VERIFY_LAYER")
         ->check(CLI::Range(0, kMaxInt));
-    sub->add_option("-t,--threads", opt->threads, "CPU threads of each rank and of the TP=1 run")
+    sub->add_option("-t,--threads", opt->threads,
+                    "CPU threads of the TP=1 run, split over the ranks of a native run (at least one each; "
+                    "default: the hardware threads)")
         ->envname("MEMRA_THREADS")
         ->check(positive_int_validator())
         ->capture_default_str();

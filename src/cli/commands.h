@@ -1,6 +1,7 @@
 // The memra subcommands. Each add_*_command registers its options on the app and returns the
 // action to run when that subcommand was chosen. Actions return the process exit code:
-// 0 ok, 1 invalid input (bad file, config, checkpoint), 2 usage (set by the parser itself).
+// 0 ok, 1 invalid input (bad file, config, checkpoint), 2 usage (set by the parser itself), 3 a verify gate
+// failed.
 #pragma once
 
 #include <filesystem>
@@ -12,17 +13,19 @@
 #include <CLI/CLI.hpp>
 
 #include "backend/cpu/cpu_backend.h"
+#include "core/kv_format.h"
 #include "core/result.h"
 #include "io/safetensors.h"
-#include "kv/kv_format.h"
 #include "model/step35_config.h"
 #include "model/step35_model.h"
+#include "runtime/engine.h"
 
 namespace memra::cli {
 
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitInvalidInput = 1;
 inline constexpr int kExitUsage = 2;
+inline constexpr int kExitGateFailed = 3;  // memra verify: a determinism gate found a mismatch
 
 // A registered subcommand and what to run when the parser chose it.
 struct Command {
@@ -48,8 +51,18 @@ void add_model_dir_option(CLI::App &sub, std::string &model_dir);
 // message on stderr and an empty path when that is missing).
 std::filesystem::path resolve_model_dir(const std::string &model_dir);
 
+// The exit code of `memra verify`: kExitGateFailed when a gate failed, else kExitInvalidInput when nothing
+// was verified (the plan refused every degree), else kExitOk.
+int verify_exit_code(bool any_gate_failed, int native_runs);
+
 // Prints "error: <message>" to stderr and returns kExitInvalidInput.
 int report_error(const std::string &message);
+
+// Runs a subcommand's action and turns any exception escaping it into one line on stderr and
+// kExitInvalidInput, never std::terminate: "memra: error: out of memory (std::bad_alloc) in <name>" for
+// std::bad_alloc, "memra: error: <what()>" for another std::exception (line breaks shown as spaces),
+// "memra: error: unknown exception in <name>" otherwise. Exceptions on other threads are not seen here.
+int run_guarded(const std::string &name, const std::function<int()> &action);
 
 // Validators for numeric options, checked on the text before CLI11 converts it: CLI11 itself wraps "-1"
 // into an unsigned option and saturates values past its range. Failures are usage errors (exit 2),
@@ -65,23 +78,27 @@ int default_threads();
 
 // Options shared by the commands that run the CPU engine (run, bench), with the same spellings, help
 // texts and MEMRA_* mirrors: -t/--threads, and the KV cache formats -ctk/--kv-k/--cache-type-k and
-// -ctv/--kv-v/--cache-type-v (f32, bf16, q8_0, q5_1; parsed later with kv::parse_kv_format).
+// -ctv/--kv-v/--cache-type-v (f32, bf16, q8_0, q5_1; parsed later with parse_kv_format).
 void add_threads_option(CLI::App &sub, int &threads);
 void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v);
 // The two formats those options name; the error names the option ("--kv-k: ...").
-Result<std::pair<kv::KvFormat, kv::KvFormat>> parse_kv_format_options(const std::string &kv_k,
+Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string &kv_k,
                                                                        const std::string &kv_v);
 
-// A checkpoint bound to the CPU backend: what run and bench execute. Members are destroyed in reverse
-// order: the model's handles belong to the backend, whose weights are views into the checkpoint's mmap.
-struct CpuModel {
+// The engine on CPU ranks over a checkpoint: what run and bench execute. Members are destroyed in reverse
+// order: the engine's weights are views into the checkpoint's mmap.
+struct CpuEngine {
     io::Checkpoint ckpt;
-    std::unique_ptr<cpu::CpuBackend> backend;  // a pointer because the backend cannot move
-    model::Step35Model model;
+    std::unique_ptr<runtime::Engine> engine;
 };
 
-// Opens the checkpoint in `dir`, validates its tensors against cfg and binds them to a CpuBackend of
-// n_threads threads. The error is the checkpoint's or the validation's message.
-Result<CpuModel> load_cpu_model(const std::filesystem::path &dir, const model::Step35Config &cfg, int n_threads);
+// Opens the checkpoint in `dir` and creates an engine (options without a backend factory) whose options.tp
+// CPU ranks share n_threads threads (at least one each). The error is the checkpoint's, the validation's or
+// the engine's message.
+Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
+                                  runtime::EngineOptions options, int n_threads);
+
+// Options shared by the commands that drive the engine (run, bench): -c/--ctx-size and -ub/--ubatch-size.
+void add_engine_size_options(CLI::App &sub, int64_t &ctx_size, int64_t &step_rows);
 
 }  // namespace memra::cli

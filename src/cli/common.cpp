@@ -1,9 +1,13 @@
-// Helpers shared by the subcommands: the embedded default model, error reporting, numeric validators,
-// the CPU engine's options and loading a checkpoint onto the CPU backend.
+// Helpers shared by the subcommands: the embedded default model, error reporting (and the guard that
+// turns an escaping exception into an error line), numeric validators, the CPU engine's options and
+// loading a checkpoint onto the CPU backend.
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <limits>
+#include <new>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -100,26 +104,69 @@ void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v) 
         ->capture_default_str();
 }
 
-Result<std::pair<kv::KvFormat, kv::KvFormat>> parse_kv_format_options(const std::string &kv_k,
+Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string &kv_k,
                                                                        const std::string &kv_v) {
-    auto k = kv::parse_kv_format(kv_k);
+    auto k = parse_kv_format(kv_k);
     if (!k) return make_error("--kv-k: {}", k.error().message);
-    auto v = kv::parse_kv_format(kv_v);
+    auto v = parse_kv_format(kv_v);
     if (!v) return make_error("--kv-v: {}", v.error().message);
     return std::pair{*k, *v};
 }
 
-Result<CpuModel> load_cpu_model(const std::filesystem::path &dir, const model::Step35Config &cfg, int n_threads) {
+Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
+                                  runtime::EngineOptions options, int n_threads) {
     auto ckpt = io::Checkpoint::open(dir);
     if (!ckpt) return tl::unexpected(ckpt.error());
-    auto backend = std::make_unique<cpu::CpuBackend>(n_threads);
-    auto mdl = model::bind_step35_model(*backend, *ckpt, cfg);
-    if (!mdl) return tl::unexpected(mdl.error());
-    return CpuModel{std::move(*ckpt), std::move(backend), std::move(*mdl)};
+    CpuEngine out{std::move(*ckpt), nullptr};
+    const int per_rank = std::max(1, n_threads / std::max(1, options.tp));
+    options.make_backend = [per_rank](int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(per_rank));
+    };
+    auto engine = runtime::Engine::create(out.ckpt, cfg, options);
+    if (!engine) return tl::unexpected(engine.error());
+    out.engine = std::move(*engine);
+    return out;
+}
+
+void add_engine_size_options(CLI::App &sub, int64_t &ctx_size, int64_t &step_rows) {
+    sub.add_option("-c,--ctx-size", ctx_size,
+                   "KV cache size in positions, allocated once at start (a sequence reaches at most this and the "
+                   "model's context length)")
+        ->envname("MEMRA_CTX_SIZE")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+        ->capture_default_str();
+    sub.add_option("--ubatch-size", step_rows,
+                   "Rows per engine step (also -ub): a longer prompt is prefilled in chunks of this many tokens; buffers are "
+                   "sized by it, not by the prompt")
+        ->envname("MEMRA_UBATCH")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+        ->capture_default_str();
+}
+
+int verify_exit_code(bool any_gate_failed, int native_runs) {
+    if (any_gate_failed) return kExitGateFailed;
+    return native_runs == 0 ? kExitInvalidInput : kExitOk;
 }
 
 int report_error(const std::string &message) {
     std::fprintf(stderr, "error: %s\n", message.c_str());
+    return kExitInvalidInput;
+}
+
+int run_guarded(const std::string &name, const std::function<int()> &action) {
+    // The handlers only write to unbuffered stderr: after bad_alloc, building a message string could
+    // throw again.
+    try {
+        return action();
+    } catch (const std::bad_alloc &) {
+        std::fprintf(stderr, "memra: error: out of memory (std::bad_alloc) in %s\n", name.c_str());
+    } catch (const std::exception &e) {
+        std::fputs("memra: error: ", stderr);
+        for (const char *c = e.what(); *c != '\0'; ++c) std::fputc(*c == '\n' || *c == '\r' ? ' ' : *c, stderr);
+        std::fputc('\n', stderr);
+    } catch (...) {
+        std::fprintf(stderr, "memra: error: unknown exception in %s\n", name.c_str());
+    }
     return kExitInvalidInput;
 }
 

@@ -1,5 +1,6 @@
 // memra: the command-line entry point. Subcommands live in cmd_*.cpp; this file only wires the
-// parser, maps parse failures to exit code 2, and runs the chosen action.
+// parser, maps parse failures to exit code 2, and runs the chosen action behind run_guarded (an
+// escaping exception is exit code 1 with one error line).
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -14,7 +15,8 @@ int main(int argc, char **argv) {
         const char *from;
         const char *to;
     };
-    static constexpr Alias kAliases[] = {{"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}};
+    static constexpr Alias kAliases[] = {
+        {"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}, {"-ub", "--ubatch-size"}};
     std::vector<const char *> args(argv, argv + argc);
     for (const char *&arg : args) {
         for (const Alias &alias : kAliases) {
@@ -40,7 +42,9 @@ int main(int argc, char **argv) {
         return e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success) ? code : kExitUsage;
     }
     for (const Command &command : commands) {
-        if (command.sub->parsed()) return command.run();
+        // An exception escaping the action (bad_alloc on a huge input, above all) becomes one error line
+        // and exit code 1 instead of std::terminate's abort.
+        if (command.sub->parsed()) return run_guarded(command.sub->get_name(), command.run);
     }
     app.exit(CLI::RequiredError::Subcommand(1));  // "A subcommand is required" and the --help hint
     return kExitUsage;

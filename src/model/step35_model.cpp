@@ -63,8 +63,8 @@ public:
         return wrap(name, backend_.upload_matrix_window(m, w));
     }
 
-    // experts: the experts held (a TP rank under EP: its own), or empty for all of them.
-    Result<BankId> bank(const std::string &name, parallel::Range experts = {}, Cut cut = Cut::whole()) {
+    // experts: the experts held whole (a TP rank's own), or empty for all of them.
+    Result<BankId> bank(const std::string &name, parallel::Range experts = {}) {
         auto ref = ckpt_.get(name);
         if (!ref) return tl::unexpected(ref.error());
         const io::TensorInfo &info = *ref->info;
@@ -80,20 +80,8 @@ public:
         auto scale = fp8_scale(name, info.dtype, b.block_rows, b.block_cols);
         if (!scale) return tl::unexpected(scale.error());
         b.scale_inv = *scale;
-        if (cut.axis == Cut::Axis::kWhole && experts.empty()) return wrap(name, backend_.upload_bank(b));
-        BankWindow w = BankWindow::whole(b);
-        if (!experts.empty()) {
-            w.expert_begin = experts.begin;
-            w.expert_end = experts.end;
-        }
-        if (cut.axis == Cut::Axis::kRows) {
-            w.row_begin = cut.begin;
-            w.row_end = cut.end;
-        } else if (cut.axis == Cut::Axis::kCols) {
-            w.col_begin = cut.begin;
-            w.col_end = cut.end;
-        }
-        return wrap(name, backend_.upload_bank_window(b, w));
+        if (experts.empty()) return wrap(name, backend_.upload_bank(b));
+        return wrap(name, backend_.upload_bank_window(b, BankWindow{experts.begin, experts.end}));
     }
 
     Result<VectorId> vector(const std::string &name) {
@@ -172,15 +160,13 @@ Result<LayerWeights> bind_layer(Binder &b, const Step35Config &cfg, const LayerG
         MEMRA_BIND(w.mlp.up, b.matrix(p + "mlp.up_proj.weight", ff_rows));
         MEMRA_BIND(w.mlp.down, b.matrix(p + "mlp.down_proj.weight", ff_cols));
     } else {
-        // Under EP d_expert is the whole width and experts the owned ones; without EP every expert's slice.
+        // Routed experts whole: a rank binds its own, the whole model all of them.
         const parallel::Range experts = rl ? rl->experts : parallel::Range{};
-        const Cut e_rows = rl ? Cut::rows(rl->d_expert, 1) : Cut::whole();
-        const Cut e_cols = rl ? Cut::cols(rl->d_expert, 1) : Cut::whole();
         MEMRA_BIND(w.moe.router, b.matrix(p + "moe.gate.weight"));
         MEMRA_BIND(w.moe.router_bias, b.vector(p + "moe.router_bias"));
-        MEMRA_BIND(w.moe.gate, b.bank(p + "moe.gate_proj.weight", experts, e_rows));
-        MEMRA_BIND(w.moe.up, b.bank(p + "moe.up_proj.weight", experts, e_rows));
-        MEMRA_BIND(w.moe.down, b.bank(p + "moe.down_proj.weight", experts, e_cols));
+        MEMRA_BIND(w.moe.gate, b.bank(p + "moe.gate_proj.weight", experts));
+        MEMRA_BIND(w.moe.up, b.bank(p + "moe.up_proj.weight", experts));
+        MEMRA_BIND(w.moe.down, b.bank(p + "moe.down_proj.weight", experts));
         MEMRA_BIND(w.moe.shared.gate, b.matrix(p + "share_expert.gate_proj.weight"));
         MEMRA_BIND(w.moe.shared.up, b.matrix(p + "share_expert.up_proj.weight"));
         MEMRA_BIND(w.moe.shared.down, b.matrix(p + "share_expert.down_proj.weight"));
@@ -232,8 +218,7 @@ Result<Step35Model> bind(Backend &backend, const io::Checkpoint &ckpt, const Ste
 
 bool same_layer_plan(const parallel::RankLayerPlan &a, const parallel::RankLayerPlan &b) {
     return a.layer == b.layer && a.q_heads == b.q_heads && a.kv_heads == b.kv_heads && a.o_cols == b.o_cols &&
-           a.o_blocks == b.o_blocks && a.ff == b.ff && a.ff_blocks == b.ff_blocks && a.experts == b.experts &&
-           a.d_expert == b.d_expert && a.expert_blocks == b.expert_blocks;
+           a.o_blocks == b.o_blocks && a.ff == b.ff && a.ff_blocks == b.ff_blocks && a.experts == b.experts;
 }
 
 }  // namespace
@@ -280,7 +265,6 @@ Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ck
     if (!model) return model;
     model->shard.whole = false;
     model->shard.tp = req.tp;
-    model->shard.ep = req.ep;
     model->shard.rank = have;
     return model;
 }

@@ -18,8 +18,8 @@ namespace memra::model {
 
 // Shapes below are those of a whole model; a TP rank's shard holds the parts its RankLayerPlan names:
 // q/g rows of its query heads, k/v rows of its KV heads, o_proj K columns of its canonical blocks, dense
-// gate/up rows and down K columns of its d_ff slice, routed experts whole (EP: its own) or every expert's
-// d_expert slice, LM head / MTP head vocabulary rows. The rest is replicated whole.
+// gate/up rows and down K columns of its d_ff slice, its own routed experts whole, LM head / MTP head
+// vocabulary rows. The rest is replicated whole.
 struct AttentionWeights {
     MatrixId q;       // q_proj [n_heads * head_dim, d_model]
     MatrixId k;       // k_proj [n_kv_heads * head_dim, d_model]
@@ -41,7 +41,7 @@ struct MoeWeights {
     VectorId router_bias;  // moe.router_bias [n_experts] f32, selection only
     BankId gate;           // moe.gate_proj [n_experts, d_expert, d_model] (bf16 or fp8 + scales)
     BankId up;             // moe.up_proj [n_experts, d_expert, d_model]
-    BankId down;           // moe.down_proj [n_experts, d_model, d_expert], each expert row-parallel
+    BankId down;           // moe.down_proj [n_experts, d_model, d_expert], each expert whole (one K order)
     MlpWeights shared;     // share_expert.{gate,up,down}_proj, width d_shared
 };
 
@@ -66,7 +66,6 @@ struct LayerWeights {
 struct ModelShard {
     bool whole = true;       // every tensor whole: the TP = 1 model, bound without a plan
     int tp = 1;              // TP degree of the plan the shard was bound from (1 when whole)
-    bool ep = false;         // routed experts whole on their owner ranks
     parallel::RankPlan rank;  // the rank's holdings per layer (empty when whole)
 };
 

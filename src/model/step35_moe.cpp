@@ -1,7 +1,7 @@
-// MoeState (step35_moe.h): the MoE layer's op sequence over the Backend interface, moved here from the
-// forward so the forward, `memra bench --experts` and the tests run the same code. refresh() = router, top-k,
-// pair sort, permute; run() = grouped expert projections per owner, the exchange between ranks (the canonical
-// tree's subtree sums gathered, or one broadcast per EP owner), the shared expert and the slot-order combine.
+// MoeState (step35_moe.h): the MoE layer's op sequence over the Backend interface, shared by the forward,
+// `memra bench --experts` and the tests. refresh() = router, top-k, pair sort, the own pairs' rows; run() =
+// grouped whole-expert projections of the own pairs, the fixed-capacity exchange of the owners' rows, the
+// shared expert and the slot-order combine.
 #include "model/step35_moe.h"
 
 #include <algorithm>
@@ -32,12 +32,10 @@ bool is_moe_layer(const Step35Model &model, int layer) {
            model.cfg.layers[static_cast<size_t>(layer)].ffn == FfnKind::kMoe;
 }
 
-// Floats of workspace the canonical products of `layer` need for `capacity` token rows.
+// Floats of workspace the shared expert's canonical down_proj of `layer` needs for `capacity` token rows.
 int64_t workspace_floats(const Backend &backend, const Step35Model &model, int layer, int64_t capacity) {
-    const LayerGeometry &g = model.cfg.layers[static_cast<size_t>(layer)];
     const LayerWeights &w = model.layers[static_cast<size_t>(layer)];
-    return std::max(backend.canonical_workspace_floats(capacity, w.moe.shared.down),
-                    backend.grouped_canonical_workspace_floats(capacity * g.top_k, w.moe.down));
+    return backend.canonical_workspace_floats(capacity, w.moe.shared.down);
 }
 
 }  // namespace
@@ -46,12 +44,12 @@ MoeShape moe_shape(const Step35Model &model, int layer) {
     MEMRA_CHECK(is_moe_layer(model, layer), "moe_shape: layer {} is not a MoE layer of the model", layer);
     const LayerGeometry &g = model.cfg.layers[static_cast<size_t>(layer)];
     MoeShape s{model.cfg.d_model, g.n_experts, g.top_k, g.d_expert, g.d_shared, parallel::Range{0, g.n_experts}};
-    if (!model.shard.whole) {
-        const parallel::RankLayerPlan &rl = model.shard.rank.layers[static_cast<size_t>(layer)];
-        s.d_expert = rl.d_expert.size();
-        s.experts = rl.experts;
-    }
+    if (!model.shard.whole) s.experts = model.shard.rank.layers[static_cast<size_t>(layer)].experts;
     return s;
+}
+
+int64_t moe_owner_capacity(int64_t n_tokens, int64_t top_k, int64_t held) {
+    return n_tokens * std::min(top_k, held);
 }
 
 Result<MoeState> MoeState::create(Backend &backend, const Step35Model &model, int layer, int64_t capacity,
@@ -92,10 +90,10 @@ Result<MoeState> MoeState::create(Backend &backend, const Step35Model &model, in
     s.comm_ = comm;
     s.tp_ = model.shard.tp;
     s.tp_rank_ = model.shard.rank.tp_rank;
-    s.ep_ = model.shard.ep;
 
     const int64_t T = capacity;
     const int64_t pairs = T * shape.top_k;
+    const int64_t C = moe_owner_capacity(T, shape.top_k, shape.experts.size());
     const int64_t d = shape.d_model;
     struct Request {
         TensorView *view;
@@ -109,23 +107,21 @@ Result<MoeState> MoeState::create(Backend &backend, const Step35Model &model, in
         {&s.offsets_, DType::kI32, shape.n_experts + 1},
         {&s.sorted_pair_, DType::kI32, pairs},
         {&s.row_of_pair_, DType::kI32, pairs},
-        {&s.x_sorted_, DType::kF32, pairs * d},
-        {&s.e_out_, DType::kF32, pairs * d},
-        {&s.e_gate_, DType::kF32, pairs * shape.d_expert},
-        {&s.e_up_, DType::kF32, pairs * shape.d_expert},
+        {&s.src_row_, DType::kI32, pairs},
+        {&s.x_own_, DType::kF32, C * d},
+        {&s.e_gate_, DType::kF32, C * shape.d_expert},
+        {&s.e_up_, DType::kF32, C * shape.d_expert},
+        {&s.e_out_, DType::kF32, s.tp_ * C * d},
         {&s.s_gate_, DType::kF32, T * shape.d_shared},
         {&s.s_up_, DType::kF32, T * shape.d_shared},
         {&s.shared_, DType::kF32, T * d},
         {&s.workspace_, DType::kF32, workspace_floats(backend, model, layer, T)},
-        // One slot per rank for the routed down_proj's subtree sums (TP without EP).
-        {&s.gather_, DType::kF32, comm != nullptr && !s.ep_ ? s.tp_ * pairs * d : 0},
     };
     for (const Request &r : requests) {
         auto v = backend.alloc(r.dtype, {std::max<int64_t>(r.n, 1)});
         if (!v) return wrap_error(fmt::format("moe state buffers (capacity {})", capacity), v.error());
         *r.view = *v;
     }
-    s.offsets_host_.assign(static_cast<size_t>(shape.n_experts + 1), 0);
     return s;
 }
 
@@ -169,7 +165,8 @@ Result<void> MoeState::refresh(int layer, TensorView x, const MoeObserver &obser
     const TensorView offsets = mat(offsets_, shape_.n_experts + 1, 1);
     const TensorView sorted_pair = mat(sorted_pair_, n * k, 1);  // [n * top_k] i32
     const TensorView row_of_pair = mat(row_of_pair_, n * k, 1);
-    const TensorView x_sorted = mat(x_sorted_, n * k, d);  // [n * top_k, d_model], expert order
+    const int64_t own = moe_owner_capacity(n, k, shape_.experts.size());
+    const TensorView x_own = mat(x_own_, own, d);  // [own capacity, d_model], the own pairs in expert order
     be.matmul(x, w.moe.router, logits);
     be.router_topk(RouterConfig{g.n_experts, k, cfg.norm_expert_weight,
                                 static_cast<float>(cfg.moe_router_scaling_factor)},
@@ -180,7 +177,7 @@ Result<void> MoeState::refresh(int layer, TensorView x, const MoeObserver &obser
         observe(MoeStage::kExpertWeights, weights);
     }
     be.moe_sort_pairs(ids, g.n_experts, offsets, sorted_pair, row_of_pair);
-    be.moe_permute(x, sorted_pair, k, x_sorted);
+    be.moe_permute(x, sorted_pair, offsets, shape_.experts.begin, shape_.experts.end, k, x_own);
     layer_ = layer;
     n_ = n;
     x_ = x;
@@ -211,95 +208,48 @@ Result<void> MoeState::run(TensorView residual, TensorView out, const MoeObserve
     be.swiglu(s_gate, s_up, g.clamp_shared, s_gate);
     be.matmul_canonical(s_gate, w.moe.shared.down, shared, workspace_);
     if (observe) observe(MoeStage::kSharedOut, shared);
-    // out = residual + (routed + shared), the routed rows added in canonical slot order.
-    be.moe_combine(residual, mat(e_out_, n_ * shape_.top_k, d), mat(row_of_pair_, n_ * shape_.top_k, 1),
+    // out = residual + (routed + shared), each pair's row read through src_row, added in canonical slot order.
+    const int64_t pairs = n_ * shape_.top_k;
+    be.moe_combine(residual, mat(e_out_, tp_ * own_capacity(), d), mat(src_row_, pairs, 1),
                    mat(weights_, n_, shape_.top_k), shared, out);
     return {};
 }
 
-// e_out[p] = expert(x_sorted[p]) for every sorted pair p, on every rank, with the TP = 1 bits.
+int64_t MoeState::own_capacity() const { return moe_owner_capacity(n_, shape_.top_k, shape_.experts.size()); }
+
+// e_out[owner slot, j] = expert(x_own[j]) for the own pairs; after the exchange every owner's slot on every
+// rank; src_row tells each pair where its row is.
 Result<void> MoeState::routed_experts(const MoeObserver &observe) {
     const LayerGeometry &g = model_->cfg.layers[static_cast<size_t>(layer_)];
     const LayerWeights &w = model_->layers[static_cast<size_t>(layer_)];
     Backend &be = *backend_;
-    const int64_t n_pairs = n_ * shape_.top_k;
+    const int64_t C = own_capacity();
     const int64_t d = shape_.d_model;
     const TensorView offsets = mat(offsets_, shape_.n_experts + 1, 1);
-    const TensorView x_sorted = mat(x_sorted_, n_pairs, d);
-    const TensorView e_gate = mat(e_gate_, n_pairs, shape_.d_expert);  // [n * top_k, d_expert held]
-    const TensorView e_up = mat(e_up_, n_pairs, shape_.d_expert);
-    const TensorView e_out = mat(e_out_, n_pairs, d);  // [n * top_k, d_model]
+    const TensorView x_own = mat(x_own_, C, d);
+    const TensorView e_gate = mat(e_gate_, C, shape_.d_expert);  // [C, d_expert]
+    const TensorView e_up = mat(e_up_, C, shape_.d_expert);
+    const TensorView all = mat(e_out_, tp_ * C, d);  // [tp * C, d_model]: slot r = rank r's own rows
+    const TensorView own = all.row_slice(tp_rank_ * C, (tp_rank_ + 1) * C);
     const auto seen = [&observe](MoeStage stage, TensorView v) {
         if (observe) observe(stage, v);
     };
-
-    if (!ep_) {
-        // Whole experts (TP = 1), or every expert's d_expert slice: gate/up are per-column products, and
-        // the down_proj is row-parallel over the rank's canonical blocks, finished like o_proj.
-        be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
-        be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
-        seen(MoeStage::kExpertGate, e_gate);
-        seen(MoeStage::kExpertUp, e_up);
-        be.swiglu(e_gate, e_up, g.clamp_routed, e_gate);
-        seen(MoeStage::kExpertAct, e_gate);
-        if (comm_ == nullptr) {
-            be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
-            seen(MoeStage::kExpertDown, e_out);
-            return {};
-        }
-        const TensorView all = mat(gather_, tp_, e_out.numel());  // [tp, n * top_k * d_model]
-        be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, own_slot(all, n_pairs, d), workspace_);
-        if (auto ok = all_gather(all, "expert down_proj"); !ok) return ok;
-        be.canonical_combine(all, e_out);
-        seen(MoeStage::kExpertDown, e_out);
-        return {};
-    }
-
-    // EP: the owner computes its experts' pairs whole (all 8 blocks, the full tree, locally), so its rows
-    // are the TP = 1 rows. The sorted pairs of one owner are contiguous (owners hold contiguous experts and
-    // pairs are sorted by expert), and routing is replicated, so every rank knows each owner's row range:
-    // one broadcast per owner lands its rows in place, in sorted order, and the combine is unchanged.
-    // (An all-gather would need capacity-padded slots, tp times the bytes, and a repack; the price here is
-    // reading the tiny offsets array back to the host once per refresh.)
-    const parallel::Range own = owner_pairs(tp_rank_);
-    be.matmul_grouped(x_sorted, w.moe.gate, offsets, e_gate);
-    be.matmul_grouped(x_sorted, w.moe.up, offsets, e_up);
+    be.matmul_grouped(x_own, w.moe.gate, offsets, e_gate);
+    be.matmul_grouped(x_own, w.moe.up, offsets, e_up);
     seen(MoeStage::kExpertGate, e_gate);
     seen(MoeStage::kExpertUp, e_up);
-    be.swiglu(e_gate.row_slice(own.begin, own.end), e_up.row_slice(own.begin, own.end), g.clamp_routed,
-              e_gate.row_slice(own.begin, own.end));
+    // Over the whole capacity: the rows past the own pair count are stale and never read.
+    be.swiglu(e_gate, e_up, g.clamp_routed, e_gate);
     seen(MoeStage::kExpertAct, e_gate);
-    be.matmul_grouped_canonical(e_gate, w.moe.down, offsets, e_out, workspace_);
-    seen(MoeStage::kExpertDownOwn, e_out);
-    for (int owner = 0; owner < tp_; ++owner) {
-        const parallel::Range rows = owner_pairs(owner);
-        if (rows.empty()) continue;  // every rank skips the same owners
-        if (auto ok = broadcast(e_out.row_slice(rows.begin, rows.end), owner, "expert rows"); !ok) return ok;
+    be.matmul_grouped(e_gate, w.moe.down, offsets, own);
+    seen(MoeStage::kExpertDownOwn, own);
+    if (comm_ != nullptr) {
+        if (auto ok = gather_rank_slots(*comm_, tp_, tp_rank_, all, "expert rows", comm_counters_); !ok) return ok;
     }
-    seen(MoeStage::kExpertDown, e_out);
+    seen(MoeStage::kExpertDown, all);
+    const int64_t pairs = n_ * shape_.top_k;
+    be.moe_source_rows(mat(ids_, pairs, 1), mat(row_of_pair_, pairs, 1), offsets, tp_, C, mat(src_row_, pairs, 1));
     return {};
-}
-
-std::span<const int32_t> MoeState::expert_offsets() {
-    MEMRA_CHECK(generation_ > 0, "moe state: expert offsets before the first refresh");
-    if (offsets_generation_ != generation_) {
-        backend_->copy_to_host(mat(offsets_, shape_.n_experts + 1, 1), offsets_host_.data());
-        offsets_generation_ = generation_;
-    }
-    return offsets_host_;
-}
-
-int64_t MoeState::expert_pairs(int expert) {
-    MEMRA_CHECK(expert >= 0 && expert < shape_.n_experts, "moe state: expert {} of {}", expert, shape_.n_experts);
-    const std::span<const int32_t> off = expert_offsets();
-    return off[static_cast<size_t>(expert) + 1] - off[static_cast<size_t>(expert)];
-}
-
-parallel::Range MoeState::owner_pairs(int owner) {
-    MEMRA_CHECK(owner >= 0 && owner < tp_, "moe state: owner {} of {} ranks", owner, tp_);
-    const parallel::Range experts = parallel::experts_of(owner, static_cast<int>(shape_.n_experts), tp_);
-    const std::span<const int32_t> off = expert_offsets();
-    return parallel::Range{off[static_cast<size_t>(experts.begin)], off[static_cast<size_t>(experts.end)]};
 }
 
 void MoeState::read_routing(MoeRouting &out) const {
@@ -326,23 +276,22 @@ MoeBuffers MoeState::buffers() const {
     const int64_t n = n_;
     const int64_t k = shape_.top_k;
     const int64_t d = shape_.d_model;
+    const int64_t C = own_capacity();
     MoeBuffers b;
+    b.capacity = C;
     b.router_logits = mat(router_, n, shape_.n_experts);
     b.expert_ids = mat(ids_, n, k);
     b.expert_weights = mat(weights_, n, k);
     b.offsets = mat(offsets_, shape_.n_experts + 1, 1);
     b.sorted_pair = mat(sorted_pair_, n * k, 1);
     b.row_of_pair = mat(row_of_pair_, n * k, 1);
-    b.x_sorted = mat(x_sorted_, n * k, d);
-    b.expert_act = mat(e_gate_, n * k, shape_.d_expert);
-    b.expert_up = mat(e_up_, n * k, shape_.d_expert);
-    b.expert_out = mat(e_out_, n * k, d);
+    b.x_own = mat(x_own_, C, d);
+    b.expert_act = mat(e_gate_, C, shape_.d_expert);
+    b.expert_up = mat(e_up_, C, shape_.d_expert);
+    b.expert_out = mat(e_out_, tp_ * C, d);
+    b.src_row = mat(src_row_, n * k, 1);
     b.shared_out = mat(shared_, n, d);
     return b;
-}
-
-TensorView MoeState::own_slot(TensorView all, int64_t rows, int64_t cols) const {
-    return all.row_slice(tp_rank_, tp_rank_ + 1).reshaped({rows, cols});
 }
 
 Result<void> gather_rank_slots(parallel::Communicator &comm, int tp, int rank, TensorView all, const char *what,
@@ -355,18 +304,6 @@ Result<void> gather_rank_slots(parallel::Communicator &comm, int tp, int rank, T
     counters.bytes += static_cast<int64_t>(bytes);
     auto ok = comm.all_gather(recv.subspan(static_cast<size_t>(rank) * slot, slot), recv);
     if (!ok) return wrap_error(fmt::format("{} all_gather", what), ok.error());
-    return {};
-}
-
-Result<void> MoeState::all_gather(TensorView all, const char *what) {
-    return gather_rank_slots(*comm_, tp_, tp_rank_, all, what, comm_counters_);
-}
-
-Result<void> MoeState::broadcast(TensorView buf, int root, const char *what) {
-    ++comm_counters_.broadcasts;
-    comm_counters_.bytes += static_cast<int64_t>(buf.n_bytes());
-    auto ok = comm_->broadcast(std::span<std::byte>(static_cast<std::byte *>(buf.data), buf.n_bytes()), root);
-    if (!ok) return wrap_error(fmt::format("{} broadcast from rank {}", what, root), ok.error());
     return {};
 }
 

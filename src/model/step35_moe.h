@@ -1,11 +1,12 @@
 // MoeState: one Step-3.5 MoE layer's routed and shared experts as a prepared state (DETERMINISM.md rule 5,
-// D4). create() allocates every backend buffer for a token capacity; refresh() routes new input rows (router
-// product, sigmoid top-k, stable counting sort of the (token, slot) pairs by expert, permute into expert
-// order) and bumps a generation counter; run() projects the sorted pairs through their experts (gate, up,
-// SwiGLU, down) as grouped work per owner, exchanges the expert rows between ranks, and adds them in canonical
-// top-k slot order (separate multiply and add) with the shared expert onto the residual, so every rank holds
-// the layer's output with the TP = 1 bits. Neither refresh() nor run() allocates. The forward keeps one state
-// per distinct MoE shape and refreshes it layer by layer; the bench times one directly.
+// D4, ENGINE.md section 3). create() allocates every backend buffer for a token capacity; refresh() routes new
+// input rows (router product, sigmoid top-k, stable counting sort of the (token, slot) pairs by expert, the
+// rank's own pairs' rows in expert order) and bumps a generation counter; run() projects the own pairs
+// through their whole experts (gate, up, SwiGLU, down) as grouped work, exchanges the owners' rows at a fixed
+// capacity, and adds them in canonical top-k slot order (separate multiply and add) with the shared expert
+// onto the residual, so every rank holds the layer's output with the TP = 1 bits. Neither refresh() nor run()
+// allocates or reads the routing back to the host. The forward keeps one state per distinct MoE shape and
+// refreshes it layer by layer; the bench times one directly.
 #pragma once
 
 #include <cstdint>
@@ -24,12 +25,10 @@ namespace memra::model {
 // Collective calls made since the last reset (a forward's, or one MoE state's).
 struct CommCounters {
     int64_t all_gathers = 0;
-    int64_t broadcasts = 0;
-    int64_t bytes = 0;  // receive-buffer bytes: all slots of an all-gather, the buffer of a broadcast
+    int64_t bytes = 0;  // receive-buffer bytes: all slots of an all-gather
 
     CommCounters &operator+=(const CommCounters &o) {
         all_gathers += o.all_gathers;
-        broadcasts += o.broadcasts;
         bytes += o.bytes;
         return *this;
     }
@@ -44,17 +43,22 @@ Result<void> gather_rank_slots(parallel::Communicator &comm, int tp, int rank, T
 // MoE layers of equal shape can share one state.
 struct MoeShape {
     int64_t d_model = 0;
-    int64_t n_experts = 0;    // routed experts of the layer (all of them, also on an EP rank)
+    int64_t n_experts = 0;    // routed experts of the layer (all of them, also on a TP rank)
     int64_t top_k = 0;        // experts per token
-    int64_t d_expert = 0;     // rows of each held expert's gate/up: all, or a TP rank's slice without EP
+    int64_t d_expert = 0;     // routed expert width (experts are never split by width)
     int64_t d_shared = 0;     // shared expert width (replicated whole on every rank)
-    parallel::Range experts;  // experts held: all of them, or the rank's own under EP
+    parallel::Range experts;  // experts held whole: all of them, or the rank's own
 
     bool operator==(const MoeShape &) const = default;
 };
 
 // The shape of MoE layer `layer` of `model` (MEMRA_CHECK: a MoE layer of the model).
 MoeShape moe_shape(const Step35Model &model, int layer);
+
+// Rows an owner of `held` experts reserves for n tokens of top-k routing: each token sends at most
+// min(top_k, held) of its pairs to one owner (its k experts are distinct), so this fixed capacity never
+// overflows and needs no host read of the routing (the decode exchange of ENGINE.md section 3).
+int64_t moe_owner_capacity(int64_t n_tokens, int64_t top_k, int64_t held);
 
 // The routing of the last refresh as host data, for tests, `memra verify` and reports (read_routing).
 struct MoeRouting {
@@ -69,33 +73,36 @@ struct MoeRouting {
 };
 
 // Views of the state's backend buffers at the row count of the last refresh: what the last refresh / run
-// left there (the intermediates `memra verify` compares).
+// left there (the intermediates `memra verify` compares). "Own rows" are this rank's pairs in compact sorted
+// order: row j is sorted row offsets[first held expert] + j; the rows past the rank's pair count are stale.
 struct MoeBuffers {
+    int64_t capacity = 0;       // own rows reserved for the last refresh (moe_owner_capacity)
     TensorView router_logits;   // [n, n_experts] f32
     TensorView expert_ids;      // [n, top_k] i32
     TensorView expert_weights;  // [n, top_k] f32
     TensorView offsets;         // [n_experts + 1, 1] i32
     TensorView sorted_pair;     // [n * top_k, 1] i32
     TensorView row_of_pair;     // [n * top_k, 1] i32
-    TensorView x_sorted;        // [n * top_k, d_model] the input rows in expert order
-    TensorView expert_act;      // [n * top_k, d_expert held] SwiGLU(gate, up) of the pairs this rank computed
-    TensorView expert_up;       // [n * top_k, d_expert held] up projection of those pairs
-    TensorView expert_out;      // [n * top_k, d_model] every pair's expert output (after the exchange)
+    TensorView x_own;           // [capacity, d_model] the input rows of the rank's own pairs
+    TensorView expert_act;      // [capacity, d_expert] SwiGLU(gate, up) of the own pairs
+    TensorView expert_up;       // [capacity, d_expert] up projection of the own pairs
+    TensorView expert_out;      // [tp * capacity, d_model] every owner's down projections, gathered in rank order
+    TensorView src_row;         // [n * top_k, 1] i32: the row of expert_out holding pair q's output
     TensorView shared_out;      // [n, d_model] the shared expert's output
 };
 
 // The intermediates refresh() and run() can hand to an observer, each right after the op that completes it,
-// as a view of the state's backend buffer (valid only during the call). On a TP rank a view holds the rank's
-// part: its d_expert columns of every pair, or under EP whole rows valid only for its own experts' pairs.
+// as a view of the state's backend buffer (valid only during the call). The expert stages hold the rank's own
+// pairs in compact order (MoeBuffers), valid up to its pair count.
 enum class MoeStage {
     kRouterLogits,   // [n, n_experts] f32
     kExpertIds,      // [n, top_k] i32
     kExpertWeights,  // [n, top_k] f32
-    kExpertGate,     // [n * top_k, d_expert held] grouped gate projection, rows in expert-sorted pair order
-    kExpertUp,       // [n * top_k, d_expert held] grouped up projection
-    kExpertAct,      // [n * top_k, d_expert held] swiglu(gate, up)
-    kExpertDownOwn,  // [n * top_k, d_model] EP only: the rank's own experts' rows before the broadcasts
-    kExpertDown,     // [n * top_k, d_model] every pair's down projection, on every rank
+    kExpertGate,     // [capacity, d_expert] grouped gate projection of the own pairs
+    kExpertUp,       // [capacity, d_expert] grouped up projection
+    kExpertAct,      // [capacity, d_expert] swiglu(gate, up)
+    kExpertDownOwn,  // [capacity, d_model] down projections of the own pairs, before the exchange
+    kExpertDown,     // [tp * capacity, d_model] every owner's rows after the exchange (rank order)
     kSharedOut,      // [n, d_model] shared expert output
 };
 // Called on the thread running refresh() / run(); must not call back into the state.
@@ -115,28 +122,23 @@ public:
     bool serves(int layer) const;
 
     // Routes the rows of x through layer `layer`'s router: logits, top-k ids and weights, the stable counting
-    // sort of the pairs by expert (offsets, sorted pairs, reverse map) and x permuted into expert order; then
-    // the generation goes up by one. x: [n, d_model] f32 backend rows, 1 <= n <= capacity(); run() reads x
-    // again (the shared expert), so it must hold the same values until then. Refused before anything runs,
-    // leaving the previous routing and generation intact: a layer the state does not serve, an x of another
-    // shape or dtype, n outside [1, capacity()].
+    // sort of the pairs by expert (offsets, sorted pairs, reverse map) and the input rows of the rank's own
+    // pairs in compact sorted order; then the generation goes up by one. x: [n, d_model] f32 backend rows,
+    // 1 <= n <= capacity(); run() reads x again (the shared expert), so it must hold the same values until
+    // then. Refused before anything runs, leaving the previous routing and generation intact: a layer the
+    // state does not serve, an x of another shape or dtype, n outside [1, capacity()].
     // observe (when not empty) sees kRouterLogits, kExpertIds, kExpertWeights.
     Result<void> refresh(int layer, TensorView x, const MoeObserver &observe = {});
 
-    // out = residual + (routed + shared) for the rows of the last refresh: the routed experts of every pair
-    // (grouped per expert; on a rank: its d_expert slices finished across ranks by the canonical tree, or under
-    // EP its own experts' pairs broadcast by their owner), combined per token in top-k slot order with a
-    // rounded multiply then add, plus the shared expert. Every rank ends with the same bits, equal to TP = 1.
-    // residual, out: [n, d_model] f32; out may be residual. Refused: no refresh yet, shapes that do not match
-    // the refresh; a communicator failure (the group is then aborted).
-    // observe (when not empty) sees the expert and shared-expert stages.
+    // out = residual + (routed + shared) for the rows of the last refresh: each owner computes its own pairs'
+    // experts whole (gate, up, SwiGLU, down: one K order), the owners' compact rows are all-gathered at the
+    // fixed capacity (no host read of the routing), and every rank adds each token's rows in top-k slot order
+    // (rounded multiply, then add), placed by (token, slot) through moe_source_rows, plus the shared expert.
+    // Every rank ends with the same bits, equal to TP = 1. residual, out: [n, d_model] f32; out may be
+    // residual. Refused: no refresh yet, shapes that do not match the refresh; a communicator failure (the
+    // group is then aborted). observe (when not empty) sees the expert and shared-expert stages.
     Result<void> run(TensorView residual, TensorView out, const MoeObserver &observe = {});
 
-    // Host-visible routing of the last refresh. The expert offsets are read back from the backend once per
-    // generation (one host copy; an EP run needs them too) and kept; neither call allocates.
-    std::span<const int32_t> expert_offsets();  // [n_experts + 1]
-    int64_t expert_pairs(int expert);            // sorted rows routed to `expert`
-    parallel::Range owner_pairs(int owner);      // sorted rows of the experts rank `owner` owns under EP
     // Every routing fact of the last refresh (host copies; resizes out's vectors, so not for the hot path).
     void read_routing(MoeRouting &out) const;
     MoeBuffers buffers() const;
@@ -146,6 +148,7 @@ public:
     int64_t n_tokens() const { return n_; }  // rows of the last refresh (0 before the first)
     int layer() const { return layer_; }    // layer of the last refresh (-1 before the first)
     const MoeShape &shape() const { return shape_; }
+    int tp() const { return tp_; }
 
     const CommCounters &comm_counters() const { return comm_counters_; }
     void reset_comm_counters() { comm_counters_ = {}; }
@@ -153,9 +156,7 @@ public:
 private:
     MoeState() = default;
     Result<void> routed_experts(const MoeObserver &observe);
-    Result<void> all_gather(TensorView all, const char *what);
-    Result<void> broadcast(TensorView buf, int root, const char *what);
-    TensorView own_slot(TensorView all, int64_t rows, int64_t cols) const;
+    int64_t own_capacity() const;  // own rows of the last refresh
 
     Backend *backend_ = nullptr;
     const Step35Model *model_ = nullptr;
@@ -166,28 +167,25 @@ private:
     parallel::Communicator *comm_ = nullptr;
     int tp_ = 1;
     int tp_rank_ = 0;
-    bool ep_ = false;
     CommCounters comm_counters_;
 
     // The last refresh.
     uint64_t generation_ = 0;
     int layer_ = -1;
     int64_t n_ = 0;
-    TensorView x_;                     // [n, d_model] its input (the caller's rows)
-    uint64_t offsets_generation_ = 0;  // generation offsets_host_ was read for (0: none)
+    TensorView x_;  // [n, d_model] its input (the caller's rows)
 
-    // Backend buffers, flat, sized for the capacity (T rows, T * top_k pairs).
-    TensorView router_;                      // [T, n_experts]
-    TensorView ids_, weights_;               // [T * top_k]
-    TensorView offsets_;                     // [n_experts + 1] i32
-    TensorView sorted_pair_, row_of_pair_;   // [T * top_k] i32
-    TensorView x_sorted_, e_out_;            // [T * top_k, d_model]
-    TensorView e_gate_, e_up_;               // [T * top_k, d_expert held]
-    TensorView s_gate_, s_up_;               // [T, d_shared]
-    TensorView shared_;                      // [T, d_model]
-    TensorView workspace_;                   // canonical products (grouped and shared down_proj)
-    TensorView gather_;                      // [tp, T * top_k * d_model] (TP without EP only)
-    std::vector<int32_t> offsets_host_;      // [n_experts + 1]
+    // Backend buffers, flat, sized for the capacity (T rows, T * top_k pairs, C = own capacity of T rows).
+    TensorView router_;                              // [T, n_experts]
+    TensorView ids_, weights_;                       // [T * top_k]
+    TensorView offsets_;                             // [n_experts + 1] i32
+    TensorView sorted_pair_, row_of_pair_, src_row_;  // [T * top_k] i32
+    TensorView x_own_;                               // [C, d_model]
+    TensorView e_gate_, e_up_;                       // [C, d_expert]
+    TensorView e_out_;                               // [tp * C, d_model]: the owners' rows, rank order
+    TensorView s_gate_, s_up_;                       // [T, d_shared]
+    TensorView shared_;                              // [T, d_model]
+    TensorView workspace_;                           // the shared expert's canonical down_proj
 };
 
 }  // namespace memra::model

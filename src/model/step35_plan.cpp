@@ -1,16 +1,12 @@
 // Step-3.5 config -> parallel::ModelShape (see step35_plan.h).
 #include "model/step35_plan.h"
 
-#include <numeric>
-
 namespace memra::model {
 
 parallel::ModelShape plan_shape(const Step35Config &cfg) {
     parallel::ModelShape shape;
     shape.d_model = cfg.d_model;
     shape.vocab_size = cfg.vocab_size;
-    // A rank's slice of an expert must cover whole scale tiles along both tile edges.
-    if (cfg.is_fp8()) shape.fp8_block = std::lcm(cfg.quantization.block_out, cfg.quantization.block_in);
     for (const LayerGeometry &g : cfg.layers) {
         parallel::LayerShape l;
         l.n_heads = g.n_heads;

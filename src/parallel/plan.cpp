@@ -86,9 +86,6 @@ Result<void> validate_shape(const ModelShape &s) {
         return make_error("model: d_model and vocab_size must be positive, found {} and {}", s.d_model,
                           s.vocab_size);
     }
-    if (s.fp8_block <= 0) {
-        return make_error("model: fp8_block must be positive, found {}", s.fp8_block);
-    }
     if (s.layers.empty() || s.layers[0].is_mtp) {
         return make_error("model: needs at least one trunk layer before any MTP layer, found {} layers",
                           s.layers.size());
@@ -136,30 +133,16 @@ std::string canonical_refusal(int tp) {
                        tp, kCanonicalBlocks, tp, kCanonicalBlocks);
 }
 
-Result<void> check_ffn_tp(const LayerShape &l, int i, const PlanRequest &r, int fp8_block) {
+Result<void> check_ffn_tp(const LayerShape &l, int i, const PlanRequest &r) {
     if (!l.moe) {
         return {};  // d_ff % 8 == 0 and tp | 8 already give whole blocks per rank
     }
-    // The routed down_proj reduces over d_expert in the 8 canonical blocks with or without ep (the owner
-    // of a whole expert forms the same 8 partials and the same tree), so ep on/off gives the same bits.
-    if (l.d_expert % kCanonicalBlocks != 0) {
-        return make_error("layer {}: d_expert {} cannot be cut into {} canonical blocks of the routed down_proj",
-                          i, l.d_expert, kCanonicalBlocks);
-    }
-    if (r.ep) {
-        if (l.n_experts % r.tp != 0) {
-            return make_error("tp={} with ep: routed experts {} on layer {} are not divisible by {}", r.tp,
-                              l.n_experts, i, r.tp);
-        }
-        return {};
-    }
-    // An fp8 weight carries one scale per fp8_block x fp8_block tile; a rank's rows of gate/up and K columns
-    // of down must cover whole tiles, or two ranks would share a tile's scale.
-    const int slice = l.d_expert / r.tp;
-    if (l.fp8_experts && r.tp > 1 && slice % fp8_block != 0) {
-        return make_error("tp={} without ep: fp8 routed experts on layer {} split d_expert {} into {} per rank, "
-                          "not a multiple of the fp8 scale block {}; use ep",
-                          r.tp, i, l.d_expert, slice, fp8_block);
+    // Routed experts are never split by width (ENGINE.md section 3): each is computed whole by its owner,
+    // its down_proj in one K order, so every TP degree gives the same bits and no fp8 scale tile is shared.
+    if (l.n_experts % r.tp != 0) {
+        return make_error("tp={}: the {} routed experts of layer {} cannot be spread evenly over {} ranks (each "
+                          "rank owns whole experts)",
+                          r.tp, l.n_experts, i, r.tp);
     }
     return {};
 }
@@ -195,16 +178,8 @@ RankLayerPlan plan_rank_layer(const LayerShape &l, const LayerPlan &lp, int tp_r
         out.ff_blocks = canonical_blocks_of(tp_rank, r.tp);
         MEMRA_CHECK(scale(out.ff_blocks, lp.ff_block_width) == out.ff, "layer {}: d_ff slice off block bounds",
                     lp.layer);
-    } else if (r.ep) {
-        out.experts = experts_of(tp_rank, l.n_experts, r.tp);
-        out.d_expert = Range{0, l.d_expert};
-        out.expert_blocks = Range{0, kCanonicalBlocks};  // the owner forms all 8 partials and the whole tree
     } else {
-        out.experts = Range{0, l.n_experts};
-        out.d_expert = even_part(tp_rank, r.tp, l.d_expert);
-        out.expert_blocks = canonical_blocks_of(tp_rank, r.tp);
-        MEMRA_CHECK(scale(out.expert_blocks, lp.expert_block_width) == out.d_expert,
-                    "layer {}: d_expert slice off block bounds", lp.layer);
+        out.experts = experts_of(tp_rank, l.n_experts, r.tp);
     }
     return out;
 }
@@ -248,15 +223,8 @@ std::string layer_table_text(const LayerShape &l, const LayerPlan &lp, const Pla
         out += fmt::format("; d_ff {} (per rank {}), down K block {}", l.d_ff, l.d_ff / r.tp, lp.ff_block_width);
         return out;
     }
-    out += fmt::format("; {} experts top-{} d_expert {}{}", l.n_experts, l.top_k, l.d_expert,
-                       l.fp8_experts ? " fp8" : "");
-    if (r.ep) {
-        out += fmt::format(" (ep: {} whole experts per rank, down K block {})", l.n_experts / r.tp,
-                           lp.expert_block_width);
-    } else {
-        out += fmt::format(" (tensor-split: d_expert {} per rank, down K block {})", l.d_expert / r.tp,
-                           lp.expert_block_width);
-    }
+    out += fmt::format("; {} experts top-{} d_expert {}{} ({} whole experts per rank)", l.n_experts, l.top_k,
+                       l.d_expert, l.fp8_experts ? " fp8" : "", l.n_experts / r.tp);
     if (l.d_shared > 0) {
         out += fmt::format("; shared expert {} replicated", l.d_shared);
     }
@@ -268,12 +236,8 @@ std::string rank_layer_text(const LayerShape &l, const RankLayerPlan &p) {
                                   range_text(p.kv_heads), range_text(p.o_blocks));
     if (!l.moe) {
         out += fmt::format(", d_ff {}, down blocks {}", range_text(p.ff), range_text(p.ff_blocks));
-    } else if (p.d_expert.size() == l.d_expert) {
-        out += fmt::format(", experts {} whole (down blocks {} reduced locally)", range_text(p.experts),
-                           range_text(p.expert_blocks));
     } else {
-        out += fmt::format(", experts {} d_expert {}, expert down blocks {}", range_text(p.experts),
-                           range_text(p.d_expert), range_text(p.expert_blocks));
+        out += fmt::format(", experts {} whole", range_text(p.experts));
     }
     return out;
 }
@@ -354,10 +318,10 @@ Range experts_of(int tp_rank, int n_experts, int tp) { return even_part(tp_rank,
 // ---- Split kinds ----
 
 // Column: q/k/v/g by heads (k/v copied when tp > n_kv_heads), dense gate/up by d_ff, LM and MTP heads by
-// vocabulary rows. Row: o_proj and dense down_proj in canonical blocks. Routed experts: whole per owner with
-// ep, otherwise split like the dense MLP over d_expert. Replicated: embedding, norms, router and its bias
+// vocabulary rows. Row: o_proj and dense down_proj in canonical blocks. Routed experts: whole, each on its
+// owner (expert parallelism of degree tp). Replicated: embedding, norms, router and its bias
 // (the router runs in fp32 on every rank so all ranks select the same experts), the shared expert, eh_proj.
-Split projection_split(Projection projection, bool ep) {
+Split projection_split(Projection projection) {
     switch (projection) {
         case Projection::kQ:
         case Projection::kK:
@@ -373,9 +337,8 @@ Split projection_split(Projection projection, bool ep) {
             return Split::kRow;
         case Projection::kExpertGate:
         case Projection::kExpertUp:
-            return ep ? Split::kExpert : Split::kColumn;
         case Projection::kExpertDown:
-            return ep ? Split::kExpert : Split::kRow;
+            return Split::kExpert;
         case Projection::kEmbed:
         case Projection::kNorm:
         case Projection::kRouter:
@@ -438,7 +401,6 @@ int ParallelPlan::rank_of(int stage, int tp_rank) const {
 }
 
 int ParallelPlan::expert_owner_rank(const ModelShape &shape, int layer, int expert) const {
-    MEMRA_CHECK(request.ep, "expert owners exist only with ep");
     MEMRA_CHECK(layer >= 0 && layer < static_cast<int>(layers.size()) && shape.layers[layer].moe,
                 "layer {} is not an MoE layer", layer);
     return rank_of(layers[layer].stage, expert_owner(expert, shape.layers[layer].n_experts, request.tp));
@@ -476,7 +438,7 @@ Result<ParallelPlan> make_plan(const ModelShape &shape, const PlanRequest &reque
         return tl::unexpected(Error{canonical_refusal(tp)});
     }
     for (int i = 0; i < n_layers; ++i) {
-        if (auto ok = check_ffn_tp(shape.layers[i], i, request, shape.fp8_block); !ok) {
+        if (auto ok = check_ffn_tp(shape.layers[i], i, request); !ok) {
             return tl::unexpected(ok.error());
         }
     }
@@ -527,7 +489,6 @@ Result<ParallelPlan> make_plan(const ModelShape &shape, const PlanRequest &reque
         }
         lp.o_block_width = l.n_heads * l.head_dim / kCanonicalBlocks;
         lp.ff_block_width = l.moe ? 0 : l.d_ff / kCanonicalBlocks;
-        lp.expert_block_width = l.moe ? l.d_expert / kCanonicalBlocks : 0;
         plan.layers.push_back(lp);
     }
 
@@ -559,9 +520,10 @@ std::string format_plan(const ParallelPlan &plan, const ModelShape &shape) {
                 shape.layers.size());
     const PlanRequest &r = plan.request;
     std::string out;
-    out += fmt::format("parallel plan: {} rank{} = {} pipeline stage{} x tp {}, ep {}, {} device{} available\n",
-                       plan.n_ranks, plural(plan.n_ranks), r.pipeline_stages, plural(r.pipeline_stages), r.tp,
-                       r.ep ? "on" : "off", r.devices_available, plural(r.devices_available));
+    out += fmt::format("parallel plan: {} rank{} = {} pipeline stage{} x tp {} (routed experts: ep {}), {} device{} "
+                       "available\n",
+                       plan.n_ranks, plural(plan.n_ranks), r.pipeline_stages, plural(r.pipeline_stages), r.tp, r.tp,
+                       r.devices_available, plural(r.devices_available));
     out += fmt::format("model: d_model {}, vocab {}, {} trunk + {} MTP layers\n", shape.d_model, shape.vocab_size,
                        plan.n_trunk_layers, plan.n_mtp_layers);
     out += fmt::format("canonical K blocks: {} per row-parallel projection, summed as {}; each rank reduces its "
@@ -618,7 +580,7 @@ std::string format_plan(const ParallelPlan &plan, const ModelShape &shape) {
 
     std::string replicated;
     for (Projection p : kAllProjections) {
-        if (projection_split(p, r.ep) == Split::kReplicated) {
+        if (projection_split(p) == Split::kReplicated) {
             replicated += replicated.empty() ? "" : ", ";
             replicated += projection_name(p);
         }

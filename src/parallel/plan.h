@@ -1,6 +1,6 @@
 // The parallel plan: maps a model's geometry and a requested topology (pipeline stages x tensor-parallel
-// ranks, optional expert parallelism) to what every rank holds: query/KV heads per layer, slices of the
-// dense and expert FFNs, which canonical K blocks of each row-parallel projection it reduces, its slice of
+// ranks, routed experts expert-parallel over the same ranks) to what every rank holds: query/KV heads per
+// layer, slices of the dense FFN, whole routed experts, which canonical K blocks of each row-parallel projection it reduces, its slice of
 // the vocabulary, and what is replicated. Pure logic: no I/O, no devices. The model module converts its
 // config into ModelShape; everything that shards weights or activations asks this module.
 #pragma once
@@ -44,20 +44,18 @@ struct LayerShape {
     int top_k = 0;      // experts selected per token, 0 on dense layers
     int d_expert = 0;   // routed expert intermediate width, 0 on dense layers
     int d_shared = 0;   // shared expert intermediate width (0: no shared expert)
-    bool fp8_experts = false;  // routed expert weights are fp8 with fp8_block x fp8_block scale tiles
+    bool fp8_experts = false;  // routed expert weights are fp8 (block-scaled); shown by format_plan
 };
 
 struct ModelShape {
     int d_model = 0;
     int vocab_size = 0;              // rows of the embedding, the LM head and each MTP shared_head
     std::vector<LayerShape> layers;  // trunk layers first, then the MTP layers
-    int fp8_block = 128;             // edge of an fp8 weight's square scale tile
 };
 
 struct PlanRequest {
     int pipeline_stages = 1;
-    int tp = 1;          // tensor-parallel ranks per stage
-    bool ep = false;     // routed experts whole on their owner instead of tensor-split
+    int tp = 1;          // tensor-parallel ranks per stage; routed experts are expert-parallel over them
     int devices_available = 1;
 };
 
@@ -78,7 +76,6 @@ struct LayerPlan {
     int kv_replicas = 1;         // ranks holding each KV head: tp / n_kv_heads when replicated, else 1
     int o_block_width = 0;       // o_proj input columns per canonical block: n_heads * head_dim / 8
     int ff_block_width = 0;      // dense down_proj K per canonical block: d_ff / 8 (0 on MoE layers)
-    int expert_block_width = 0;  // routed down_proj K per canonical block: d_expert / 8 (ep or not)
 };
 
 // What one rank holds of one layer. Column-parallel slices are output rows of the weight; row-parallel
@@ -91,9 +88,7 @@ struct RankLayerPlan {
     Range o_blocks;       // canonical K blocks of o_proj it owns (o_cols == o_blocks scaled by block width)
     Range ff;             // dense gate/up rows and down_proj K columns; empty on MoE layers
     Range ff_blocks;      // canonical K blocks of the dense down_proj; empty on MoE layers
-    Range experts;        // routed experts it holds (EP: the ones it owns; otherwise all); empty if dense
-    Range d_expert;       // slice of each held expert's intermediate dim (EP: all of it); empty if dense
-    Range expert_blocks;  // canonical K blocks of the routed down_proj it reduces (EP: all 8, locally)
+    Range experts;        // routed experts it owns, whole (all of them at tp = 1); empty if dense
 };
 
 struct RankPlan {
@@ -117,7 +112,7 @@ struct ParallelPlan {
     std::vector<RankPlan> ranks;      // [rank]
 
     int rank_of(int stage, int tp_rank) const;
-    // The global rank that computes routed expert `expert` of MoE layer `layer` under EP.
+    // The global rank that computes routed expert `expert` of MoE layer `layer`.
     int expert_owner_rank(const ModelShape &shape, int layer, int expert) const;
 };
 
@@ -131,14 +126,12 @@ struct ParallelPlan {
 //     == 0, else one replicated KV head per rank if tp % n_kv_heads == 0 (GQA group H/n_kv is a multiple
 //     of the rank's H/tp query heads, so they all read one KV head), else refused.
 //  4. tp divides 8, so every rank owns an aligned subtree of the canonical block tree (tp=16 would give
-//     half a block per rank). Rank r owns blocks [r*8/tp, (r+1)*8/tp) of o_proj, dense down_proj and,
-//     without ep, the routed down_proj; those blocks are exactly its heads' / d_ff / d_expert columns.
+//     half a block per rank). Rank r owns blocks [r*8/tp, (r+1)*8/tp) of o_proj and dense down_proj;
+//     those blocks are exactly its heads' / d_ff columns.
 //     o_proj blocks are n_heads*head_dim/8 wide and need not each hold whole heads (12 heads -> 1.5 per
 //     block); each rank's union of blocks always does (rule 3 and tp | 8).
-//  5. Routed experts: with ep, whole experts, n_experts % tp == 0, owner(e) = e / (n_experts / tp), the
-//     owner runs the whole K loop of down_proj; without ep, every rank holds every expert's slice
-//     [r*d_expert/tp, ...) split like the dense MLP, d_expert % 8 == 0, and fp8 experts need that slice to
-//     be a whole number of fp8_block scale tiles.
+//  5. Routed experts are never split by width (ENGINE.md section 3): whole experts, n_experts % tp == 0,
+//     owner(e) = e / (n_experts / tp), the owner runs the whole K loop of down_proj (one K order).
 //  6. LM head and each MTP shared_head: vocabulary rows [r*V/tp, ...) on the last stage; vocab % tp == 0.
 //  7. Replicated on every TP rank that holds them: embedding, norms, router and router bias, the shared
 //     expert, MTP eh_proj.
@@ -174,9 +167,9 @@ std::string canonical_subtree_expr(Range blocks);
 
 // ---- Experts -----------------------------------------------------------------------------------------
 
-// Under EP the TP rank owning routed expert e: e / (n_experts / tp); n_experts % tp == 0.
+// The TP rank owning routed expert e: e / (n_experts / tp); n_experts % tp == 0.
 int expert_owner(int expert, int n_experts, int tp);
-// The experts TP rank `tp_rank` owns under EP.
+// The experts TP rank `tp_rank` owns.
 Range experts_of(int tp_rank, int n_experts, int tp);
 
 // ---- Split kinds -------------------------------------------------------------------------------------
@@ -215,13 +208,13 @@ inline constexpr Projection kAllProjections[] = {
     Projection::kMtpHead};
 
 enum class Split {
-    kColumn,      // output rows split over the TP ranks (heads, d_ff, d_expert or vocab)
+    kColumn,      // output rows split over the TP ranks (heads, d_ff or vocab)
     kRow,         // reduction dim split in canonical blocks; partials combined by the canonical tree
     kReplicated,  // every rank of the stage holds all of it
-    kExpert,      // EP: whole experts, each on its owner rank
+    kExpert,      // whole experts, each on its owner rank (expert parallelism of degree tp)
 };
 
-Split projection_split(Projection projection, bool ep);
+Split projection_split(Projection projection);
 const char *projection_name(Projection projection);
 const char *split_name(Split split);
 

@@ -1,82 +1,250 @@
-// Attention: an independent spelling of the documented two-pass order (bits), float64 softmax within
-// tolerance, prefill == token-by-token decode over the growing key set (bits), any split of the queries,
-// sliding-window edges, GQA head mapping, the fused gate, thread invariance.
+// Paged attention and the KV write: float64 softmax within a stated tolerance and an independent spelling of
+// the documented order (bits) over pools whose pages are out of order, at odd shapes (GQA groups 1-12, head_dim
+// 32-128, sequences spanning several pages, windowed and full); a query's bits do not depend on the other
+// queries and sequences of the call, the page ids or the thread count; missing pages, first_pos, the KV
+// formats (reading through a format is exactly decoding), kv_write's bytes, and the per-head sigmoid gate.
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/ops_attention.h"
-#include "backend/cpu/ops_elementwise.h"
+#include "core/kv_format.h"
+#include "core/kv_page.h"
 #include "core/math.h"
 #include "cpu/ops_test_util.h"
 
 namespace memra::cpu::test {
 namespace {
 
-// Keys/values for positions [0, n_pos) and queries for positions q_pos.
-struct AttnCase {
-    AttentionShape shape;
-    int64_t n_pos = 0;
-    std::vector<float> q;  // [n_q, n_heads, head_dim]
-    std::vector<int64_t> q_pos;
-    std::vector<float> k, v;  // [n_pos, n_kv_heads, head_dim]
-    std::vector<float> gate;  // [n_q, n_heads]
+// A host pool of two layers with the same geometry; the tests use layer 1, so layer offsets matter. Every
+// byte starts as 0xFF, a NaN in f32, bf16 and the block formats' fp16 scales: a row read that was never
+// written turns the output into NaN.
+struct HostPool {
+    KvPoolSpec spec;
+    KvPageLayout layout;
+    std::vector<std::byte> bytes;
+
+    static constexpr int kLayer = 1;
+
+    HostPool(KvFormat k_format, KvFormat v_format, int64_t n_pages, int64_t n_kv_heads, int64_t head_dim) {
+        const KvPoolLayer l{static_cast<int>(n_kv_heads), static_cast<int>(head_dim)};
+        spec = KvPoolSpec{k_format, v_format, n_pages, {l, l}};
+        auto lay = kv_page_layout(spec);
+        EXPECT_TRUE(lay.has_value());
+        layout = *lay;
+        bytes.assign(static_cast<size_t>(kv_pool_bytes(spec, layout)), std::byte{0xFF});
+    }
+
+    PagedLayer layer() {
+        const auto l = static_cast<size_t>(kLayer);
+        return PagedLayer{bytes.data(),          spec.n_pages,          layout.page_bytes, layout.k_offset[l],
+                          layout.v_offset[l],    layout.k_row_bytes[l], layout.v_row_bytes[l], spec.k_format,
+                          spec.v_format};
+    }
+    int64_t row_elems() const { return layout.row_elems[static_cast<size_t>(kLayer)]; }
+
+    // Encodes a K and a V row into a slot, with kv_encode at the layout's offsets (not through kv_write).
+    void put(int64_t slot, const float *k, const float *v) {
+        kv_encode(spec.k_format, k, row_elems(), bytes.data() + layout.k_at(kLayer, slot));
+        kv_encode(spec.v_format, v, row_elems(), bytes.data() + layout.v_at(kLayer, slot));
+    }
 };
 
-AttnCase make_case(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t window, int64_t n_pos,
-                   uint32_t seed) {
-    AttnCase c;
+// One sequence: its K/V rows for positions [0, n_pos) and the pages of its logical blocks.
+struct Seq {
+    int64_t n_pos = 0;
+    std::vector<int32_t> pages;  // [blocks] page of block b (positions [64 b, 64 b + 64)), -1 = released
+    std::vector<float> k, v;     // [n_pos, n_kv_heads * head_dim]
+};
+
+struct Query {
+    int32_t seq = 0;
+    int64_t pos = 0;
+};
+
+// A call of the kernel: the shape, the sequences, the queries (q rows and gates).
+struct Case {
+    AttentionShape shape;
+    std::vector<Seq> seqs;
+    std::vector<Query> queries;
+    std::vector<float> q;     // [n_q, n_heads * head_dim]
+    std::vector<float> gate;  // [n_q, n_heads]
+
+    int64_t row() const { return shape.n_kv_heads * shape.head_dim; }
+    int64_t q_row() const { return shape.n_heads * shape.head_dim; }
+    int64_t n_q() const { return static_cast<int64_t>(queries.size()); }
+    int64_t max_blocks() const {
+        size_t b = 1;
+        for (const Seq &s : seqs) b = std::max(b, s.pages.size());
+        return static_cast<int64_t>(b);
+    }
+    // [n_seqs, max_blocks] i32, -1 past a sequence's blocks.
+    std::vector<int32_t> block_tables() const {
+        const auto mb = static_cast<size_t>(max_blocks());
+        std::vector<int32_t> bt(seqs.size() * mb, -1);
+        for (size_t s = 0; s < seqs.size(); ++s) {
+            std::copy(seqs[s].pages.begin(), seqs[s].pages.end(), bt.begin() + static_cast<int64_t>(s * mb));
+        }
+        return bt;
+    }
+    int64_t lowest_visible(int64_t pos, int64_t first_pos) const {
+        return shape.window > 0 ? std::max(first_pos, pos - shape.window + 1) : first_pos;
+    }
+};
+
+// Sequences of the given lengths with random K/V in [-2, 2]; each sequence's blocks take pages from `pages`
+// in turn (so a caller chooses out-of-order and interleaved page ids). Queries: every position of every
+// sequence, random q in [-2, 2] and gate logits in [-4, 4].
+Case make_case(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t window,
+               const std::vector<int64_t> &lengths, const std::vector<int32_t> &pages, uint32_t seed) {
+    Case c;
     c.shape = AttentionShape{n_heads, n_kv_heads, head_dim, window, attention_scale(head_dim)};
-    c.n_pos = n_pos;
-    for (int64_t p = 0; p < n_pos; ++p) c.q_pos.push_back(p);
-    c.q = random_floats(static_cast<size_t>(n_pos * n_heads * head_dim), seed, -2.0f, 2.0f);
-    c.k = random_floats(static_cast<size_t>(n_pos * n_kv_heads * head_dim), seed + 1, -2.0f, 2.0f);
-    c.v = random_floats(static_cast<size_t>(n_pos * n_kv_heads * head_dim), seed + 2, -2.0f, 2.0f);
-    c.gate = random_floats(static_cast<size_t>(n_pos * n_heads), seed + 3, -4.0f, 4.0f);
+    size_t next_page = 0;
+    for (size_t s = 0; s < lengths.size(); ++s) {
+        Seq seq;
+        seq.n_pos = lengths[s];
+        for (int64_t b = 0; b < (lengths[s] + kKvPageRows - 1) / kKvPageRows; ++b) {
+            seq.pages.push_back(pages.at(next_page++));
+        }
+        const auto n = static_cast<size_t>(lengths[s] * c.row());
+        seq.k = random_floats(n, seed + 10 * static_cast<uint32_t>(s) + 1, -2.0f, 2.0f);
+        seq.v = random_floats(n, seed + 10 * static_cast<uint32_t>(s) + 2, -2.0f, 2.0f);
+        c.seqs.push_back(std::move(seq));
+        for (int64_t p = 0; p < lengths[s]; ++p) c.queries.push_back(Query{static_cast<int32_t>(s), p});
+    }
+    c.q = random_floats(static_cast<size_t>(c.n_q() * c.q_row()), seed + 3, -2.0f, 2.0f);
+    c.gate = random_floats(static_cast<size_t>(c.n_q() * n_heads), seed + 4, -4.0f, 4.0f);
     return c;
 }
 
-// Runs all of the case's queries against keys [0, n_pos).
-std::vector<float> run_all(ThreadPool &pool, const AttnCase &c, bool with_gate) {
-    const int64_t n_q = static_cast<int64_t>(c.q_pos.size());
-    std::vector<float> out(static_cast<size_t>(n_q * c.shape.n_heads * c.shape.head_dim));
-    attention(pool, c.shape, c.q.data(), c.shape.n_heads * c.shape.head_dim, c.q_pos.data(), n_q, c.k.data(),
-              c.v.data(), 0, c.n_pos, with_gate ? c.gate.data() : nullptr, c.shape.n_heads, out.data());
+int64_t max_page(const Case &c) {
+    int32_t m = 0;
+    for (const Seq &s : c.seqs) {
+        for (int32_t p : s.pages) m = std::max(m, p);
+    }
+    return m;
+}
+
+// A pool holding the case's rows in its pages (positions >= from only; the others stay NaN bytes).
+HostPool fill_pool(const Case &c, KvFormat k_format, KvFormat v_format, int64_t from = 0) {
+    HostPool pool(k_format, v_format, max_page(c) + 1, c.shape.n_kv_heads, c.shape.head_dim);
+    for (const Seq &s : c.seqs) {
+        for (int64_t p = from; p < s.n_pos; ++p) {
+            const int32_t page = s.pages[static_cast<size_t>(p / kKvPageRows)];
+            if (page < 0) continue;
+            pool.put(page * kKvPageRows + p % kKvPageRows, s.k.data() + p * c.row(), s.v.data() + p * c.row());
+        }
+    }
+    return pool;
+}
+
+// Runs queries [q0, q1) of the case in one call over every sequence's block table.
+std::vector<float> run(ThreadPool &threads, const Case &c, HostPool &pool, bool with_gate, int64_t first_pos = 0,
+                       int64_t q0 = 0, int64_t q1 = -1) {
+    if (q1 < 0) q1 = c.n_q();
+    std::vector<int64_t> pos;
+    std::vector<int32_t> seq;
+    for (int64_t i = q0; i < q1; ++i) {
+        pos.push_back(c.queries[static_cast<size_t>(i)].pos);
+        seq.push_back(c.queries[static_cast<size_t>(i)].seq);
+    }
+    const std::vector<int32_t> bt = c.block_tables();
+    std::vector<float> out(static_cast<size_t>((q1 - q0) * c.q_row()), -7.0f);
+    paged_attention(threads, c.shape, c.q.data() + q0 * c.q_row(), c.q_row(), pos.data(), seq.data(), q1 - q0,
+                    pool.layer(), bt.data(), c.max_blocks(), static_cast<int64_t>(c.seqs.size()), first_pos,
+                    with_gate ? c.gate.data() + q0 * c.shape.n_heads : nullptr, c.shape.n_heads, out.data());
     return out;
 }
 
-int64_t lowest_visible(const AttnCase &c, int64_t pos) {
-    return c.shape.window > 0 ? std::max<int64_t>(0, pos - c.shape.window + 1) : 0;
+// Query i alone: one call whose block table holds only its own sequence.
+std::vector<float> run_alone(ThreadPool &threads, const Case &c, HostPool &pool, int64_t i, bool with_gate) {
+    const Query &qi = c.queries[static_cast<size_t>(i)];
+    const Seq &s = c.seqs[static_cast<size_t>(qi.seq)];
+    const int64_t pos = qi.pos;
+    const int32_t seq0 = 0;
+    std::vector<float> out(static_cast<size_t>(c.q_row()), -7.0f);
+    paged_attention(threads, c.shape, c.q.data() + i * c.q_row(), c.q_row(), &pos, &seq0, 1, pool.layer(),
+                    s.pages.data(), static_cast<int64_t>(s.pages.size()), 1, 0,
+                    with_gate ? c.gate.data() + i * c.shape.n_heads : nullptr, c.shape.n_heads, out.data());
+    return out;
 }
 
-// The documented order, spelled independently: scores into a vector, max, exp, sum, weighted sum, divide.
-std::vector<float> reference_bits(const AttnCase &c, bool with_gate) {
-    const int64_t H = c.shape.n_heads, D = c.shape.head_dim, G = c.shape.n_kv_heads;
-    std::vector<float> out;
-    for (size_t i = 0; i < c.q_pos.size(); ++i) {
+std::vector<float> rows_of(const std::vector<float> &v, int64_t r0, int64_t r1, int64_t width) {
+    return std::vector<float>(v.begin() + r0 * width, v.begin() + r1 * width);
+}
+
+// float64 softmax attention over the case's f32 rows (no gate), keys [lowest_visible, pos].
+std::vector<double> reference_f64(const Case &c, int64_t first_pos = 0) {
+    const int64_t H = c.shape.n_heads, G = c.shape.n_kv_heads, D = c.shape.head_dim;
+    std::vector<double> out;
+    for (int64_t i = 0; i < c.n_q(); ++i) {
+        const Query &qi = c.queries[static_cast<size_t>(i)];
+        const Seq &s = c.seqs[static_cast<size_t>(qi.seq)];
+        const int64_t lo = c.lowest_visible(qi.pos, first_pos);
         for (int64_t h = 0; h < H; ++h) {
-            const float *qv = c.q.data() + (static_cast<int64_t>(i) * H + h) * D;
             const int64_t g = h / (H / G);
-            const int64_t lo = lowest_visible(c, c.q_pos[i]);
-            std::vector<float> s;
-            for (int64_t p = lo; p <= c.q_pos[i]; ++p) {
-                s.push_back(canonical_dot(qv, c.k.data() + (p * G + g) * D, D) * c.shape.scale);
+            std::vector<double> sc;
+            double m = -std::numeric_limits<double>::infinity();
+            for (int64_t p = lo; p <= qi.pos; ++p) {
+                double dot = 0.0;
+                for (int64_t d = 0; d < D; ++d) {
+                    dot += static_cast<double>(c.q[static_cast<size_t>(i * c.q_row() + h * D + d)]) *
+                           s.k[static_cast<size_t>(p * c.row() + g * D + d)];
+                }
+                sc.push_back(dot / std::sqrt(static_cast<double>(D)));
+                m = std::max(m, sc.back());
+            }
+            std::vector<double> o(static_cast<size_t>(D), 0.0);
+            double l = 0.0;
+            for (size_t n = 0; n < sc.size(); ++n) {
+                const double e = std::exp(sc[n] - m);
+                l += e;
+                const int64_t p = lo + static_cast<int64_t>(n);
+                for (int64_t d = 0; d < D; ++d) {
+                    o[static_cast<size_t>(d)] += e * s.v[static_cast<size_t>(p * c.row() + g * D + d)];
+                }
+            }
+            for (int64_t d = 0; d < D; ++d) out.push_back(o[static_cast<size_t>(d)] / l);
+        }
+    }
+    return out;
+}
+
+// The documented order (ops_attention.h), spelled independently over the case's f32 rows: scores into a
+// vector, their max, then exp, sum and weighted values in increasing position, one division, the gate.
+std::vector<float> reference_bits(const Case &c, bool with_gate) {
+    const int64_t H = c.shape.n_heads, G = c.shape.n_kv_heads, D = c.shape.head_dim;
+    std::vector<float> out;
+    for (int64_t i = 0; i < c.n_q(); ++i) {
+        const Query &qi = c.queries[static_cast<size_t>(i)];
+        const Seq &s = c.seqs[static_cast<size_t>(qi.seq)];
+        const int64_t lo = c.lowest_visible(qi.pos, 0);
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t g = h / (H / G);
+            const float *qv = c.q.data() + i * c.q_row() + h * D;
+            std::vector<float> sc;
+            for (int64_t p = lo; p <= qi.pos; ++p) {
+                sc.push_back(canonical_dot(qv, s.k.data() + p * c.row() + g * D, D) * c.shape.scale);
             }
             float m = -std::numeric_limits<float>::infinity();
-            for (float x : s) m = std::max(m, x);
+            for (float x : sc) m = std::max(m, x);
             std::vector<float> o(static_cast<size_t>(D), 0.0f);
             float l = 0.0f;
-            for (size_t n = 0; n < s.size(); ++n) {
-                const float e = exp_f32(s[n] - m);
-                l += e;
-                const float *vv = c.v.data() + ((lo + static_cast<int64_t>(n)) * G + g) * D;
-                for (int64_t d = 0; d < D; ++d) o[d] += e * vv[d];
+            for (size_t n = 0; n < sc.size(); ++n) {
+                const float e = exp_f32(sc[n] - m);
+                l = l + e;
+                const float *vv = s.v.data() + (lo + static_cast<int64_t>(n)) * c.row() + g * D;
+                for (int64_t d = 0; d < D; ++d) o[static_cast<size_t>(d)] = o[static_cast<size_t>(d)] + e * vv[d];
             }
             for (int64_t d = 0; d < D; ++d) {
-                float r = o[d] / l;
-                if (with_gate) r *= sigmoid_f32(c.gate[i * H + h]);
+                float r = o[static_cast<size_t>(d)] / l;
+                if (with_gate) r = r * sigmoid_f32(c.gate[static_cast<size_t>(i * H + h)]);
                 out.push_back(r);
             }
         }
@@ -84,211 +252,360 @@ std::vector<float> reference_bits(const AttnCase &c, bool with_gate) {
     return out;
 }
 
-// float64 softmax attention (no gate).
-std::vector<double> reference_f64(const AttnCase &c) {
-    const int64_t H = c.shape.n_heads, D = c.shape.head_dim, G = c.shape.n_kv_heads;
-    std::vector<double> out;
-    for (size_t i = 0; i < c.q_pos.size(); ++i) {
-        for (int64_t h = 0; h < H; ++h) {
-            const int64_t g = h / (H / G);
-            std::vector<double> s;
-            double m = -1e300;
-            for (int64_t p = 0; p < c.n_pos; ++p) {
-                const bool visible = p <= c.q_pos[i] && (c.shape.window == 0 || c.q_pos[i] - c.shape.window < p);
-                if (!visible) continue;
-                double dot = 0.0;
-                for (int64_t d = 0; d < D; ++d) {
-                    dot += static_cast<double>(c.q[(static_cast<int64_t>(i) * H + h) * D + d]) * c.k[(p * G + g) * D + d];
-                }
-                s.push_back(dot / std::sqrt(static_cast<double>(D)));
-                m = std::max(m, s.back());
-            }
-            std::vector<double> o(static_cast<size_t>(D), 0.0);
-            double l = 0.0;
-            const int64_t lo = lowest_visible(c, c.q_pos[i]);
-            for (size_t n = 0; n < s.size(); ++n) {
-                const double e = std::exp(s[n] - m);
-                l += e;
-                for (int64_t d = 0; d < D; ++d) o[d] += e * c.v[((lo + static_cast<int64_t>(n)) * G + g) * D + d];
-            }
-            for (int64_t d = 0; d < D; ++d) out.push_back(o[d] / l);
-        }
+// Sequences of 1, 17, 70 and 200 positions (1, 1, 2 and 4 pages), pages out of order and interleaved.
+const std::vector<int64_t> kLengths{1, 17, 70, 200};
+const std::vector<int32_t> kPages{9, 3, 5, 2, 7, 0, 11, 4};
+
+struct Geometry {
+    int64_t n_heads, n_kv_heads, head_dim, window;
+};
+// GQA groups 1, 2, 3 and 12 (past the kernel's batch of 8 query heads per work item), head_dim 32-128,
+// full and windowed (windows inside a page, across pages, and longer than some sequences).
+constexpr Geometry kGeometries[] = {{4, 4, 32, 0},   {6, 3, 64, 16},  {6, 2, 128, 0},
+                                    {24, 2, 64, 0},  {12, 1, 32, 100}, {8, 4, 128, 65}};
+
+TEST(OpsPagedAttention, MatchesFloat64) {
+    // |out - out64| over outputs that are weighted means of values in [-2, 2]. Observed worst case 8.6e-7 over
+    // these cases (and 5.9e-7 in KeysBelowFirstPosAreNeverRead); the bound 2e-6 is about 17 float ulps at 1.
+    ThreadPool pool(3);
+    uint32_t seed = 10;
+    for (const Geometry &g : kGeometries) {
+        const Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, kLengths, kPages, seed += 10);
+        HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+        const std::vector<float> got = run(pool, c, kv, false);
+        const std::vector<double> want = reference_f64(c);
+        ASSERT_EQ(got.size(), want.size());
+        double worst = 0.0;
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]));
+        EXPECT_LT(worst, 2e-6) << "heads " << g.n_heads << "/" << g.n_kv_heads << " head_dim " << g.head_dim
+                               << " window " << g.window;
+        EXPECT_GT(worst, 0.0);  // a result that never rounds would be suspect
     }
-    return out;
 }
 
-TEST(OpsAttention, MatchesDocumentedOrderAndFloat64) {
+TEST(OpsPagedAttention, BitsFollowTheDocumentedOrder) {
     ThreadPool pool(2);
-    for (int64_t window : {0, 5}) {
-        for (int64_t head_dim : {20, 64}) {
-            const AttnCase c = make_case(6, 2, head_dim, window, 13, 7 + static_cast<uint32_t>(head_dim + window));
-            const std::vector<float> got = run_all(pool, c, false);
-            MEMRA_EXPECT_SAME_BITS(got, reference_bits(c, false)) << window << " " << head_dim;
-            const std::vector<double> f64 = reference_f64(c);
-            for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], f64[i], 2e-6) << i;
-            MEMRA_EXPECT_SAME_BITS(run_all(pool, c, true), reference_bits(c, true));
-        }
+    uint32_t seed = 100;
+    for (const Geometry &g : kGeometries) {
+        const Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, kLengths, kPages, seed += 10);
+        HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+        MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, false), reference_bits(c, false)) << g.n_heads << " " << g.head_dim;
+        MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true), reference_bits(c, true)) << g.n_heads << " " << g.head_dim;
     }
+    // More visible keys than the kernel keeps pass-1 scores for (2048): the rest are scored again in pass 2.
+    Case c = make_case(3, 1, 32, 0, {2100}, {30, 2, 17, 5, 25, 11, 8, 0, 21, 14, 3, 27, 6, 19, 1, 23, 9, 12, 28, 4,
+                                             15, 26, 7, 18, 10, 22, 13, 29, 16, 24, 20, 31, 33, 32},
+                       200);
+    c.queries = {{0, 2099}, {0, 2047}, {0, 2048}, {0, 1500}};
+    HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+    MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true), reference_bits(c, true));
 }
 
-TEST(OpsAttention, ScaleIsHfHeadDimPowMinusHalf) {
+TEST(OpsPagedAttention, ScaleIsHfHeadDimPowMinusHalf) {
     EXPECT_EQ(attention_scale(128), static_cast<float>(std::pow(128.0, -0.5)));
     EXPECT_EQ(attention_scale(64), 0.125f);
     EXPECT_EQ(attention_scale(96), static_cast<float>(1.0 / std::sqrt(96.0)));
 }
 
-TEST(OpsAttention, PrefillEqualsTokenByTokenDecode) {
-    for (int64_t window : {0, 16}) {
-        const AttnCase c = make_case(4, 2, 64, window, 40, 100 + static_cast<uint32_t>(window));
-        ThreadPool pool(3);
-        const std::vector<float> prefill = run_all(pool, c, true);
-        const int64_t H = c.shape.n_heads, D = c.shape.head_dim, row = c.shape.n_kv_heads * D;
-        for (int64_t p = 0; p < c.n_pos; ++p) {
-            // Decode step p: one query, the keys written so far; for a sliding layer only the live window is
-            // passed (kv_begin > 0), as a ring cache would return it.
-            const int64_t kv_begin = lowest_visible(c, p);
-            std::vector<float> one(static_cast<size_t>(H * D));
-            attention(pool, c.shape, c.q.data() + p * H * D, H * D, &c.q_pos[p], 1, c.k.data() + kv_begin * row,
-                      c.v.data() + kv_begin * row, kv_begin, p + 1, c.gate.data() + p * H, H, one.data());
-            MEMRA_EXPECT_SAME_BITS(one, std::vector<float>(prefill.begin() + p * H * D, prefill.begin() + (p + 1) * H * D))
-                << "window " << window << " position " << p;
+TEST(OpsPagedAttention, AQueryDependsOnNothingElseInTheCall) {
+    // D2: every query alone (one call, one query, its sequence's block table only) equals its row of the call
+    // holding every query of every sequence; so does any contiguous chunk of queries (chunked prefill), and a
+    // decode step that finds only the rows written so far.
+    ThreadPool pool(3);
+    for (const Geometry &g : {kGeometries[1], kGeometries[3], kGeometries[4]}) {
+        const Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, kLengths, kPages, 300);
+        HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+        const std::vector<float> all = run(pool, c, kv, true);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < c.n_q(); ++i) {
+            bad += bit_mismatches(run_alone(pool, c, kv, i, true), rows_of(all, i, i + 1, c.q_row()));
         }
-        // Chunked prefill: positions [0, 17) then [17, 40) with the keys available so far.
-        std::vector<float> chunked(prefill.size());
-        attention(pool, c.shape, c.q.data(), H * D, c.q_pos.data(), 17, c.k.data(), c.v.data(), 0, 17, c.gate.data(),
-                  H, chunked.data());
-        attention(pool, c.shape, c.q.data() + 17 * H * D, H * D, c.q_pos.data() + 17, 23, c.k.data(), c.v.data(), 0,
-                  40, c.gate.data() + 17 * H, H, chunked.data() + 17 * H * D);
-        MEMRA_EXPECT_SAME_BITS(chunked, prefill);
+        EXPECT_EQ(bad, 0) << g.n_heads << " " << g.head_dim;
+        for (const auto &[q0, q1] : {std::pair<int64_t, int64_t>{0, 5}, {5, 100}, {100, 101}, {101, 288}}) {
+            MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true, 0, q0, q1), rows_of(all, q0, q1, c.q_row()));
+        }
+        // Decode: sequence 3's query at P with only its rows [0, P] written (the later ones NaN bytes).
+        for (const int64_t P : {0, 63, 64, 130, 199}) {
+            Case written = c;
+            Seq &s = written.seqs[3];
+            s.n_pos = P + 1;
+            s.k.resize(static_cast<size_t>((P + 1) * c.row()));
+            s.v.resize(static_cast<size_t>((P + 1) * c.row()));
+            HostPool kv_p = fill_pool(written, KvFormat::kF32, KvFormat::kF32);
+            const int64_t i = 1 + 17 + 70 + P;
+            MEMRA_EXPECT_SAME_BITS(run_alone(pool, written, kv_p, i, true), rows_of(all, i, i + 1, c.q_row()))
+                << "position " << P;
+        }
     }
 }
 
-TEST(OpsAttention, QueriesInAnyOrderAndSubset) {
-    const AttnCase c = make_case(4, 4, 32, 0, 25, 300);
+TEST(OpsPagedAttention, PageIdsDoNotChangeBits) {
+    // The same rows written into other pages (another order, a larger pool) give identical bits; a block table
+    // pointing at the wrong pages does not, so the comparison can fail.
     ThreadPool pool(2);
-    const std::vector<float> all = run_all(pool, c, false);
-    const int64_t HD = c.shape.n_heads * c.shape.head_dim;
-    AttnCase sub = c;
-    sub.q_pos = {24, 3, 3, 11};
-    sub.q.clear();
-    for (int64_t p : sub.q_pos) sub.q.insert(sub.q.end(), c.q.begin() + p * HD, c.q.begin() + (p + 1) * HD);
-    const std::vector<float> got = run_all(pool, sub, false);
-    for (size_t i = 0; i < sub.q_pos.size(); ++i) {
-        const int64_t p = sub.q_pos[i];
-        MEMRA_EXPECT_SAME_BITS(std::vector<float>(got.begin() + static_cast<int64_t>(i) * HD, got.begin() + (static_cast<int64_t>(i) + 1) * HD),
-                         std::vector<float>(all.begin() + p * HD, all.begin() + (p + 1) * HD));
+    const Case a = make_case(24, 2, 64, 0, kLengths, kPages, 400);
+    Case b = a;
+    const std::vector<int32_t> other{14, 0, 1, 12, 3, 8, 6, 13};
+    size_t next = 0;
+    for (Seq &s : b.seqs) {
+        for (int32_t &p : s.pages) p = other[next++];
+    }
+    HostPool kv_a = fill_pool(a, KvFormat::kF32, KvFormat::kF32);
+    HostPool kv_b = fill_pool(b, KvFormat::kF32, KvFormat::kF32);
+    const std::vector<float> out_a = run(pool, a, kv_a, true);
+    MEMRA_EXPECT_SAME_BITS(run(pool, b, kv_b, true), out_a);
+    Case swapped = a;
+    std::swap(swapped.seqs[3].pages[1], swapped.seqs[3].pages[2]);
+    EXPECT_GT(bit_mismatches(run(pool, swapped, kv_a, true), out_a), 0);
+}
+
+TEST(OpsPagedAttention, ThreadCountDoesNotChangeBits) {
+    for (const Geometry &g : {kGeometries[2], kGeometries[3], kGeometries[4]}) {
+        const Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, kLengths, kPages, 500);
+        HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+        ThreadPool one(1);
+        const std::vector<float> base = run(one, c, kv, true);
+        for (int threads : {3, 8}) {
+            ThreadPool pool(threads);
+            MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true), base) << threads;
+        }
     }
 }
 
-TEST(OpsAttention, SlidingWindowEdges) {
+TEST(OpsPagedAttention, SlidingWindowNeedsOnlyTheLivePages) {
+    // Window 16 at position 100 sees [85, 100], all in block 1: block 0 may be released (-1) and its page
+    // garbage; the result equals the run with block 0 present. Window 16 at position 70 sees [55, 70], which
+    // reaches into block 0 (see the death test).
     ThreadPool pool(2);
-    // W = 1: only the current position is visible, so the output is exactly its value row.
-    {
-        const AttnCase c = make_case(2, 1, 16, 1, 9, 400);
-        const std::vector<float> out = run_all(pool, c, false);
-        for (int64_t p = 0; p < c.n_pos; ++p) {
-            for (int64_t h = 0; h < 2; ++h) {
-                for (int64_t d = 0; d < 16; ++d) ASSERT_EQ(bits(out[(p * 2 + h) * 16 + d]), bits(c.v[p * 16 + d]));
+    Case c = make_case(6, 2, 64, 16, {101}, {3, 1}, 600);
+    c.queries = {{0, 100}, {0, 79}, {0, 90}};
+    HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+    const std::vector<float> want = run(pool, c, kv, true);
+    Case released = c;
+    released.seqs[0].pages[0] = -1;  // positions 0 .. 63 are written nowhere
+    HostPool kv_live = fill_pool(released, KvFormat::kF32, KvFormat::kF32);
+    MEMRA_EXPECT_SAME_BITS(run(pool, released, kv_live, true), want);
+}
+
+TEST(OpsPagedAttention, KeysBelowFirstPosAreNeverRead) {
+    // An MTP layer has no rows below its first position: with first_pos = 5 (and 69, which leaves block 0
+    // without a page), NaN garbage below it changes nothing. The result equals the run in which those
+    // positions are absent: the rows from first_pos on, renumbered from 0.
+    ThreadPool pool(2);
+    for (const int64_t window : {0, 20}) {
+        for (const int64_t first_pos : {5, 69}) {
+            const Case full = make_case(6, 3, 32, window, {150}, {4, 0, 6}, 700);
+            Case c = full;
+            c.queries.clear();
+            for (int64_t p = first_pos; p < 150; ++p) c.queries.push_back(Query{0, p});
+            c.q = rows_of(full.q, first_pos, 150, full.q_row());
+            c.gate = rows_of(full.gate, first_pos, 150, full.shape.n_heads);
+            if (first_pos >= kKvPageRows) c.seqs[0].pages[0] = -1;
+            HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32, first_pos);  // rows below stay NaN bytes
+            const std::vector<float> got = run(pool, c, kv, true, first_pos);
+
+            Case shifted = c;
+            shifted.seqs[0].n_pos = 150 - first_pos;
+            shifted.seqs[0].k = rows_of(c.seqs[0].k, first_pos, 150, c.row());
+            shifted.seqs[0].v = rows_of(c.seqs[0].v, first_pos, 150, c.row());
+            shifted.seqs[0].pages = {1, 5, 2};
+            shifted.seqs[0].pages.resize(static_cast<size_t>((shifted.seqs[0].n_pos + 63) / 64));
+            for (Query &qi : shifted.queries) qi.pos -= first_pos;
+            HostPool kv_shifted = fill_pool(shifted, KvFormat::kF32, KvFormat::kF32);
+            MEMRA_EXPECT_SAME_BITS(got, run(pool, shifted, kv_shifted, true, 0))
+                << "window " << window << " first_pos " << first_pos;
+            // And float64 over [max(first_pos, P - window + 1), P] agrees (no gate).
+            const std::vector<float> plain = run(pool, c, kv, false, first_pos);
+            const std::vector<double> want = reference_f64(c, first_pos);
+            for (size_t i = 0; i < plain.size(); ++i) ASSERT_NEAR(plain[i], want[i], 2e-6) << i;
+        }
+    }
+}
+
+TEST(OpsPagedAttention, ReadingThroughAFormatIsExactlyDecoding) {
+    // A bf16 / q8_0 / q5_1 pool gives the bits of an f32 pool holding kv_decode(kv_encode(row)): the kernel
+    // reads each key and value as the format stores it, nothing more and nothing less.
+    ThreadPool pool(3);
+    const KvFormat formats[] = {KvFormat::kF32, KvFormat::kBf16, KvFormat::kQ8_0, KvFormat::kQ5_1};
+    for (const Geometry &g : {Geometry{6, 2, 64, 0}, Geometry{24, 2, 128, 40}, Geometry{4, 4, 32, 16}}) {
+        for (KvFormat kf : formats) {
+            for (KvFormat vf : formats) {
+                if (kf == KvFormat::kF32 && vf == KvFormat::kF32) continue;
+                const Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, {17, 130}, {6, 1, 4, 0}, 800);
+                HostPool kv = fill_pool(c, kf, vf);
+                Case rounded = c;
+                std::vector<std::byte> buf(static_cast<size_t>(c.row() * 4));
+                for (Seq &s : rounded.seqs) {
+                    for (int64_t p = 0; p < s.n_pos; ++p) {
+                        kv_encode(kf, s.k.data() + p * c.row(), c.row(), buf.data());
+                        kv_decode(kf, buf.data(), c.row(), s.k.data() + p * c.row());
+                        kv_encode(vf, s.v.data() + p * c.row(), c.row(), buf.data());
+                        kv_decode(vf, buf.data(), c.row(), s.v.data() + p * c.row());
+                    }
+                }
+                HostPool kv_f32 = fill_pool(rounded, KvFormat::kF32, KvFormat::kF32);
+                const std::vector<float> got = run(pool, c, kv, true);
+                MEMRA_EXPECT_SAME_BITS(got, run(pool, rounded, kv_f32, true))
+                    << kv_format_name(kf) << "/" << kv_format_name(vf) << " head_dim " << g.head_dim;
+                // The rounding is visible: the unrounded f32 pool differs.
+                HostPool kv_exact = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+                EXPECT_GT(bit_mismatches(got, run(pool, c, kv_exact, true)), 0) << kv_format_name(kf) << "/"
+                                                                                 << kv_format_name(vf);
             }
         }
     }
-    // W = 16 over 40 positions: position P sees [P - 15, P]. Changing key P - 16 changes nothing; changing
-    // key P - 15 changes the output.
-    const AttnCase c = make_case(2, 1, 16, 16, 40, 500);
-    const std::vector<float> base = run_all(pool, c, false);
-    const std::vector<double> f64 = reference_f64(c);
-    for (size_t i = 0; i < base.size(); ++i) ASSERT_NEAR(base[i], f64[i], 2e-6);
-    const int64_t P = 30;
-    for (int64_t changed : {P - 16, P - 15}) {
-        AttnCase d = c;
-        for (int64_t j = 0; j < 16; ++j) d.k[changed * 16 + j] += 1.0f;
-        const std::vector<float> out = run_all(pool, d, false);
-        const std::vector<float> row(out.begin() + P * 32, out.begin() + (P + 1) * 32);
-        const std::vector<float> base_row(base.begin() + P * 32, base.begin() + (P + 1) * 32);
-        if (changed == P - 16) {
-            MEMRA_EXPECT_SAME_BITS(row, base_row);
-        } else {
-            EXPECT_GT(bit_mismatches(row, base_row), 0);
-        }
-    }
-    // Early positions (P < W) see everything from 0.
-    const AttnCase full = [&] {
-        AttnCase f = c;
-        f.shape.window = 0;
-        return f;
-    }();
-    const std::vector<float> full_out = run_all(pool, full, false);
-    MEMRA_EXPECT_SAME_BITS(std::vector<float>(base.begin(), base.begin() + 16 * 32),
-                     std::vector<float>(full_out.begin(), full_out.begin() + 16 * 32));
-    EXPECT_GT(bit_mismatches(std::vector<float>(base.begin() + 16 * 32, base.begin() + 17 * 32),
-                             std::vector<float>(full_out.begin() + 16 * 32, full_out.begin() + 17 * 32)),
-              0);
 }
 
-TEST(OpsAttention, GqaMapsQueryHeadToKvHeadByDivision) {
+TEST(OpsPagedAttention, GateIsSigmoidPerHead) {
+    // out = attn * sigmoid_f32(gate[i, h]) for every element of head h: one rounded multiply after the division.
     ThreadPool pool(2);
-    const int64_t H = 6, G = 2, D = 16, n = 10;
-    const AttnCase gqa = make_case(H, G, D, 0, n, 600);
-    // The same K/V repeated per query head (MHA with 6 kv heads) must give the same bits.
-    AttnCase mha = gqa;
-    mha.shape.n_kv_heads = H;
-    mha.k.clear();
-    mha.v.clear();
-    for (int64_t p = 0; p < n; ++p) {
-        for (int64_t h = 0; h < H; ++h) {
-            const int64_t g = h / (H / G);
-            mha.k.insert(mha.k.end(), gqa.k.begin() + (p * G + g) * D, gqa.k.begin() + (p * G + g + 1) * D);
-            mha.v.insert(mha.v.end(), gqa.v.begin() + (p * G + g) * D, gqa.v.begin() + (p * G + g + 1) * D);
+    for (const Geometry &g : {kGeometries[0], kGeometries[3], kGeometries[5]}) {
+        const Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, kLengths, kPages, 900);
+        HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+        std::vector<float> want = run(pool, c, kv, false);
+        for (int64_t i = 0; i < c.n_q(); ++i) {
+            for (int64_t h = 0; h < g.n_heads; ++h) {
+                const float s = sigmoid_f32(c.gate[static_cast<size_t>(i * g.n_heads + h)]);
+                for (int64_t d = 0; d < g.head_dim; ++d) {
+                    float &o = want[static_cast<size_t>(i * c.q_row() + h * g.head_dim + d)];
+                    o = o * s;
+                }
+            }
         }
+        MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true), want) << g.n_heads;
     }
-    const std::vector<float> a = run_all(pool, gqa, false);
-    MEMRA_EXPECT_SAME_BITS(a, run_all(pool, mha, false));
-    // Perturbing kv head 1 changes query heads 3..5 only.
-    AttnCase d = gqa;
-    for (int64_t p = 0; p < n; ++p) {
-        for (int64_t j = 0; j < D; ++j) d.v[(p * G + 1) * D + j] += 0.5f;
-    }
-    const std::vector<float> b = run_all(pool, d, false);
-    for (int64_t p = 0; p < n; ++p) {
-        for (int64_t h = 0; h < H; ++h) {
-            const std::vector<float> ra(a.begin() + (p * H + h) * D, a.begin() + (p * H + h + 1) * D);
-            const std::vector<float> rb(b.begin() + (p * H + h) * D, b.begin() + (p * H + h + 1) * D);
-            if (h < 3) {
-                MEMRA_EXPECT_SAME_BITS(ra, rb) << p << " " << h;
-            } else {
-                EXPECT_GT(bit_mismatches(ra, rb), 0) << p << " " << h;
+}
+
+// ---- Through the backend: kv_write's bytes, and the op over a backend pool. ----
+
+TensorView to_backend(CpuBackend &be, DType dtype, const void *host, std::initializer_list<int64_t> shape) {
+    auto v = be.alloc(dtype, shape);
+    EXPECT_TRUE(v.has_value());
+    be.copy_from_host(host, *v);
+    return *v;
+}
+
+TEST(CpuBackendKv, KvWriteEncodesEveryRowIntoItsSlotAndNothingElse) {
+    const KvFormat formats[] = {KvFormat::kF32, KvFormat::kBf16, KvFormat::kQ8_0, KvFormat::kQ5_1};
+    for (KvFormat kf : formats) {
+        for (KvFormat vf : {KvFormat::kQ5_1, KvFormat::kF32, KvFormat::kBf16}) {
+            CpuBackend be(2);
+            // Layer 0: 2 heads of 64; layer 1: 3 heads of 32. 5 pages.
+            const KvPoolSpec spec{kf, vf, 5, {KvPoolLayer{2, 64}, KvPoolLayer{3, 32}}};
+            const KvPoolId id = *be.create_kv_pool(spec);
+            const KvPageLayout layout = *kv_page_layout(spec);
+            const TensorView storage = be.kv_pool_storage(id);
+            ASSERT_EQ(storage.dtype, DType::kU8);
+            ASSERT_EQ(static_cast<int64_t>(storage.n_bytes()), kv_pool_bytes(spec, layout));
+            std::vector<std::byte> before(storage.n_bytes());
+            for (size_t i = 0; i < before.size(); ++i) before[i] = static_cast<std::byte>(i * 131 % 251);
+            be.copy_from_host(before.data(), storage);
+            for (int layer : {1, 0}) {
+                const int64_t row = layout.row_elems[static_cast<size_t>(layer)];
+                // Slots in several pages, out of order, first and last rows of a page included.
+                const std::vector<int32_t> slots{64 * 3 + 5, 0, 64 * 4 + 63, 64 * 1 + 17, 63, 64 * 2};
+                const auto n = static_cast<int64_t>(slots.size());
+                const std::vector<float> k = random_floats(static_cast<size_t>(n * row), 1000 + layer, -3.0f, 3.0f);
+                const std::vector<float> v = random_floats(static_cast<size_t>(n * row), 2000 + layer, -3.0f, 3.0f);
+                be.reset_counters();
+                be.kv_write(id, layer, to_backend(be, DType::kF32, k.data(), {n, row}),
+                            to_backend(be, DType::kF32, v.data(), {n, row}),
+                            to_backend(be, DType::kI32, slots.data(), {n}));
+                EXPECT_EQ(be.counters().launches, 1);
+                std::vector<std::byte> want = before;
+                for (int64_t i = 0; i < n; ++i) {
+                    const int32_t slot = slots[static_cast<size_t>(i)];
+                    kv_encode(kf, k.data() + i * row, row, want.data() + layout.k_at(layer, slot));
+                    kv_encode(vf, v.data() + i * row, row, want.data() + layout.v_at(layer, slot));
+                }
+                std::vector<std::byte> got(storage.n_bytes());
+                be.copy_to_host(storage, got.data());
+                int64_t bad = 0;
+                for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
+                EXPECT_EQ(bad, 0) << kv_format_name(kf) << "/" << kv_format_name(vf) << " layer " << layer;
+                EXPECT_NE(want, before);  // the rows did land somewhere
+                before = got;
             }
         }
     }
 }
 
-TEST(OpsAttention, FusedGateEqualsSeparateHeadGate) {
-    const AttnCase c = make_case(4, 2, 32, 0, 12, 700);
+TEST(CpuBackendKv, PagedAttentionOpEqualsTheKernelOverTheSameRows) {
+    // The op over a pool filled by kv_write, with gate and a window, equals the raw kernel over a host pool
+    // filled with kv_encode, bit for bit; one launch.
+    const Case c = make_case(12, 4, 64, 33, kLengths, kPages, 1100);
+    const KvFormat kf = KvFormat::kQ8_0, vf = KvFormat::kBf16;
     ThreadPool pool(2);
-    std::vector<float> separate = run_all(pool, c, false);
-    head_gate(pool, separate.data(), c.n_pos, 4, 32, c.gate.data(), 4);
-    MEMRA_EXPECT_SAME_BITS(run_all(pool, c, true), separate);
-}
+    HostPool host_kv = fill_pool(c, kf, vf);
+    const std::vector<float> want = run(pool, c, host_kv, true);
 
-TEST(OpsAttention, ThreadInvariance) {
-    const AttnCase c = make_case(8, 2, 48, 7, 33, 800);
-    ThreadPool one(1);
-    const std::vector<float> base = run_all(one, c, true);
-    for (int threads : kThreadCounts) {
-        ThreadPool pool(threads);
-        MEMRA_EXPECT_SAME_BITS(run_all(pool, c, true), base) << threads;
+    CpuBackend be(3);
+    const KvPoolId id = *be.create_kv_pool(host_kv.spec);
+    std::vector<float> k, v;
+    std::vector<int32_t> slots;
+    for (const Seq &s : c.seqs) {
+        k.insert(k.end(), s.k.begin(), s.k.end());
+        v.insert(v.end(), s.v.begin(), s.v.end());
+        for (int32_t p = 0; p < s.n_pos; ++p) slots.push_back(s.pages[static_cast<size_t>(p / 64)] * 64 + p % 64);
     }
+    const auto n = static_cast<int64_t>(slots.size());
+    be.kv_write(id, HostPool::kLayer, to_backend(be, DType::kF32, k.data(), {n, c.row()}),
+                to_backend(be, DType::kF32, v.data(), {n, c.row()}), to_backend(be, DType::kI32, slots.data(), {n}));
+    std::vector<int64_t> pos;
+    std::vector<int32_t> seq;
+    for (const Query &qi : c.queries) {
+        pos.push_back(qi.pos);
+        seq.push_back(qi.seq);
+    }
+    const std::vector<int32_t> bt = c.block_tables();
+    const auto n_seqs = static_cast<int64_t>(c.seqs.size());
+    const TensorView qv = to_backend(be, DType::kF32, c.q.data(), {c.n_q(), c.q_row()});
+    const TensorView posv = to_backend(be, DType::kI64, pos.data(), {c.n_q()});
+    const TensorView seqv = to_backend(be, DType::kI32, seq.data(), {c.n_q()});
+    const TensorView btv = to_backend(be, DType::kI32, bt.data(), {n_seqs, c.max_blocks()});
+    const TensorView gv = to_backend(be, DType::kF32, c.gate.data(), {c.n_q(), c.shape.n_heads});
+    auto out = be.alloc(DType::kF32, {c.n_q(), c.q_row()});
+    const AttentionParams p{c.shape.n_heads, c.shape.n_kv_heads, c.shape.head_dim, c.shape.window};
+    be.reset_counters();
+    be.paged_attention(p, qv, posv, seqv, id, HostPool::kLayer, btv, 0, gv, *out);
+    EXPECT_EQ(be.counters().launches, 1);
+    EXPECT_EQ(be.counters().host_copies(), 0);
+    std::vector<float> got(static_cast<size_t>(out->numel()));
+    be.copy_to_host(*out, got.data());
+    EXPECT_EQ(be.counters().d2h_copies, 1);
+    EXPECT_EQ(be.counters().copy_bytes, static_cast<int64_t>(got.size() * sizeof(float)));
+    MEMRA_EXPECT_SAME_BITS(got, want);
+    // Without a gate (a view with no data).
+    be.paged_attention(p, qv, posv, seqv, id, HostPool::kLayer, btv, 0, TensorView{}, *out);
+    be.copy_to_host(*out, got.data());
+    MEMRA_EXPECT_SAME_BITS(got, run(pool, c, host_kv, false));
 }
 
-TEST(OpsAttentionDeathTest, MissingVisibleKeysIsAnInvariantViolation) {
+TEST(OpsPagedAttentionDeathTest, AVisiblePositionWithoutAPageIsAnInvariantViolation) {
     GTEST_FLAG_SET(death_test_style, "threadsafe");
-    const AttnCase c = make_case(2, 1, 16, 0, 8, 900);
     ThreadPool pool(1);
-    std::vector<float> out(32);
-    const int64_t pos = 5;
-    // Full attention at position 5 needs keys [0, 6); only [2, 6) given.
-    EXPECT_DEATH(attention(pool, c.shape, c.q.data(), 32, &pos, 1, c.k.data(), c.v.data(), 2, 6, nullptr, 0, out.data()),
-                 "query 0 at position 5 sees \\[0, 5\\], keys given for \\[2, 6\\)");
+    Case c = make_case(2, 1, 32, 0, {80}, {3, 1}, 1200);
+    HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+    c.seqs[0].pages[1] = -1;
+    c.queries = {{0, 10}, {0, 70}};
+    // Full attention: the query at 70 sees block 1, which has no page.
+    EXPECT_DEATH(run(pool, c, kv, false), "query 1 at position 70 sees block 1 of sequence 0, which has no page");
+    // Window 16: the query at 70 sees [55, 70], reaching block 0, released here.
+    c.seqs[0].pages = {-1, 1};
+    c.shape.window = 16;
+    c.queries = {{0, 79}, {0, 70}};
+    EXPECT_DEATH(run(pool, c, kv, false), "query 1 at position 70 sees block 0 of sequence 0, which has no page");
+    // A query below first_pos, or past its block table.
+    c.queries = {{0, 3}};
+    EXPECT_DEATH(run(pool, c, kv, false, 5), "query 0 at position 3 of sequence 0 \\(first position 5");
+    c.queries = {{0, 128}};
+    EXPECT_DEATH(run(pool, c, kv, false), "query 0 at position 128 of sequence 0 \\(first position 0, 1 sequences, "
+                                          "2 blocks\\)");
+    // A block table naming a page past the pool.
+    c.shape.window = 0;
+    c.seqs[0].pages = {0, 7};
+    c.queries = {{0, 70}};
+    EXPECT_DEATH(run(pool, c, kv, false), "block 1 of sequence 0 names page 7 of a pool of");
 }
 
 }  // namespace

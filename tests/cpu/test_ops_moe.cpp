@@ -1,15 +1,18 @@
 // MoE ops: router tie-breaking, selection-only bias, slot order, renormalisation and scaling (bits against an
 // independent spelling, float64 within tolerance); the stable counting sort of (token, slot) pairs; the
-// permute; the slot-order combine, shown to differ from other orders and from a fused multiply-add.
+// permute, whole and over an owner's expert window; the owners' source rows; the slot-order combine through
+// source rows, shown to differ from other orders and from a fused multiply-add.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/ops_moe.h"
 #include "core/math.h"
 #include "cpu/ops_test_util.h"
@@ -253,6 +256,266 @@ TEST(OpsMoeCombine, OrderIsObservable) {
     const float fused = std::fma(wk, yk, acc0);
     ASSERT_NE(bits(separate), bits(fused));  // the case distinguishes the two
     EXPECT_EQ(bits(out), bits(separate));
+}
+
+// The owners' source rows by a walk of their own: owner o's pairs, in sorted order, take rows o * capacity + 0,
+// 1, 2, ... of the gathered buffer (experts [o * per, (o + 1) * per) are o's contiguous sorted rows).
+std::vector<int32_t> source_rows_by_walk(const Sorted &s, int64_t n_experts, int64_t n_owners, int64_t capacity) {
+    std::vector<int32_t> src(s.sorted_pair.size(), -1);
+    const int64_t per = n_experts / n_owners;
+    for (int64_t o = 0; o < n_owners; ++o) {
+        int64_t j = 0;
+        for (int32_t r = s.offsets[o * per]; r < s.offsets[(o + 1) * per]; ++r) {
+            src[s.sorted_pair[r]] = static_cast<int32_t>(o * capacity + j++);
+        }
+    }
+    return src;
+}
+
+std::vector<int32_t> source_rows(const std::vector<int32_t> &ids, const Sorted &s, int64_t n_experts,
+                                 int64_t n_owners, int64_t capacity) {
+    std::vector<int32_t> src(ids.size(), -1);
+    moe_source_rows(ids.data(), s.row_of_pair.data(), static_cast<int64_t>(ids.size()), s.offsets.data(), n_experts,
+                    n_owners, capacity, src.data());
+    return src;
+}
+
+TEST(OpsMoeSourceRows, HandMadeRoutingOverOneTwoAndFourOwners) {
+    // The SmallExample routing: pairs 0..5 to experts 2,0 | 2,3 | 0,2; offsets {0, 2, 2, 5, 6},
+    // row_of_pair {2, 0, 3, 5, 1, 4}.
+    const std::vector<int32_t> ids{2, 0, 2, 3, 0, 2};
+    const Sorted s = sort_pairs(ids, 2, 4);
+    // One owner, capacity n_pairs: the sorted rows themselves.
+    EXPECT_EQ(source_rows(ids, s, 4, 1, 6), s.row_of_pair);
+    EXPECT_EQ(source_rows(ids, s, 4, 1, 6), (std::vector<int32_t>{2, 0, 3, 5, 1, 4}));
+    // Two owners (experts {0, 1} and {2, 3}), capacity 4: owner 0 holds pairs 1, 4 at rows 0, 1; owner 1 holds
+    // pairs 0, 2, 5, 3 (sorted order) at rows 4 .. 7.
+    EXPECT_EQ(source_rows(ids, s, 4, 2, 4), (std::vector<int32_t>{4, 0, 5, 7, 1, 6}));
+    // Four owners (one expert each), capacity 3: expert 0 -> rows 0, 1; expert 2 -> rows 6, 7, 8; expert 3 -> 9.
+    EXPECT_EQ(source_rows(ids, s, 4, 4, 3), (std::vector<int32_t>{6, 0, 7, 9, 1, 8}));
+    for (int64_t owners : {1, 2, 4}) {
+        const int64_t capacity = owners == 1 ? 6 : owners == 2 ? 4 : 3;
+        EXPECT_EQ(source_rows(ids, s, 4, owners, capacity), source_rows_by_walk(s, 4, owners, capacity)) << owners;
+    }
+}
+
+TEST(OpsMoeSourceRows, RandomRoutingMatchesTheOwnersWalk) {
+    const int64_t n_tokens = 57, top_k = 8, n_experts = 288;
+    ThreadPool pool(2);
+    const std::vector<float> logits = random_floats(static_cast<size_t>(n_tokens * n_experts), 11, -4.0f, 4.0f);
+    const Routed r = route(pool, RouterParams{n_experts, top_k, true, 3.0f}, logits, nullptr);
+    const Sorted s = sort_pairs(r.ids, top_k, n_experts);
+    for (int64_t owners : {1, 2, 4, 8}) {
+        const int64_t per = n_experts / owners;
+        int64_t capacity = 0;  // the busiest owner's pairs, plus slack: rows past an owner's count stay unread
+        for (int64_t o = 0; o < owners; ++o) {
+            capacity = std::max<int64_t>(capacity, s.offsets[(o + 1) * per] - s.offsets[o * per]);
+        }
+        capacity += 3;
+        const std::vector<int32_t> got = source_rows(r.ids, s, n_experts, owners, capacity);
+        EXPECT_EQ(got, source_rows_by_walk(s, n_experts, owners, capacity)) << owners;
+        // Every pair gets its own row inside its expert's owner's slice.
+        std::vector<int32_t> sorted_rows = got;
+        std::sort(sorted_rows.begin(), sorted_rows.end());
+        EXPECT_EQ(std::adjacent_find(sorted_rows.begin(), sorted_rows.end()), sorted_rows.end()) << owners;
+        for (size_t q = 0; q < got.size(); ++q) ASSERT_EQ(got[q] / capacity, r.ids[q] / per) << owners << " " << q;
+    }
+}
+
+TEST(OpsMoeSourceRowsDeathTest, PairPastTheCapacityIsAnInvariantViolation) {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    const std::vector<int32_t> ids{2, 0, 2, 3, 0, 2};
+    const Sorted s = sort_pairs(ids, 2, 4);
+    std::vector<int32_t> src(6);
+    // Owner 1 (experts 2, 3) holds 4 pairs; pair 3 is its row 3, past a capacity of 3.
+    EXPECT_DEATH(moe_source_rows(ids.data(), s.row_of_pair.data(), 6, s.offsets.data(), 4, 2, 3, src.data()),
+                 "moe_source_rows: pair 3 is row 3 of owner 1, capacity 3");
+    EXPECT_DEATH(moe_source_rows(ids.data(), s.row_of_pair.data(), 6, s.offsets.data(), 4, 3, 6, src.data()),
+                 "4 experts over 3 owners");
+}
+
+// ---- The MoE ops through the backend: the windowed permute and the combine through source rows. ----
+
+TensorView to_backend(CpuBackend &be, const std::vector<float> &host, int64_t rows, int64_t cols) {
+    auto v = be.alloc(DType::kF32, {rows, cols});
+    EXPECT_TRUE(v.has_value());
+    be.copy_from_host(host.data(), *v);
+    return *v;
+}
+
+TensorView to_backend(CpuBackend &be, const std::vector<int32_t> &host) {
+    auto v = be.alloc(DType::kI32, {static_cast<int64_t>(host.size())});
+    EXPECT_TRUE(v.has_value());
+    be.copy_from_host(host.data(), *v);
+    return *v;
+}
+
+template <class T>
+std::vector<T> to_host(CpuBackend &be, TensorView v) {
+    std::vector<T> out(static_cast<size_t>(v.numel()));
+    be.copy_to_host(v, out.data());
+    return out;
+}
+
+TEST(MoeBackend, PermuteOverAnExpertWindowIsThatSliceOfTheWholePermute) {
+    const int64_t n_tokens = 23, top_k = 4, n_experts = 16, d = 37;
+    ThreadPool ref_pool(1);
+    const std::vector<float> logits = random_floats(static_cast<size_t>(n_tokens * n_experts), 12, -4.0f, 4.0f);
+    const Routed r = route(ref_pool, RouterParams{n_experts, top_k, true, 1.0f}, logits, nullptr);
+    const Sorted s = sort_pairs(r.ids, top_k, n_experts);
+    const int64_t n_pairs = n_tokens * top_k;
+    const std::vector<float> x = random_floats(static_cast<size_t>(n_tokens * d), 13);
+    CpuBackend be(3);
+    const TensorView xv = to_backend(be, x, n_tokens, d);
+    const TensorView sorted_pair = to_backend(be, s.sorted_pair);
+    const TensorView offsets = to_backend(be, s.offsets);
+    auto all = be.alloc(DType::kF32, {n_pairs, d});
+    be.moe_permute(xv, sorted_pair, offsets, 0, n_experts, top_k, *all);
+    const std::vector<float> whole = to_host<float>(be, *all);
+    for (int64_t row = 0; row < n_pairs; ++row) {
+        const int64_t t = s.sorted_pair[row] / top_k;
+        for (int64_t j = 0; j < d; ++j) ASSERT_EQ(bits(whole[row * d + j]), bits(x[t * d + j]));
+    }
+    // Owners of 1, 2, 4, 8 experts each, plus windows that are not owner-aligned and an empty one.
+    std::vector<std::pair<int64_t, int64_t>> windows{{0, 16}, {5, 6}, {3, 11}, {7, 7}};
+    for (int64_t per : {8, 4, 2, 1}) {
+        for (int64_t e0 = 0; e0 < n_experts; e0 += per) windows.emplace_back(e0, e0 + per);
+    }
+    for (const auto &[e0, e1] : windows) {
+        const int64_t r0 = s.offsets[e0], r1 = s.offsets[e1];
+        // Two spare rows past the window's keep their sentinel.
+        const std::vector<float> sentinel(static_cast<size_t>((r1 - r0 + 2) * d), -9.0f);
+        const TensorView x_own = to_backend(be, sentinel, r1 - r0 + 2, d);
+        be.reset_counters();
+        be.moe_permute(xv, sorted_pair, offsets, e0, e1, top_k, x_own);
+        EXPECT_EQ(be.counters().launches, 1);
+        std::vector<float> want(whole.begin() + r0 * d, whole.begin() + r1 * d);
+        want.resize(sentinel.size(), -9.0f);
+        MEMRA_EXPECT_SAME_BITS(to_host<float>(be, x_own), want) << "experts [" << e0 << ", " << e1 << ")";
+    }
+}
+
+TEST(MoeBackend, CombineThroughSourceRowsEqualsTheIdentityMapOverTokenSlotRows) {
+    // The same expert outputs at arbitrary rows of a taller buffer (a random permutation, plus unread rows of
+    // garbage), read through src_row, give the bits of the combine over the rows laid out in (token, slot)
+    // order with the identity map.
+    const int64_t n_tokens = 13, top_k = 6, d = 29;
+    const int64_t n_pairs = n_tokens * top_k;
+    const int64_t n_rows = n_pairs + 11;
+    const std::vector<float> y_token_slot = random_floats(static_cast<size_t>(n_pairs * d), 14, -5.0f, 5.0f);
+    const std::vector<float> weights = random_floats(static_cast<size_t>(n_pairs), 15, 0.0f, 3.0f);
+    const std::vector<float> h = random_floats(static_cast<size_t>(n_tokens * d), 16, -5.0f, 5.0f);
+    const std::vector<float> shared = random_floats(static_cast<size_t>(n_tokens * d), 17, -5.0f, 5.0f);
+    std::vector<int32_t> perm(static_cast<size_t>(n_rows));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(18));
+    std::vector<int32_t> src_row(static_cast<size_t>(n_pairs));
+    std::vector<int32_t> identity(static_cast<size_t>(n_pairs));
+    std::vector<float> y_scattered(static_cast<size_t>(n_rows * d), std::numeric_limits<float>::quiet_NaN());
+    for (int64_t q = 0; q < n_pairs; ++q) {
+        src_row[q] = perm[q];
+        identity[q] = static_cast<int32_t>(q);
+        std::copy(y_token_slot.begin() + q * d, y_token_slot.begin() + (q + 1) * d,
+                  y_scattered.begin() + perm[q] * d);
+    }
+    for (int threads : {1, 3}) {
+        CpuBackend be(threads);
+        const TensorView hv = to_backend(be, h, n_tokens, d);
+        const TensorView wv = to_backend(be, weights, n_tokens, top_k);
+        const TensorView sv = to_backend(be, shared, n_tokens, d);
+        auto want = be.alloc(DType::kF32, {n_tokens, d});
+        be.moe_combine(hv, to_backend(be, y_token_slot, n_pairs, d), to_backend(be, identity), wv, sv, *want);
+        auto got = be.alloc(DType::kF32, {n_tokens, d});
+        be.moe_combine(hv, to_backend(be, y_scattered, n_rows, d), to_backend(be, src_row), wv, sv, *got);
+        const std::vector<float> want_h = to_host<float>(be, *want);
+        MEMRA_EXPECT_SAME_BITS(to_host<float>(be, *got), want_h) << threads;
+        // The kernel's own definition, spelled here: slot order, product rounded, then shared, then residual.
+        std::vector<float> spelled(h.size());
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            for (int64_t j = 0; j < d; ++j) {
+                float routed = 0.0f;
+                for (int64_t k = 0; k < top_k; ++k) {
+                    const float prod = weights[t * top_k + k] * y_token_slot[(t * top_k + k) * d + j];
+                    routed = routed + prod;
+                }
+                spelled[t * d + j] = h[t * d + j] + (routed + shared[t * d + j]);
+            }
+        }
+        MEMRA_EXPECT_SAME_BITS(want_h, spelled) << threads;
+        // Without the shared expert, in place over h.
+        const TensorView in_place = to_backend(be, h, n_tokens, d);
+        be.moe_combine(in_place, to_backend(be, y_scattered, n_rows, d), to_backend(be, src_row), wv, TensorView{},
+                       in_place);
+        auto plain = be.alloc(DType::kF32, {n_tokens, d});
+        be.moe_combine(hv, to_backend(be, y_token_slot, n_pairs, d), to_backend(be, identity), wv, TensorView{},
+                       *plain);
+        MEMRA_EXPECT_SAME_BITS(to_host<float>(be, in_place), to_host<float>(be, *plain)) << threads;
+    }
+}
+
+TEST(MoeBackend, OwnersGatheredOutputsThroughSourceRowsEqualTheSortedCombine) {
+    // The expert-parallel path end to end on one backend: each owner permutes its experts' rows compactly,
+    // computes them (here a per-row function of the row, standing in for the expert), the owners' buffers are
+    // gathered [n_owners, capacity, d], and the combine reads them through moe_source_rows. Equals the
+    // single-owner combine over the whole sorted buffer with row_of_pair, bit for bit.
+    const int64_t n_tokens = 19, top_k = 4, n_experts = 16, d = 24;
+    ThreadPool ref_pool(1);
+    const std::vector<float> logits = random_floats(static_cast<size_t>(n_tokens * n_experts), 19, -4.0f, 4.0f);
+    const Routed r = route(ref_pool, RouterParams{n_experts, top_k, true, 3.0f}, logits, nullptr);
+    const int64_t n_pairs = n_tokens * top_k;
+    const std::vector<float> x = random_floats(static_cast<size_t>(n_tokens * d), 20);
+    const std::vector<float> h = random_floats(static_cast<size_t>(n_tokens * d), 21);
+    CpuBackend be(2);
+    const TensorView ids = to_backend(be, r.ids);
+    auto offsets = be.alloc(DType::kI32, {n_experts + 1});
+    auto sorted_pair = be.alloc(DType::kI32, {n_pairs});
+    auto row_of_pair = be.alloc(DType::kI32, {n_pairs});
+    be.moe_sort_pairs(ids.reshaped({n_tokens, top_k}), n_experts, *offsets, *sorted_pair, *row_of_pair);
+    const TensorView xv = to_backend(be, x, n_tokens, d);
+    const TensorView hv = to_backend(be, h, n_tokens, d);
+    const TensorView wv = to_backend(be, r.weights, n_tokens, top_k);
+    const std::vector<float> scale = random_floats(static_cast<size_t>(d), 22, 0.5f, 2.0f);
+    // A per-row stand-in for an expert (each row times a fixed vector, on the host): the test is about routing.
+    auto expert = [&](TensorView rows) {
+        std::vector<float> v = to_host<float>(be, rows);
+        for (size_t i = 0; i < v.size(); ++i) v[i] = v[i] * scale[i % static_cast<size_t>(d)];
+        be.copy_from_host(v.data(), rows);
+    };
+    auto sorted = be.alloc(DType::kF32, {n_pairs, d});
+    be.moe_permute(xv, *sorted_pair, *offsets, 0, n_experts, top_k, *sorted);
+    expert(*sorted);
+    auto want = be.alloc(DType::kF32, {n_tokens, d});
+    be.moe_combine(hv, *sorted, *row_of_pair, wv, TensorView{}, *want);
+    const std::vector<float> want_h = to_host<float>(be, *want);
+    const std::vector<int32_t> off = to_host<int32_t>(be, *offsets);
+    for (int64_t owners : {1, 2, 4, 8}) {
+        const int64_t per = n_experts / owners;
+        const int64_t capacity = n_pairs;  // room for any routing
+        auto gathered = be.alloc(DType::kF32, {owners * capacity, d});
+        for (int64_t o = 0; o < owners; ++o) {
+            const TensorView own = gathered->row_slice(o * capacity, (o + 1) * capacity);
+            be.moe_permute(xv, *sorted_pair, *offsets, o * per, (o + 1) * per, top_k, own);
+            expert(own.row_slice(0, off[(o + 1) * per] - off[o * per]));
+        }
+        auto src_row = be.alloc(DType::kI32, {n_pairs});
+        be.moe_source_rows(ids, *row_of_pair, *offsets, owners, capacity, *src_row);
+        auto got = be.alloc(DType::kF32, {n_tokens, d});
+        be.moe_combine(hv, *gathered, *src_row, wv, TensorView{}, *got);
+        MEMRA_EXPECT_SAME_BITS(to_host<float>(be, *got), want_h) << owners << " owners";
+    }
+}
+
+TEST(MoeBackendDeathTest, CombineRefusesASourceRowOutsideTheBuffer) {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    CpuBackend be(1);
+    const TensorView hv = to_backend(be, std::vector<float>(2 * 3, 1.0f), 2, 3);
+    const TensorView wv = to_backend(be, std::vector<float>(2 * 2, 1.0f), 2, 2);
+    const TensorView y = to_backend(be, std::vector<float>(5 * 3, 1.0f), 5, 3);
+    auto out = be.alloc(DType::kF32, {2, 3});
+    EXPECT_DEATH(be.moe_combine(hv, y, to_backend(be, std::vector<int32_t>{0, 4, 5, 1}), wv, TensorView{}, *out),
+                 "moe_combine: pair 2 reads row 5 of 5");
+    EXPECT_DEATH(be.moe_combine(hv, y, to_backend(be, std::vector<int32_t>{0, -1, 2, 1}), wv, TensorView{}, *out),
+                 "moe_combine: pair 1 reads row -1 of 5");
 }
 
 }  // namespace

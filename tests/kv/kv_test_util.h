@@ -11,7 +11,7 @@
 
 #include "core/float_formats.h"
 #include "core/quant_blocks.h"
-#include "kv/kv_cache.h"
+#include "dense_kv_cache.h"
 
 namespace memra::kv::test {
 

@@ -11,7 +11,7 @@
 
 #include <gtest/gtest.h>
 
-#include "kv/kv_cache.h"
+#include "dense_kv_cache.h"
 #include "kv_test_util.h"
 
 #include "alloc_counter.h"

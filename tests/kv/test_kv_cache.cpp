@@ -1,4 +1,4 @@
-// kv/kv_cache.h: the dense cache's contract. Spec validation and layout, every format's bytes through
+// dense_kv_cache.h: the dense oracle cache's own contract. Spec validation and layout, every format's bytes through
 // the cache, every refusal (with message fragments, leaving the state unchanged), the seed TP gate's
 // transaction walk (partial commit / rollback / recommit == a run that never speculated, D7), monotonic
 // generations, copy-growth, and long randomized sliding-ring runs against a plain reference of all rows.
@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "kv/kv_cache.h"
+#include "dense_kv_cache.h"
 #include "kv_test_util.h"
 
 namespace memra::kv {

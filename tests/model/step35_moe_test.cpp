@@ -2,8 +2,8 @@
 // capacity bumps the generation, refusals (capacity, shapes, layers) leave the routing and generation intact,
 // the routing equals an independent host router and stable counting sort, the output equals a per-expert
 // oracle (one plain product per pair on the full weights, combined in top-k slot order with a separate
-// multiply and add) bit for bit, TP = 2 / 4 / 8 ranks with and without EP give the TP = 1 bits on every rank,
-// and refresh / run allocate nothing.
+// multiply and add) bit for bit, TP = 2 / 4 / 8 ranks (experts whole on their owners) give the TP = 1 bits on
+// every rank after a fixed-capacity exchange, and refresh / run allocate nothing and read nothing back.
 
 #include <cmath>
 #include <cstring>
@@ -31,7 +31,7 @@
 #include "parallel/comm.h"
 #include "parallel/plan.h"
 
-#include "model/alloc_count.h"
+#include "alloc_counter.h"
 
 #include "model/model_test_util.h"
 #include "model/tiny_dirs.h"
@@ -163,7 +163,7 @@ HostLayer host_layer(const Engine &e, int layer) {
 }
 
 // residual + (sum over slots of weight * expert(x) + shared(x)) per token: every (token, slot) pair through
-// its expert alone (gate, up, SwiGLU, canonical down on the full weights), the slots added in order (or in
+// its expert alone (gate, up, SwiGLU, down: the whole expert, one K order), the slots added in order (or in
 // reverse order, to show the gate notices), each product rounded before its add.
 std::vector<float> oracle_output(const Engine &e, int layer, const std::vector<float> &x,
                                  const std::vector<float> &residual, const MoeRouting &routing,
@@ -176,9 +176,7 @@ std::vector<float> oracle_output(const Engine &e, int layer, const std::vector<f
     const int64_t d = e.cfg.d_model;
     std::vector<float> gate(static_cast<size_t>(std::max(g.d_expert, g.d_shared)));
     std::vector<float> up(gate.size());
-    const cpu::WeightRef down0 = cpu::weight_bank_expert(h.down, 0);
-    std::vector<float> ws(static_cast<size_t>(cpu::matmul_canonical_workspace_floats(1, h.shared_down) +
-                                              cpu::matmul_canonical_workspace_floats(1, down0)));
+    std::vector<float> ws(static_cast<size_t>(cpu::matmul_canonical_workspace_floats(1, h.shared_down)));
     std::vector<float> y(static_cast<size_t>(k * d));  // the token's expert rows, slot order
     std::vector<float> shared(static_cast<size_t>(d));
     std::vector<float> out(static_cast<size_t>(n * d));
@@ -189,8 +187,7 @@ std::vector<float> oracle_output(const Engine &e, int layer, const std::vector<f
             cpu::matmul(pool, xt, 1, cpu::weight_bank_expert(h.gate, expert), gate.data());
             cpu::matmul(pool, xt, 1, cpu::weight_bank_expert(h.up, expert), up.data());
             cpu::swiglu(pool, gate.data(), up.data(), g.d_expert, 1, g.d_expert, g.clamp_routed, gate.data());
-            cpu::matmul_canonical(pool, gate.data(), 1, cpu::weight_bank_expert(h.down, expert),
-                                  &y[static_cast<size_t>(s * d)], ws.data());
+            cpu::matmul(pool, gate.data(), 1, cpu::weight_bank_expert(h.down, expert), &y[static_cast<size_t>(s * d)]);
         }
         cpu::matmul(pool, xt, 1, h.shared_gate, gate.data());
         cpu::matmul(pool, xt, 1, h.shared_up, up.data());
@@ -276,19 +273,16 @@ TEST_P(MoeStateTest, RefreshWithinCapacityRoutesAndBumpsTheGeneration) {
         EXPECT_EQ(state->generation(), ++gen);
         EXPECT_EQ(state->layer(), layer);
         EXPECT_EQ(state->n_tokens(), rows);
-        const std::span<const int32_t> off = state->expert_offsets();
-        ASSERT_EQ(off.size(), 17u);
-        EXPECT_EQ(off.front(), 0);
-        EXPECT_EQ(off.back(), rows * 8);
-        int64_t pairs = 0;
-        for (int ex = 0; ex < 16; ++ex) pairs += state->expert_pairs(ex);
-        EXPECT_EQ(pairs, rows * 8);
-        const parallel::Range all = state->owner_pairs(0);  // one rank owns every expert
-        EXPECT_EQ(all.begin, 0);
-        EXPECT_EQ(all.end, rows * 8);
+        MoeRouting routing;
+        state->read_routing(routing);
+        ASSERT_EQ(routing.offsets.size(), 17u);
+        EXPECT_EQ(routing.offsets.front(), 0);
+        EXPECT_EQ(routing.offsets.back(), rows * 8);
         const MoeBuffers b = state->buffers();
+        EXPECT_EQ(b.capacity, rows * 8);  // one owner: every pair is its own
         EXPECT_EQ(b.router_logits.rows(), rows);
-        EXPECT_EQ(b.x_sorted.rows(), rows * 8);
+        EXPECT_EQ(b.x_own.rows(), rows * 8);
+        EXPECT_EQ(b.expert_out.rows(), rows * 8);
         EXPECT_EQ(b.expert_act.row_elems(), 96);
         EXPECT_EQ(b.shared_out.rows(), rows);
     }
@@ -365,7 +359,6 @@ TEST_P(MoeStateTest, RefusalsLeaveTheRoutingAndGenerationIntact) {
                         "moe state: the model is bound whole; a whole model runs without a communicator");
     parallel::PlanRequest req;
     req.tp = 2;
-    req.ep = true;
     req.devices_available = 2;
     auto plan = parallel::make_plan(plan_shape(e->cfg), req);
     ASSERT_TRUE(plan.has_value());
@@ -421,16 +414,13 @@ TEST_P(MoeStateTest, RoutingMatchesAHostRouterAndCountingSort) {
         EXPECT_EQ(got.sorted_pair, s.sorted_pair);
         EXPECT_EQ(got.row_of_pair, s.row_of_pair);
         int used = 0;
-        for (int ex = 0; ex < 16; ++ex) {
-            EXPECT_EQ(state->expert_pairs(ex), s.counts[static_cast<size_t>(ex)]) << "expert " << ex;
-            used += s.counts[static_cast<size_t>(ex)] > 0 ? 1 : 0;
-        }
+        for (int ex = 0; ex < 16; ++ex) used += s.counts[static_cast<size_t>(ex)] > 0 ? 1 : 0;
         EXPECT_GE(used, 12) << "20 tokens of top-8 over 16 experts reach most experts";
         for (int64_t r = 0; r < n * 8; ++r) {
             EXPECT_EQ(got.row_of_pair[static_cast<size_t>(got.sorted_pair[static_cast<size_t>(r)])], r);
         }
-        // The permuted input: sorted row r is token sorted_pair[r] / top_k's row, exactly.
-        const std::vector<float> xs = download(be, state->buffers().x_sorted);
+        // The permuted input (one owner: every sorted row): row r is token sorted_pair[r] / top_k's row, exactly.
+        const std::vector<float> xs = download(be, state->buffers().x_own);
         int64_t bad = 0;
         for (int64_t r = 0; r < n * 8; ++r) {
             const int64_t t = got.sorted_pair[static_cast<size_t>(r)] / 8;
@@ -439,20 +429,14 @@ TEST_P(MoeStateTest, RoutingMatchesAHostRouterAndCountingSort) {
         }
         EXPECT_EQ(bad, 0);
     }
-    // The offsets are read back once per generation.
-    be.reset_counters();
-    (void)state->expert_offsets();
-    (void)state->owner_pairs(0);
-    (void)state->expert_pairs(3);
-    EXPECT_EQ(be.counters().host_copies, 0);  // read above for this generation already
+    // Neither refresh nor run reads anything back to the host.
     const TensorView x = upload(be, make_rows(30, 3, d), 3, d);
     be.reset_counters();
     ASSERT_TRUE(state->refresh(kMoeLayer, x).has_value());
-    EXPECT_EQ(be.counters().host_copies, 0);  // refresh itself reads nothing back
-    EXPECT_EQ(be.counters().launches, 4);     // router product, top-k, sort, permute
-    (void)state->expert_offsets();
-    (void)state->expert_offsets();
-    EXPECT_EQ(be.counters().host_copies, 1);
+    ASSERT_TRUE(state->run(x, x).has_value());
+    EXPECT_EQ(be.counters().host_copies(), 0);
+    // router product, top-k, sort, permute; gate, up, swiglu, down, source rows; shared x4; combine.
+    EXPECT_EQ(be.counters().launches, 14);
 }
 
 TEST_P(MoeStateTest, OutputEqualsThePerExpertOracle) {
@@ -472,9 +456,9 @@ TEST_P(MoeStateTest, OutputEqualsThePerExpertOracle) {
         ASSERT_TRUE(state->refresh(layer, x).has_value());
         be.reset_counters();
         ASSERT_TRUE(state->run(res, *out).has_value());
-        // gate, up, swiglu, down; shared gate, up, swiglu, down; combine. No host copy at TP = 1.
-        EXPECT_EQ(be.counters().launches, 9);
-        EXPECT_EQ(be.counters().host_copies, 0);
+        // gate, up, swiglu, down, source rows; shared gate, up, swiglu, down; combine. No host copy.
+        EXPECT_EQ(be.counters().launches, 10);
+        EXPECT_EQ(be.counters().host_copies(), 0);
         const std::vector<float> got = download(be, *out);
         MoeRouting routing;
         state->read_routing(routing);
@@ -534,14 +518,12 @@ TEST_P(MoeStateTest, RefreshAndRunDoNotAllocate) {
     const TensorView x = upload(be, make_rows(70, 12, d), 12, d);
     auto out = be.alloc(DType::kF32, {12, d});
     ASSERT_TRUE(out.has_value());
-    const int64_t before = test::allocation_count();
+    const int64_t before = g_allocations.load();
     for (const auto &[layer, rows] : {std::pair{kMoeLayer, 12}, std::pair{kClampedLayer, 3}}) {
         ASSERT_TRUE(state->refresh(layer, first_rows(x, rows)).has_value());
         ASSERT_TRUE(state->run(first_rows(x, rows), first_rows(*out, rows)).has_value());
-        (void)state->expert_offsets();
-        (void)state->owner_pairs(0);
     }
-    EXPECT_EQ(test::allocation_count() - before, 0);
+    EXPECT_EQ(g_allocations.load() - before, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, MoeStateTest, ::testing::Values("bf16", "fp8"),
@@ -552,7 +534,6 @@ INSTANTIATE_TEST_SUITE_P(Tiny, MoeStateTest, ::testing::Values("bf16", "fp8"),
 struct Combo {
     const char *dtype;
     int tp;
-    bool ep;
 };
 
 class MoeRanksTest : public TinyModels {};
@@ -567,10 +548,9 @@ struct RankSet {
     std::vector<MoeState> states;
 };
 
-Result<void> make_ranks(RankSet &rs, const Engine &e, int tp, bool ep, int64_t capacity) {
+Result<void> make_ranks(RankSet &rs, const Engine &e, int tp, int64_t capacity) {
     parallel::PlanRequest req;
     req.tp = tp;
-    req.ep = ep;
     req.devices_available = tp;
     auto plan = parallel::make_plan(plan_shape(e.cfg), req);
     if (!plan) return tl::unexpected(plan.error());
@@ -594,7 +574,7 @@ Result<void> make_ranks(RankSet &rs, const Engine &e, int tp, bool ep, int64_t c
 
 TEST_P(MoeRanksMatrixTest, EveryRankHoldsTheSingleRankBits) {
     const Combo c = GetParam();
-    const std::string name = fmt::format("{} tp={} ep={}", c.dtype, c.tp, c.ep ? "on" : "off");
+    const std::string name = fmt::format("{} tp={}", c.dtype, c.tp);
     auto e = make_engine(dir(c.dtype));
     const int64_t d = e->cfg.d_model;
     constexpr int64_t kCap = 24;
@@ -619,7 +599,7 @@ TEST_P(MoeRanksMatrixTest, EveryRankHoldsTheSingleRankBits) {
     }
 
     RankSet rs;
-    auto made = make_ranks(rs, *e, c.tp, c.ep, kCap);
+    auto made = make_ranks(rs, *e, c.tp, kCap);
     ASSERT_TRUE(made.has_value()) << name << ": " << made.error().message;
     std::vector<TensorView> xs, res, outs;
     for (int r = 0; r < c.tp; ++r) {
@@ -645,8 +625,14 @@ TEST_P(MoeRanksMatrixTest, EveryRankHoldsTheSingleRankBits) {
         ASSERT_TRUE(ran.has_value()) << name << ": " << ran.error().message;
         MoeRouting routing0;
         rs.states[0].read_routing(routing0);
+        const int per_owner = 16 / c.tp;
         int owners_with_pairs = 0;
-        for (int o = 0; o < c.tp; ++o) owners_with_pairs += rs.states[0].owner_pairs(o).empty() ? 0 : 1;
+        for (int o = 0; o < c.tp; ++o) {
+            owners_with_pairs += routing0.offsets[static_cast<size_t>((o + 1) * per_owner)] >
+                                         routing0.offsets[static_cast<size_t>(o * per_owner)]
+                                     ? 1
+                                     : 0;
+        }
         for (int r = 0; r < c.tp; ++r) {
             const auto ur = static_cast<size_t>(r);
             const std::vector<float> got = download(*rs.backends[ur], first_rows(outs[ur], rows));
@@ -654,44 +640,33 @@ TEST_P(MoeRanksMatrixTest, EveryRankHoldsTheSingleRankBits) {
             MoeRouting routing;
             rs.states[ur].read_routing(routing);
             EXPECT_TRUE(same_routing(routing0, routing)) << name << " rank " << r;
-            // Without EP one all-gather of the routed down_proj's subtree sums; with EP one broadcast per owner
-            // that has pairs, landing its rows in place on every rank.
+            // One all-gather of every owner's compact rows at the fixed capacity rows * min(top_k, experts per
+            // owner): no host read of the routing decides its size.
             const CommCounters &cc = counters[ur];
-            if (c.ep) {
-                EXPECT_EQ(cc.all_gathers, 0) << name;
-                EXPECT_EQ(cc.broadcasts, owners_with_pairs) << name;
-                EXPECT_EQ(cc.bytes, rows * 8 * d * 4) << name;
-            } else {
-                EXPECT_EQ(cc.all_gathers, 1) << name;
-                EXPECT_EQ(cc.broadcasts, 0) << name;
-                EXPECT_EQ(cc.bytes, c.tp * rows * 8 * d * 4) << name;
-            }
+            EXPECT_EQ(cc.all_gathers, 1) << name;
+            EXPECT_EQ(cc.bytes, c.tp * rows * std::min(8, per_owner) * d * 4) << name;
         }
-        if (c.ep) {
-            EXPECT_GT(owners_with_pairs, 1) << name << ": the routing should reach several owners";
-        }
+        EXPECT_GT(owners_with_pairs, 1) << name << ": the routing should reach several owners";
     }
 }
 
 std::vector<Combo> rank_combos() {
-    // fp8 experts split by d_expert are refused by the plan at tp >= 2 (96 / tp is no whole 128 scale tile).
-    return {{"bf16", 2, false}, {"bf16", 2, true}, {"bf16", 4, false}, {"bf16", 4, true}, {"bf16", 8, true},
-            {"fp8", 2, true},   {"fp8", 4, true}};
+    return {{"bf16", 2}, {"bf16", 4}, {"bf16", 8}, {"fp8", 2}, {"fp8", 4}, {"fp8", 8}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, MoeRanksMatrixTest, ::testing::ValuesIn(rank_combos()),
                          [](const ::testing::TestParamInfo<Combo> &p) {
-                             return fmt::format("{}_tp{}_{}", p.param.dtype, p.param.tp, p.param.ep ? "ep" : "noep");
+                             return fmt::format("{}_tp{}", p.param.dtype, p.param.tp);
                          });
 
 TEST_F(MoeRanksTest, RankRefreshAndRunDoNotAllocate) {
     auto e = make_engine(dir("bf16"));
     const int64_t d = e->cfg.d_model;
-    for (const bool ep : {false, true}) {
+    for (const int tp : {2, 4}) {
         RankSet rs;
-        ASSERT_TRUE(make_ranks(rs, *e, 2, ep, 12).has_value());
+        ASSERT_TRUE(make_ranks(rs, *e, tp, 12).has_value());
         std::vector<TensorView> xs, outs;
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < tp; ++r) {
             Backend &be = *rs.backends[static_cast<size_t>(r)];
             xs.push_back(upload(be, make_rows(90, 12, d), 12, d));
             auto o = be.alloc(DType::kF32, {12, d});
@@ -704,7 +679,7 @@ TEST_F(MoeRanksTest, RankRefreshAndRunDoNotAllocate) {
             const auto ur = static_cast<size_t>(r);
             MoeState &s = rs.states[ur];
             if (auto ok = comm.barrier(); !ok) return ok;
-            if (r == 0) before = test::allocation_count();
+            if (r == 0) before = g_allocations.load();
             if (auto ok = comm.barrier(); !ok) return ok;
             for (const auto &[layer, rows] :
                  {std::pair{kMoeLayer, int64_t{12}}, std::pair{kClampedLayer, int64_t{2}}}) {
@@ -712,11 +687,11 @@ TEST_F(MoeRanksTest, RankRefreshAndRunDoNotAllocate) {
                 if (auto ok = s.run(first_rows(xs[ur], rows), first_rows(outs[ur], rows)); !ok) return ok;
             }
             if (auto ok = comm.barrier(); !ok) return ok;
-            if (r == 0) after = test::allocation_count();
+            if (r == 0) after = g_allocations.load();
             return {};
         });
         ASSERT_TRUE(ran.has_value()) << ran.error().message;
-        EXPECT_EQ(after - before, 0) << "ep " << ep;
+        EXPECT_EQ(after - before, 0) << "tp " << tp;
     }
 }
 

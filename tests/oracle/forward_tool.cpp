@@ -1,12 +1,15 @@
-// memra_forward_tool: runs the Step-3.5 forward (CPU backend) for the Python oracles.
+// memra_forward_tool: runs the Step-3.5 forward through the engine (CPU backend) for the Python oracles.
 //   memra_forward_tool MODEL_DIR IDS_FILE OUT_FILE [--all-positions] [--decode N] [--mtp] [--threads T]
-//                      [--kv-k FMT] [--kv-v FMT]
+//                      [--kv-k FMT] [--kv-v FMT] [--ubatch N] [--tp T]
 // IDS_FILE holds the prompt as raw little-endian int32 ids. OUT_FILE gets raw float32 logits, [rows, vocab]:
 // the prompt's last position (every position with --all-positions), then one row per greedy decode step
-// (--decode N: each step feeds the argmax of the previous row, lowest id on ties). --mtp instead appends the
-// first MTP layer's logits over prompt positions 0 .. T-2 (token p+1 with the trunk's hidden state at p).
-// KV cache formats (f32 default, bf16, q8_0, q5_1) apply to the trunk and MTP caches. Prints the row count,
-// the vocabulary size, the decoded ids and the launches / host copies of the last decode step.
+// (--decode N: each step feeds the token the engine sampled at temperature 0, the argmax with ties to the
+// lowest id). --mtp instead appends every MTP layer's logits, chained in one step with the prompt: MTP layer
+// k over positions k .. T-2 (row p takes the token at p + 1 and the hidden row of layer k - 1 at p - 1, the
+// trunk's at p for k = 0), layer after layer. --ubatch N prefills the prompt in steps of N rows (not with
+// --mtp, whose rows need their hidden sources in the same step). KV cache formats (f32 default, bf16, q8_0,
+// q5_1) apply to every layer. Prints the row count, the vocabulary size, the decoded ids and the work of the
+// last decode step (launches, host -> backend and backend -> host copies).
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -16,12 +19,10 @@
 #include <fmt/format.h>
 
 #include "backend/cpu/cpu_backend.h"
+#include "core/kv_format.h"
 #include "io/safetensors.h"
-#include "kv/kv_cache.h"
-#include "kv/kv_format.h"
 #include "model/step35_config.h"
-#include "model/step35_forward.h"
-#include "model/step35_model.h"
+#include "runtime/engine.h"
 
 namespace {
 
@@ -49,10 +50,12 @@ int main(int argc, char **argv) {
     std::vector<std::string> positional;
     bool all_positions = false;
     bool mtp = false;
-    kv::KvFormat kv_k = kv::KvFormat::kF32;
-    kv::KvFormat kv_v = kv::KvFormat::kF32;
+    KvFormat kv_k = KvFormat::kF32;
+    KvFormat kv_v = KvFormat::kF32;
     int64_t n_decode = 0;
     int64_t threads = 1;
+    int64_t ubatch = 0;  // 0: the whole prompt in one step
+    int64_t tp = 1;
     for (int i = 1; i < argc; ++i) {
         const std::string arg = argv[i];
         if (arg == "--all-positions") {
@@ -61,15 +64,15 @@ int main(int argc, char **argv) {
             mtp = true;
         } else if (arg == "--kv-k" || arg == "--kv-v") {
             if (i + 1 >= argc) return fail(arg + " needs a value");
-            auto format = kv::parse_kv_format(argv[++i]);
+            auto format = parse_kv_format(argv[++i]);
             if (!format) return fail(fmt::format("{}: {}", arg, format.error().message));
             (arg == "--kv-k" ? kv_k : kv_v) = *format;
-        } else if (arg == "--decode" || arg == "--threads") {
+        } else if (arg == "--decode" || arg == "--threads" || arg == "--ubatch" || arg == "--tp") {
             if (i + 1 >= argc) return fail(arg + " needs a value");
-            int64_t &dst = arg == "--decode" ? n_decode : threads;
-            if (!parse_int(argv[++i], arg == "--decode" ? 0 : 1, dst)) {
-                return fail(fmt::format("{} expects an integer >= {}, found '{}'", arg, arg == "--decode" ? 0 : 1,
-                                        argv[i]));
+            int64_t &dst = arg == "--decode" ? n_decode : arg == "--threads" ? threads : arg == "--ubatch" ? ubatch : tp;
+            const int64_t lo = arg == "--decode" ? 0 : 1;
+            if (!parse_int(argv[++i], lo, dst)) {
+                return fail(fmt::format("{} expects an integer >= {}, found '{}'", arg, lo, argv[i]));
             }
         } else if (arg.rfind("--", 0) == 0) {
             return fail(fmt::format("unknown option '{}'", arg));
@@ -79,9 +82,10 @@ int main(int argc, char **argv) {
     }
     if (positional.size() != 3) {
         return fail("usage: memra_forward_tool MODEL_DIR IDS_FILE OUT_FILE [--all-positions] [--decode N] "
-                    "[--mtp] [--threads T] [--kv-k FMT] [--kv-v FMT]");
+                    "[--mtp] [--threads T] [--kv-k FMT] [--kv-v FMT] [--ubatch N] [--tp T]");
     }
     if (mtp && n_decode > 0) return fail("--mtp and --decode cannot be combined");
+    if (mtp && ubatch > 0) return fail("--mtp and --ubatch cannot be combined");
 
     std::ifstream in(positional[1], std::ios::binary);
     if (!in) return fail(fmt::format("{}: cannot open", positional[1]));
@@ -97,53 +101,78 @@ int main(int argc, char **argv) {
     if (!cfg) return fail(cfg.error().message);
     auto ckpt = io::Checkpoint::open(positional[0]);
     if (!ckpt) return fail(ckpt.error().message);
-    cpu::CpuBackend backend(static_cast<int>(threads));
-    auto mdl = model::bind_step35_model(backend, *ckpt, *cfg);
-    if (!mdl) return fail(mdl.error().message);
+    if (mtp && cfg->n_mtp_layers < 1) return fail(fmt::format("{}: the config has no MTP layer", positional[0]));
     const auto n_prompt = static_cast<int64_t>(prompt.size());
-    const int64_t context = n_prompt + n_decode;
-    auto fwd = model::Step35Forward::create(backend, *mdl, model::ForwardCapacity{n_prompt, 1, context, 0});
-    if (!fwd) return fail(fwd.error().message);
-    auto cache = kv::KvCache::create(model::trunk_kv_spec(*cfg, kv_k, kv_v, context, static_cast<int>(n_prompt)));
-    if (!cache) return fail(cache.error().message);
+    if (mtp && n_prompt < 2) return fail("--mtp needs a prompt of at least 2 tokens");
+    const int n_mtp = mtp ? std::min(cfg->n_mtp_layers, model::kMaxMtp) : 0;
+
+    runtime::EngineOptions eo;
+    eo.tp = static_cast<int>(tp);
+    eo.k_format = kv_k;
+    eo.v_format = kv_v;
+    eo.ctx_size = n_prompt + n_decode;
+    eo.step_rows = ubatch > 0 ? ubatch : n_prompt;
+    eo.max_logit_rows = n_prompt * (1 + n_mtp);
+    eo.mtp_layers = n_mtp;
+    const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / tp));
+    eo.make_backend = [per_rank](int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(per_rank));
+    };
+    auto engine = runtime::Engine::create(*ckpt, *cfg, eo);
+    if (!engine) return fail(engine.error().message);
+    runtime::Engine &e = **engine;
+    runtime::SequenceOptions so;
+    so.sampling.temperature = 0.0f;
+    so.mtp_streams = n_mtp;
+    auto seq = e.create_sequence(so);
+    if (!seq) return fail(seq.error().message);
+    runtime::Sequence &s = **seq;
+    s.tokens = prompt;
 
     std::vector<float> out;
-    std::vector<int32_t> generated;
-    model::SeqChunk chunk{&*cache, prompt, all_positions, -1};
-    auto r = fwd->step(std::span(&chunk, 1));
-    if (!r) return fail(r.error().message);
-    out.insert(out.end(), fwd->logits().begin(), fwd->logits().end());
-    const int64_t vocab = cfg->vocab_size;
-    if (mtp) {
-        if (cfg->n_mtp_layers < 1) return fail(fmt::format("{}: the config has no MTP layer", positional[0]));
-        if (n_prompt < 2) return fail("--mtp needs a prompt of at least 2 tokens");
-        auto mtp_cache =
-            kv::KvCache::create(model::mtp_kv_spec(*cfg, 0, kv_k, kv_v, context, static_cast<int>(n_prompt)));
-        if (!mtp_cache) return fail(mtp_cache.error().message);
-        const model::MtpChunk draft{&*mtp_cache, std::span(prompt).subspan(1), true, -1};
-        r = fwd->mtp_step(0, std::span(&draft, 1), fwd->hidden().row_slice(0, n_prompt - 1));
-        if (!r) return fail(r.error().message);
-        out.insert(out.end(), fwd->logits().begin(), fwd->logits().end());
+    const auto append = [&](size_t item, int stream) {
+        const auto lg = e.logits(item, stream);
+        out.insert(out.end(), lg.begin(), lg.end());
+    };
+    // The prompt in steps of at most step_rows rows; logits of the rows asked for, in order.
+    while (s.pending() > 0) {
+        runtime::StepItem it;
+        it.seq = &s;
+        it.rows = std::min(s.pending(), eo.step_rows);
+        const bool last = it.rows == s.pending();
+        it.logits = all_positions ? runtime::LogitRows::kAll : last ? runtime::LogitRows::kLast : runtime::LogitRows::kNone;
+        it.sample = last;
+        it.return_logits = it.logits != runtime::LogitRows::kNone;
+        for (int k = 0; k < n_mtp; ++k) it.mtp_rows[k] = std::max<int64_t>(0, n_prompt - 1 - k);
+        it.mtp_logits = n_mtp > 0;
+        it.return_logits = it.return_logits || n_mtp > 0;
+        if (auto r = e.step(std::span(&it, 1)); !r) return fail(r.error().message);
+        if (it.logits != runtime::LogitRows::kNone) append(0, 0);
+        for (int k = 0; k < n_mtp; ++k) append(0, 1 + k);
     }
-    BackendCounters counts;
-    for (int64_t s = 0; s < n_decode; ++s) {
-        const float *last = out.data() + out.size() - static_cast<size_t>(vocab);
-        const int32_t next = static_cast<int32_t>(std::max_element(last, last + vocab) - last);
-        generated.push_back(next);
-        backend.reset_counters();
-        chunk = model::SeqChunk{&*cache, std::span(&generated.back(), 1), false, -1};
-        r = fwd->step(std::span(&chunk, 1));
-        if (!r) return fail(r.error().message);
-        counts = backend.counters();
-        out.insert(out.end(), fwd->logits().begin(), fwd->logits().end());
+    std::vector<int32_t> generated;
+    runtime::StepCounters counts;
+    for (int64_t i = 0; i < n_decode; ++i) {
+        generated.push_back(e.sampled(0).id);
+        s.tokens.push_back(generated.back());
+        runtime::StepItem it;
+        it.seq = &s;
+        it.rows = 1;
+        it.sample = true;
+        it.return_logits = true;
+        e.reset_counters();
+        if (auto r = e.step(std::span(&it, 1)); !r) return fail(r.error().message);
+        counts = e.counters(0);
+        append(0, 0);
     }
 
     std::ofstream o(positional[2], std::ios::binary | std::ios::trunc);
     if (!o) return fail(fmt::format("{}: cannot create", positional[2]));
     o.write(reinterpret_cast<const char *>(out.data()), static_cast<std::streamsize>(out.size() * sizeof(float)));
     if (!o) return fail(fmt::format("{}: write failed", positional[2]));
-    fmt::print("rows {} vocab {} decoded [{}] decode_launches {} decode_host_copies {}\n",
-               static_cast<int64_t>(out.size()) / vocab, vocab, fmt::join(generated, ", "), counts.launches,
-               counts.host_copies);
+    const int64_t vocab = cfg->vocab_size;
+    fmt::print("rows {} vocab {} decoded [{}] decode_launches {} decode_h2d {} decode_d2h {}\n",
+               static_cast<int64_t>(out.size()) / vocab, vocab, fmt::join(generated, ", "), counts.backend.launches,
+               counts.backend.h2d_copies, counts.backend.d2h_copies);
     return 0;
 }

@@ -218,9 +218,10 @@ class Step35Numpy:
         h = self.trunk(ids)
         return rms_norm(h, self.w["model.norm.weight"], self.eps) @ self.w["lm_head.weight"].T
 
-    def mtp_logits(self, ids, h, mtp_index=0):
-        """MTP layer `num_hidden_layers + mtp_index` over positions 0..T-2: the token at p+1 and h_prev at p
-        (section 4.8). Returns (logits [T-1, vocab], pre-norm MTP hidden [T-1, hidden], eh_proj output)."""
+    def mtp_logits(self, ids, h, mtp_index=0, positions=None):
+        """MTP layer `num_hidden_layers + mtp_index` (section 4.8): row i takes the token ids[i + 1] and the
+        hidden row h[i] at position positions[i] (default 0..T-2). Returns (logits [T-1, vocab], pre-norm MTP
+        hidden [T-1, hidden], eh_proj output)."""
         cfg, w, eps = self.cfg, self.w, self.eps
         layer = cfg["num_hidden_layers"] + mtp_index
         m = f"model.layers.{layer}."
@@ -228,7 +229,20 @@ class Step35Numpy:
         e = rms_norm(w["model.embed_tokens.weight"][ids[1:]], w[m + "enorm.weight"], eps)
         hh = rms_norm(h[:-1], w[m + "hnorm.weight"], eps)
         u = np.concatenate([e, hh], axis=-1) @ w[m + "eh_proj.weight"].T
-        h_mtp = self.block(u, layer)
+        h_mtp = self.block(u, layer, positions)
         lg = rms_norm(h_mtp, w[m + "transformer.shared_head.norm.weight"], eps) @ \
             w[m + "transformer.shared_head.output.weight"].T
         return lg, h_mtp, u
+
+    def mtp_chain_logits(self, ids, n_layers):
+        """Every MTP layer chained over a teacher-forced sequence of T tokens: MTP layer k has rows at positions
+        k .. T-2, row p taking the token at p + 1 and MTP layer k - 1's hidden row at p - 1 (the trunk's at p for
+        k = 0). Returns one logits array per layer ([T-1-k, vocab])."""
+        h = self.trunk(ids)
+        toks = list(ids)
+        out = []
+        for k in range(n_layers):
+            lg, h, _ = self.mtp_logits(toks, h, k, np.arange(k, len(ids) - 1))
+            out.append(lg)
+            toks = toks[1:]
+        return out

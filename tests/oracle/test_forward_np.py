@@ -56,22 +56,48 @@ def test_decode_matches_numpy(variant, ckpt, prompt, tmp_path):
     assert err < TOL
 
 
-@pytest.mark.parametrize("variant", ["bf16", "fp8"])
-def test_mtp_matches_numpy(variant, ckpt, prompt, tmp_path):
-    """The MTP layer (STEP35.md 4.8) over the prompt: token p+1 with the trunk's hidden state at p."""
-    cfg = json.loads((ckpt[variant] / "config.json").read_text())
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """The small preset: three MTP layers to chain."""
+    return make_tiny(tmp_path_factory.mktemp("small_forward") / "small", "bf16", SEED, preset="small")
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "small"])
+def test_mtp_chain_matches_numpy(variant, ckpt, small, prompt, tmp_path):
+    """Every MTP layer (STEP35.md 4.8), chained 45 -> 46 -> 47 as the engine runs them in one step over the
+    prompt: MTP layer k over positions k .. T-2, row p taking the token at p + 1 and layer k - 1's hidden row at
+    p - 1 (the trunk's at p for k = 0)."""
+    model_dir = small if variant == "small" else ckpt[variant]
+    cfg = json.loads((model_dir / "config.json").read_text())
     vocab = cfg["vocab_size"]
-    ours, _ = run_tool(ckpt[variant], prompt, tmp_path, "--all-positions", "--mtp", "--threads", "2")
-    ours = ours.reshape(2 * N_PROMPT - 1, vocab)
-    ref_model = Step35Numpy(cfg, float32_weights(load_checkpoint(ckpt[variant])), np.float64)
-    h = ref_model.trunk(prompt)
-    ref, _, _ = ref_model.mtp_logits(prompt, h)
-    err = rel_err(ours[N_PROMPT:], ref)
-    print(f"{variant}: MTP max relative error {err:.3e} over {N_PROMPT - 1} positions")
-    assert err < TOL
-    assert np.array_equal(ours[N_PROMPT:].argmax(-1), ref.argmax(-1))
-    # The MTP head really is another function of the sequence than the trunk head.
-    assert rel_err(ours[1:N_PROMPT], ref) > 100 * TOL
+    n_mtp = cfg["num_nextn_predict_layers"]
+    ours, _ = run_tool(model_dir, prompt, tmp_path, "--all-positions", "--mtp", "--threads", "2")
+    rows = [N_PROMPT - 1 - k for k in range(n_mtp)]
+    ours = ours.reshape(N_PROMPT + sum(rows), vocab)
+    ref_model = Step35Numpy(cfg, float32_weights(load_checkpoint(model_dir)), np.float64)
+    refs = ref_model.mtp_chain_logits(prompt, n_mtp)
+    at = N_PROMPT
+    for k, ref in enumerate(refs):
+        got = ours[at:at + rows[k]]
+        err = rel_err(got, ref)
+        print(f"{variant}: MTP layer {k} max relative error {err:.3e} over {rows[k]} positions")
+        assert err < TOL
+        assert np.array_equal(got.argmax(-1), ref.argmax(-1))
+        # Each MTP layer really is another function of the sequence than the trunk head.
+        assert rel_err(ours[1 + k:N_PROMPT], ref) > 100 * TOL
+        at += rows[k]
+    if n_mtp > 1:
+        # And a chained layer another function than the first (its own weights and its chained input).
+        assert rel_err(ours[N_PROMPT + 1:N_PROMPT + rows[0]], refs[1]) > 100 * TOL
+
+
+def test_chunked_prefill_equals_one_step(ckpt, prompt, tmp_path):
+    """The prompt in steps of 7 rows (and of 1) gives every logit of the one-step prefill, bit for bit."""
+    one, _ = run_tool(ckpt["bf16"], prompt, tmp_path, "--all-positions", "--kv-k", "q8_0", "--kv-v", "q5_1")
+    for ubatch in ("7", "1"):
+        chunked, _ = run_tool(ckpt["bf16"], prompt, tmp_path, "--all-positions", "--kv-k", "q8_0", "--kv-v", "q5_1",
+                              "--ubatch", ubatch)
+        assert np.array_equal(one.view("<u4"), chunked.view("<u4")), ubatch
 
 
 def test_tool_is_thread_invariant_and_comparison_can_fail(ckpt, prompt, tmp_path):
@@ -98,4 +124,4 @@ def test_tool_refuses_bad_input(ckpt, tmp_path):
     proc = subprocess.run([build_tool("memra_forward_tool"), str(ckpt["bf16"]), str(ids), str(tmp_path / "o.bin")],
                           capture_output=True, text=True)
     assert proc.returncode != 0
-    assert "token id 5000 at row 0 outside the vocabulary [0, 1024)" in proc.stderr
+    assert "token id 5000 at position 0 outside the vocabulary [0, 1024)" in proc.stderr

@@ -82,10 +82,9 @@ ModelShape tiny_shape(int sliding_heads = 12) {
     return s;
 }
 
-PlanRequest request(int tp, bool ep, int stages = 1, int devices = -1) {
+PlanRequest request(int tp, int stages = 1, int devices = -1) {
     PlanRequest r;
     r.tp = tp;
-    r.ep = ep;
     r.pipeline_stages = stages;
     r.devices_available = devices < 0 ? tp * stages : devices;
     return r;
@@ -192,7 +191,7 @@ void expect_invariants(const ParallelPlan &plan, const ModelShape &shape) {
             const LayerShape &l = shape.layers[i];
             const LayerPlan &lp = plan.layers[i];
             const std::string where = "layer " + std::to_string(i) + " stage " + std::to_string(s);
-            std::vector<Range> q, kv_split, ff, dexp, experts;
+            std::vector<Range> q, kv_split, ff, experts;
             std::vector<int> kv_copies(l.n_kv_heads, 0);
             const int group = l.n_heads / l.n_kv_heads;
             for (int t = 0; t < tp; ++t) {
@@ -217,24 +216,14 @@ void expect_invariants(const ParallelPlan &plan, const ModelShape &shape) {
                     EXPECT_EQ(p.ff_blocks, canonical_blocks_of(t, tp)) << where;
                     EXPECT_EQ(p.ff, R(p.ff_blocks.begin * lp.ff_block_width, p.ff_blocks.end * lp.ff_block_width))
                         << where;
-                    EXPECT_TRUE(p.experts.empty() && p.d_expert.empty() && p.expert_blocks.empty()) << where;
-                } else if (plan.request.ep) {
+                    EXPECT_TRUE(p.experts.empty()) << where;
+                } else {
                     experts.push_back(p.experts);
-                    EXPECT_EQ(p.d_expert, R(0, l.d_expert)) << where;
-                    EXPECT_EQ(p.expert_blocks, R(0, kCanonicalBlocks)) << where;
-                    EXPECT_EQ(lp.expert_block_width * kCanonicalBlocks, l.d_expert) << where;
                     for (int e = p.experts.begin; e < p.experts.end; ++e) {
                         EXPECT_EQ(expert_owner(e, l.n_experts, tp), t) << where << " expert " << e;
                         EXPECT_EQ(plan.expert_owner_rank(shape, i, e), plan.rank_of(s, t)) << where;
                     }
                     EXPECT_TRUE(p.ff.empty()) << where;
-                } else {
-                    EXPECT_EQ(p.experts, R(0, l.n_experts)) << where;
-                    dexp.push_back(p.d_expert);
-                    EXPECT_EQ(p.expert_blocks, canonical_blocks_of(t, tp)) << where;
-                    EXPECT_EQ(p.d_expert, R(p.expert_blocks.begin * lp.expert_block_width,
-                                            p.expert_blocks.end * lp.expert_block_width))
-                        << where;
                 }
             }
             expect_partition(q, l.n_heads, where + " q heads");
@@ -249,10 +238,8 @@ void expect_invariants(const ParallelPlan &plan, const ModelShape &shape) {
             }
             if (!l.moe) {
                 expect_partition(ff, l.d_ff, where + " d_ff");
-            } else if (plan.request.ep) {
-                expect_partition(experts, l.n_experts, where + " experts");
             } else {
-                expect_partition(dexp, l.d_expert, where + " d_expert");
+                expect_partition(experts, l.n_experts, where + " experts");
             }
         }
     }
@@ -357,12 +344,12 @@ TEST(CanonicalBlocks, StepsReproduceTheTreeBitForBit) {
 
 // ---- Step-3.5-Flash ----
 
-class Step35Topologies : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+class Step35Topologies : public ::testing::TestWithParam<int> {};
 
 TEST_P(Step35Topologies, InvariantsHold) {
-    const auto [tp, ep] = GetParam();
+    const int tp = GetParam();
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(tp, ep));
+    const ParallelPlan plan = plan_ok(shape, request(tp));
     expect_invariants(plan, shape);
     EXPECT_EQ(plan.n_trunk_layers, 45);
     EXPECT_EQ(plan.n_mtp_layers, 3);
@@ -372,17 +359,15 @@ TEST_P(Step35Topologies, InvariantsHold) {
         EXPECT_EQ(layer_of(plan, r, 1).q_heads.size(), 96 / tp);
         EXPECT_EQ(layer_of(plan, r, 0).ff.size(), 11264 / tp);
         EXPECT_EQ(layer_of(plan, r, 46).ff.size(), 11264 / tp);
-        EXPECT_EQ(layer_of(plan, r, 10).experts.size(), ep ? 288 / tp : 288);
-        EXPECT_EQ(layer_of(plan, r, 10).d_expert.size(), ep ? 1280 : 1280 / tp);
+        EXPECT_EQ(layer_of(plan, r, 10).experts.size(), 288 / tp);
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllDegrees, Step35Topologies,
-                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(AllDegrees, Step35Topologies, ::testing::Values(1, 2, 4, 8));
 
 TEST(Step35Plan, Tp1HoldsEverything) {
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(1, false));
+    const ParallelPlan plan = plan_ok(shape, request(1));
     ASSERT_EQ(plan.ranks.size(), 1u);
     const RankPlan &r = plan.ranks[0];
     EXPECT_EQ(r.trunk_layers, R(0, 45));
@@ -399,16 +384,13 @@ TEST(Step35Plan, Tp1HoldsEverything) {
     EXPECT_EQ(plan.layers[0].o_block_width, 1024);
     EXPECT_EQ(plan.layers[1].o_block_width, 1536);
     EXPECT_EQ(plan.layers[0].ff_block_width, 1408);
-    EXPECT_EQ(plan.layers[5].expert_block_width, 160);
     const RankLayerPlan &l5 = layer_of(plan, 0, 5);
     EXPECT_EQ(l5.experts, R(0, 288));
-    EXPECT_EQ(l5.d_expert, R(0, 1280));
-    EXPECT_EQ(l5.expert_blocks, R(0, 8));
 }
 
 TEST(Step35Plan, Tp2ExactRanges) {
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(2, true));
+    const ParallelPlan plan = plan_ok(shape, request(2));
     const RankLayerPlan &full = layer_of(plan, 1, 4);
     EXPECT_EQ(full.q_heads, R(32, 64));
     EXPECT_EQ(full.kv_heads, R(4, 8));
@@ -425,22 +407,20 @@ TEST(Step35Plan, Tp2ExactRanges) {
 
 TEST(Step35Plan, Tp4ExactRanges) {
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(4, false));
+    const ParallelPlan plan = plan_ok(shape, request(4));
     const RankLayerPlan &p = layer_of(plan, 2, 7);  // sliding MoE
     EXPECT_EQ(p.q_heads, R(48, 72));
     EXPECT_EQ(p.kv_heads, R(4, 6));
     EXPECT_EQ(p.o_blocks, R(4, 6));
     EXPECT_EQ(p.o_cols, R(6144, 9216));
-    EXPECT_EQ(p.experts, R(0, 288));
-    EXPECT_EQ(p.d_expert, R(640, 960));
-    EXPECT_EQ(p.expert_blocks, R(4, 6));
+    EXPECT_EQ(p.experts, R(144, 216));
     EXPECT_EQ(plan.ranks[3].vocab, R(96672, 128896));
     EXPECT_EQ(plan.layers[7].kv_layout, KvLayout::kSplit);
 }
 
-TEST(Step35Plan, Tp8WithoutEp) {
+TEST(Step35Plan, Tp8ExactRanges) {
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(8, false));
+    const ParallelPlan plan = plan_ok(shape, request(8));
     for (int r = 0; r < 8; ++r) {
         const RankLayerPlan &full = layer_of(plan, r, 0);
         EXPECT_EQ(full.q_heads, R(8 * r, 8 * r + 8));
@@ -452,19 +432,16 @@ TEST(Step35Plan, Tp8WithoutEp) {
         EXPECT_EQ(sliding.kv_heads, R(r, r + 1));
         EXPECT_EQ(sliding.o_cols, R(1536 * r, 1536 * r + 1536));
         const RankLayerPlan &expert = layer_of(plan, r, 44);
-        EXPECT_EQ(expert.experts, R(0, 288));
-        EXPECT_EQ(expert.d_expert, R(160 * r, 160 * r + 160));
+        EXPECT_EQ(expert.experts, R(36 * r, 36 * r + 36));
         EXPECT_EQ(plan.ranks[r].vocab, R(16112 * r, 16112 * r + 16112));
     }
 }
 
-TEST(Step35Plan, Tp8WithEpOwnsWholeExperts) {
+TEST(Step35Plan, Tp8OwnsWholeExperts) {
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(8, true));
+    const ParallelPlan plan = plan_ok(shape, request(8));
     for (int r = 0; r < 8; ++r) {
         EXPECT_EQ(layer_of(plan, r, 3).experts, R(36 * r, 36 * r + 36));
-        EXPECT_EQ(layer_of(plan, r, 3).d_expert, R(0, 1280));
-        EXPECT_EQ(layer_of(plan, r, 3).expert_blocks, R(0, 8));  // same 8-block tree as without ep
         EXPECT_EQ(experts_of(r, 288, 8), R(36 * r, 36 * r + 36));
     }
     EXPECT_EQ(expert_owner(0, 288, 8), 0);
@@ -477,15 +454,15 @@ TEST(Step35Plan, Tp8WithEpOwnsWholeExperts) {
 // ---- Refusals ----
 
 TEST(PlanRefusal, Tp3QueryHeads) {
-    EXPECT_EQ(plan_error(step35_shape(), request(3, false)), "tp=3: query heads 64 on layer 0 are not divisible by 3");
+    EXPECT_EQ(plan_error(step35_shape(), request(3)), "tp=3: query heads 64 on layer 0 are not divisible by 3");
 }
 
 TEST(PlanRefusal, Tp5QueryHeads) {
-    EXPECT_EQ(plan_error(step35_shape(), request(5, true)), "tp=5: query heads 64 on layer 0 are not divisible by 5");
+    EXPECT_EQ(plan_error(step35_shape(), request(5)), "tp=5: query heads 64 on layer 0 are not divisible by 5");
 }
 
 TEST(PlanRefusal, Tp16HalfACanonicalBlock) {
-    const std::string msg = plan_error(step35_shape(), request(16, true));
+    const std::string msg = plan_error(step35_shape(), request(16));
     EXPECT_NE(msg.find("tp=16: each rank would own half a canonical K block"), std::string::npos) << msg;
     EXPECT_NE(msg.find("tp must divide 8 (1, 2, 4 or 8)"), std::string::npos) << msg;
 }
@@ -499,34 +476,34 @@ TEST(PlanRefusal, Tp32QuarterBlockAndTp6NotDividing) {
             l.n_experts = 64;
         }
     }
-    const std::string quarter = plan_error(shape, request(32, true));
+    const std::string quarter = plan_error(shape, request(32));
     EXPECT_NE(quarter.find("tp=32: each rank would own 1/4 of a canonical K block"), std::string::npos) << quarter;
     ModelShape six = tiny_shape(48);
     for (LayerShape &l : six.layers) {
         l.n_heads = 48;
         l.n_kv_heads = 6;
     }
-    const std::string msg = plan_error(six, request(6, true));
+    const std::string msg = plan_error(six, request(6));
     EXPECT_NE(msg.find("tp=6: the 8 canonical K blocks of a row-parallel projection cannot be split into 6"),
               std::string::npos)
         << msg;
 }
 
 TEST(PlanRefusal, TooFewDevices) {
-    EXPECT_EQ(plan_error(step35_shape(), request(8, true, 1, 2)),
+    EXPECT_EQ(plan_error(step35_shape(), request(8, 1, 2)),
               "pipeline_stages=1 x tp=8 needs 8 devices, 2 available");
-    EXPECT_EQ(plan_error(step35_shape(), request(2, false, 3, 5)),
+    EXPECT_EQ(plan_error(step35_shape(), request(2, 3, 5)),
               "pipeline_stages=3 x tp=2 needs 6 devices, 5 available");
-    EXPECT_TRUE(make_plan(step35_shape(), request(2, false, 3, 6)).has_value());
+    EXPECT_TRUE(make_plan(step35_shape(), request(2, 3, 6)).has_value());
 }
 
 TEST(PlanRefusal, BadDegreesAndStages) {
-    EXPECT_EQ(plan_error(step35_shape(), request(0, false, 1, 1)), "tp=0: must be at least 1");
-    EXPECT_EQ(plan_error(step35_shape(), request(-2, false, 1, 1)), "tp=-2: must be at least 1");
-    EXPECT_EQ(plan_error(step35_shape(), request(1, false, 0, 1)), "pipeline_stages=0: must be at least 1");
-    EXPECT_EQ(plan_error(step35_shape(), request(1, false, 46, 64)),
+    EXPECT_EQ(plan_error(step35_shape(), request(0, 1, 1)), "tp=0: must be at least 1");
+    EXPECT_EQ(plan_error(step35_shape(), request(-2, 1, 1)), "tp=-2: must be at least 1");
+    EXPECT_EQ(plan_error(step35_shape(), request(1, 0, 1)), "pipeline_stages=0: must be at least 1");
+    EXPECT_EQ(plan_error(step35_shape(), request(1, 46, 64)),
               "pipeline_stages=46: more stages than the 45 trunk layers (each stage needs one)");
-    EXPECT_TRUE(make_plan(step35_shape(), request(1, false, 45, 45)).has_value());
+    EXPECT_TRUE(make_plan(step35_shape(), request(1, 45, 45)).has_value());
 }
 
 TEST(PlanRefusal, ImpossibleGqaMapping) {
@@ -536,57 +513,47 @@ TEST(PlanRefusal, ImpossibleGqaMapping) {
         l.n_heads = 12;
         l.n_kv_heads = 6;
     }
-    EXPECT_EQ(plan_error(shape, request(4, false)),
+    EXPECT_EQ(plan_error(shape, request(4)),
               "tp=4: KV heads 6 on layer 0 neither split evenly over 4 ranks nor divide 4 (a rank must hold whole "
               "KV heads or the single KV head its query heads read)");
     // 3 KV heads over 2 ranks.
     ModelShape three = tiny_shape();
     three.layers[2].n_heads = 24;
     three.layers[2].n_kv_heads = 3;
-    const std::string msg = plan_error(three, request(2, false));
+    const std::string msg = plan_error(three, request(2));
     EXPECT_NE(msg.find("tp=2: KV heads 3 on layer 2 neither split evenly"), std::string::npos) << msg;
-    EXPECT_TRUE(make_plan(three, request(1, false)).has_value());
+    EXPECT_TRUE(make_plan(three, request(1)).has_value());
 }
 
-TEST(PlanRefusal, ExpertsNotDivisibleWithEp) {
+TEST(PlanRefusal, ExpertsNotDivisible) {
     ModelShape shape = tiny_shape(8);
     for (LayerShape &l : shape.layers) {
         if (l.moe) {
             l.n_experts = 12;
         }
     }
-    EXPECT_EQ(plan_error(shape, request(8, true)), "tp=8 with ep: routed experts 12 on layer 1 are not divisible by 8");
-    EXPECT_TRUE(make_plan(shape, request(8, false)).has_value());  // tensor-split experts need no divisibility
-    EXPECT_TRUE(make_plan(shape, request(4, true)).has_value());
+    EXPECT_EQ(plan_error(shape, request(8)),
+              "tp=8: the 12 routed experts of layer 1 cannot be spread evenly over 8 ranks (each rank owns whole "
+              "experts)");
+    EXPECT_TRUE(make_plan(shape, request(4)).has_value());
 }
 
-TEST(PlanRefusal, ExpertWidthNotCanonical) {
+TEST(Plan, ExpertWidthIsNeverCut) {
+    // Routed experts stay whole, so no expert width is refused: neither one without 8 canonical blocks nor an
+    // fp8 one whose per-rank slice would have split a 128-wide scale tile (ENGINE.md section 3).
     ModelShape shape = tiny_shape();
     shape.layers[3].d_expert = 100;
-    for (bool ep : {false, true}) {  // ep keeps experts whole but reduces them in the same 8 blocks
-        const std::string msg = plan_error(shape, request(ep ? 2 : 1, ep));
-        EXPECT_NE(msg.find("layer 3: d_expert 100 cannot be cut into 8 canonical blocks"), std::string::npos)
-            << msg;
-    }
-}
-
-TEST(PlanRefusal, Fp8ExpertsNeedWholeScaleTiles) {
-    const ModelShape shape = step35_shape(true);
-    EXPECT_EQ(plan_error(shape, request(4, false)),
-              "tp=4 without ep: fp8 routed experts on layer 3 split d_expert 1280 into 320 per rank, not a multiple "
-              "of the fp8 scale block 128; use ep");
-    EXPECT_NE(plan_error(shape, request(8, false)).find("into 160 per rank"), std::string::npos);
-    expect_invariants(plan_ok(shape, request(2, false)), shape);  // 640 = 5 tiles
-    expect_invariants(plan_ok(shape, request(1, false)), shape);
-    expect_invariants(plan_ok(shape, request(8, true)), shape);
+    for (const int tp : {1, 2, 4}) expect_invariants(plan_ok(shape, request(tp)), shape);
+    const ModelShape fp8 = step35_shape(true);
+    for (const int tp : {1, 2, 4, 8}) expect_invariants(plan_ok(fp8, request(tp)), fp8);
 }
 
 TEST(PlanRefusal, VocabNotDivisible) {
     ModelShape shape = tiny_shape();
     shape.vocab_size = 1026;
-    EXPECT_EQ(plan_error(shape, request(4, false)),
+    EXPECT_EQ(plan_error(shape, request(4)),
               "tp=4: vocab_size 1026 is not divisible by 4 (the LM head is split by vocabulary rows)");
-    EXPECT_TRUE(make_plan(shape, request(2, false)).has_value());
+    EXPECT_TRUE(make_plan(shape, request(2)).has_value());
 }
 
 TEST(PlanRefusal, MalformedGeometry) {
@@ -596,7 +563,6 @@ TEST(PlanRefusal, MalformedGeometry) {
     };
     const Case cases[] = {
         {"model: d_model and vocab_size must be positive, found 0 and 1024", [](ModelShape &s) { s.d_model = 0; }},
-        {"model: fp8_block must be positive, found 0", [](ModelShape &s) { s.fp8_block = 0; }},
         {"model: needs at least one trunk layer before any MTP layer, found 0 layers",
          [](ModelShape &s) { s.layers.clear(); }},
         {"model: needs at least one trunk layer before any MTP layer, found 7 layers",
@@ -628,7 +594,7 @@ TEST(PlanRefusal, MalformedGeometry) {
     for (const Case &c : cases) {
         ModelShape shape = tiny_shape();
         c.edit(shape);
-        EXPECT_EQ(plan_error(shape, request(1, false)), c.want);
+        EXPECT_EQ(plan_error(shape, request(1)), c.want);
     }
 }
 
@@ -636,7 +602,7 @@ TEST(PlanRefusal, MalformedGeometry) {
 
 TEST(PipelinePlan, TwoStagesTp2) {
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(2, true, 2));
+    const ParallelPlan plan = plan_ok(shape, request(2, 2));
     expect_invariants(plan, shape);
     ASSERT_EQ(plan.ranks.size(), 4u);
     EXPECT_EQ(plan.stage_layers[0], R(0, 23));  // the first stage takes the odd layer
@@ -662,7 +628,7 @@ TEST(PipelinePlan, TwoStagesTp2) {
 
 TEST(PipelinePlan, ThreeStagesTp2) {
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(2, false, 3));
+    const ParallelPlan plan = plan_ok(shape, request(2, 3));
     expect_invariants(plan, shape);
     EXPECT_EQ(plan.stage_layers[0], R(0, 15));
     EXPECT_EQ(plan.stage_layers[1], R(15, 30));
@@ -676,7 +642,7 @@ TEST(PipelinePlan, ThreeStagesTp2) {
 
 TEST(PipelinePlan, RemainderGoesToEarlierStages) {
     const ModelShape shape = tiny_shape();
-    const ParallelPlan plan = plan_ok(shape, request(1, false, 4));
+    const ParallelPlan plan = plan_ok(shape, request(1, 4));
     expect_invariants(plan, shape);
     EXPECT_EQ(plan.stage_layers[0], R(0, 2));
     EXPECT_EQ(plan.stage_layers[1], R(2, 4));
@@ -689,11 +655,11 @@ TEST(PipelinePlan, RemainderGoesToEarlierStages) {
 
 TEST(TinyPlan, Tp1And2) {
     const ModelShape shape = tiny_shape();
-    const ParallelPlan one = plan_ok(shape, request(1, false));
+    const ParallelPlan one = plan_ok(shape, request(1));
     expect_invariants(one, shape);
     EXPECT_EQ(layer_of(one, 0, 1).q_heads, R(0, 12));
     EXPECT_EQ(one.layers[1].o_block_width, 48);  // 12 heads x 32 / 8: blocks need not hold whole heads
-    const ParallelPlan two = plan_ok(shape, request(2, true));
+    const ParallelPlan two = plan_ok(shape, request(2));
     expect_invariants(two, shape);
     EXPECT_EQ(layer_of(two, 1, 0).q_heads, R(4, 8));
     EXPECT_EQ(layer_of(two, 1, 0).kv_heads, R(1, 2));
@@ -708,7 +674,7 @@ TEST(TinyPlan, Tp1And2) {
 
 TEST(TinyPlan, Tp4ReplicatesKvHeads) {
     const ModelShape shape = tiny_shape();
-    const ParallelPlan plan = plan_ok(shape, request(4, false));
+    const ParallelPlan plan = plan_ok(shape, request(4));
     expect_invariants(plan, shape);
     EXPECT_EQ(plan.layers[0].kv_layout, KvLayout::kReplicated);
     EXPECT_EQ(plan.layers[0].kv_replicas, 2);
@@ -719,58 +685,45 @@ TEST(TinyPlan, Tp4ReplicatesKvHeads) {
         EXPECT_EQ(layer_of(plan, r, 0).kv_heads, R(full_kv[r], full_kv[r] + 1));
         EXPECT_EQ(layer_of(plan, r, 1).q_heads, R(sliding_q[r], sliding_q[r] + 3));
         EXPECT_EQ(layer_of(plan, r, 1).kv_heads, R(full_kv[r], full_kv[r] + 1));
-        EXPECT_EQ(layer_of(plan, r, 2).d_expert, R(24 * r, 24 * r + 24));
+        EXPECT_EQ(layer_of(plan, r, 2).experts, R(4 * r, 4 * r + 4));
         EXPECT_EQ(layer_of(plan, r, 6).ff, R(128 * r, 128 * r + 128));
         EXPECT_EQ(plan.ranks[r].vocab, R(256 * r, 256 * r + 256));
     }
 }
 
 TEST(TinyPlan, Tp8RefusedBySlidingHeads) {
-    EXPECT_EQ(plan_error(tiny_shape(), request(8, true)), "tp=8: query heads 12 on layer 1 are not divisible by 8");
+    EXPECT_EQ(plan_error(tiny_shape(), request(8)), "tp=8: query heads 12 on layer 1 are not divisible by 8");
 }
 
 TEST(TinyPlan, Tp8ReplicatesEachKvHeadOnFourRanks) {
     const ModelShape shape = tiny_shape(16);  // sliding layers with 16 query heads so TP 8 is possible
-    for (bool ep : {false, true}) {
-        const ParallelPlan plan = plan_ok(shape, request(8, ep));
-        expect_invariants(plan, shape);
-        EXPECT_EQ(plan.layers[0].kv_replicas, 4);
-        for (int r = 0; r < 8; ++r) {
-            EXPECT_EQ(layer_of(plan, r, 0).q_heads, R(r, r + 1));
-            EXPECT_EQ(layer_of(plan, r, 0).kv_heads, R(r / 4, r / 4 + 1));
-            EXPECT_EQ(layer_of(plan, r, 1).q_heads, R(2 * r, 2 * r + 2));
-            EXPECT_EQ(layer_of(plan, r, 1).kv_heads, R(r / 4, r / 4 + 1));
-            EXPECT_EQ(layer_of(plan, r, 3).experts, ep ? R(2 * r, 2 * r + 2) : R(0, 16));
-            EXPECT_EQ(layer_of(plan, r, 3).d_expert, ep ? R(0, 96) : R(12 * r, 12 * r + 12));
-        }
+    const ParallelPlan plan = plan_ok(shape, request(8));
+    expect_invariants(plan, shape);
+    EXPECT_EQ(plan.layers[0].kv_replicas, 4);
+    for (int r = 0; r < 8; ++r) {
+        EXPECT_EQ(layer_of(plan, r, 0).q_heads, R(r, r + 1));
+        EXPECT_EQ(layer_of(plan, r, 0).kv_heads, R(r / 4, r / 4 + 1));
+        EXPECT_EQ(layer_of(plan, r, 1).q_heads, R(2 * r, 2 * r + 2));
+        EXPECT_EQ(layer_of(plan, r, 1).kv_heads, R(r / 4, r / 4 + 1));
+        EXPECT_EQ(layer_of(plan, r, 3).experts, R(2 * r, 2 * r + 2));
     }
 }
 
 // ---- Split kinds ----
 
 TEST(SplitKinds, EveryProjection) {
-    for (bool ep : {false, true}) {
-        EXPECT_EQ(projection_split(Projection::kQ, ep), Split::kColumn);
-        EXPECT_EQ(projection_split(Projection::kK, ep), Split::kColumn);
-        EXPECT_EQ(projection_split(Projection::kV, ep), Split::kColumn);
-        EXPECT_EQ(projection_split(Projection::kG, ep), Split::kColumn);
-        EXPECT_EQ(projection_split(Projection::kO, ep), Split::kRow);
-        EXPECT_EQ(projection_split(Projection::kGate, ep), Split::kColumn);
-        EXPECT_EQ(projection_split(Projection::kUp, ep), Split::kColumn);
-        EXPECT_EQ(projection_split(Projection::kDown, ep), Split::kRow);
-        EXPECT_EQ(projection_split(Projection::kLmHead, ep), Split::kColumn);
-        EXPECT_EQ(projection_split(Projection::kMtpHead, ep), Split::kColumn);
-        for (Projection p : {Projection::kEmbed, Projection::kNorm, Projection::kRouter, Projection::kRouterBias,
-                             Projection::kSharedGate, Projection::kSharedUp, Projection::kSharedDown,
-                             Projection::kEhProj}) {
-            EXPECT_EQ(projection_split(p, ep), Split::kReplicated) << projection_name(p);
-        }
+    for (Projection p : {Projection::kQ, Projection::kK, Projection::kV, Projection::kG, Projection::kGate,
+                         Projection::kUp, Projection::kLmHead, Projection::kMtpHead}) {
+        EXPECT_EQ(projection_split(p), Split::kColumn) << projection_name(p);
     }
-    EXPECT_EQ(projection_split(Projection::kExpertGate, false), Split::kColumn);
-    EXPECT_EQ(projection_split(Projection::kExpertUp, false), Split::kColumn);
-    EXPECT_EQ(projection_split(Projection::kExpertDown, false), Split::kRow);
+    EXPECT_EQ(projection_split(Projection::kO), Split::kRow);
+    EXPECT_EQ(projection_split(Projection::kDown), Split::kRow);
+    for (Projection p : {Projection::kEmbed, Projection::kNorm, Projection::kRouter, Projection::kRouterBias,
+                         Projection::kSharedGate, Projection::kSharedUp, Projection::kSharedDown, Projection::kEhProj}) {
+        EXPECT_EQ(projection_split(p), Split::kReplicated) << projection_name(p);
+    }
     for (Projection p : {Projection::kExpertGate, Projection::kExpertUp, Projection::kExpertDown}) {
-        EXPECT_EQ(projection_split(p, true), Split::kExpert);
+        EXPECT_EQ(projection_split(p), Split::kExpert) << projection_name(p);
     }
     EXPECT_STREQ(projection_name(Projection::kO), "o_proj");
     EXPECT_STREQ(split_name(Split::kRow), "row");
@@ -788,11 +741,11 @@ TEST(SplitKinds, EveryProjection) {
 
 bool has(const std::string &text, const std::string &needle) { return text.find(needle) != std::string::npos; }
 
-TEST(FormatPlan, Step35Tp8EpKeyLines) {
+TEST(FormatPlan, Step35Tp8KeyLines) {
     const ModelShape shape = step35_shape();
-    const ParallelPlan plan = plan_ok(shape, request(8, true));
+    const ParallelPlan plan = plan_ok(shape, request(8));
     const std::string text = format_plan(plan, shape);
-    EXPECT_TRUE(has(text, "parallel plan: 8 ranks = 1 pipeline stage x tp 8, ep on, 8 devices available\n")) << text;
+    EXPECT_TRUE(has(text, "parallel plan: 8 ranks = 1 pipeline stage x tp 8 (routed experts: ep 8), 8 devices available\n")) << text;
     EXPECT_TRUE(has(text, "model: d_model 4096, vocab 128896, 45 trunk + 3 MTP layers\n"));
     EXPECT_TRUE(has(text, "summed as ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))"));
     EXPECT_TRUE(has(text, "  stage 0: ranks 0-7, trunk layers [0, 45), MTP layers [45, 48)\n"));
@@ -802,34 +755,33 @@ TEST(FormatPlan, Step35Tp8EpKeyLines) {
     EXPECT_TRUE(has(text, "  layers 1-2 (sliding, dense): heads 96 q / 8 kv x 128 (per rank 12 q + 1 kv)"));
     EXPECT_TRUE(has(text, "  layers 3,5-7,9-11,13-15,17-19,21-23,25-27,29-31,33-35,37-39,41-43 (sliding, MoE)"));
     EXPECT_TRUE(has(text, "  layers 4,8,12,16,20,24,28,32,36,40,44 (full, MoE)"));
-    EXPECT_TRUE(has(text, "288 experts top-8 d_expert 1280 (ep: 36 whole experts per rank, down K block 160); shared expert 1280 "
+    EXPECT_TRUE(has(text, "288 experts top-8 d_expert 1280 (36 whole experts per rank); shared expert 1280 "
                           "replicated\n"));
     EXPECT_TRUE(has(text, "  layers 45-47 (MTP, sliding, dense)"));
     EXPECT_TRUE(has(text, "rank 7 (stage 0, tp rank 7): canonical blocks [7, 8) = p7\n"));
     EXPECT_TRUE(has(text, "  layer 0 (full, dense): q heads [56, 64), kv heads [7, 8), o_proj blocks [7, 8), d_ff "
                           "[9856, 11264), down blocks [7, 8)\n"));
-    EXPECT_TRUE(has(text, "q heads [84, 96), kv heads [7, 8), o_proj blocks [7, 8), experts [252, 288) whole (down blocks "
-                          "[0, 8) reduced locally)\n"));
+    EXPECT_TRUE(has(text, "q heads [84, 96), kv heads [7, 8), o_proj blocks [7, 8), experts [252, 288) whole\n"));
     EXPECT_TRUE(has(text, "  lm_head vocab [112784, 128896), each MTP shared_head the same rows\n"));
     EXPECT_TRUE(has(text, "replicated on every rank that holds them: embed, norms, router, router_bias, shared expert "
                           "gate_proj, shared expert up_proj, shared expert down_proj, eh_proj"));
     EXPECT_FALSE(has(text, "kv heads copied"));
     // Deterministic: the same text from the same plan and from a fresh plan.
     EXPECT_EQ(format_plan(plan, shape), text);
-    EXPECT_EQ(format_plan(plan_ok(shape, request(8, true)), shape), text);
-    EXPECT_NE(format_plan(plan_ok(shape, request(8, false)), shape), text);
+    EXPECT_EQ(format_plan(plan_ok(shape, request(8)), shape), text);
+    EXPECT_NE(format_plan(plan_ok(shape, request(4)), shape), text);
 }
 
-TEST(FormatPlan, TensorSplitExpertsStagesAndKvCopies) {
+TEST(FormatPlan, OwnedExpertsStagesAndKvCopies) {
     const ModelShape shape = tiny_shape();
-    const std::string text = format_plan(plan_ok(shape, request(4, false, 2)), shape);
-    EXPECT_TRUE(has(text, "parallel plan: 8 ranks = 2 pipeline stages x tp 4, ep off, 8 devices available\n")) << text;
+    const std::string text = format_plan(plan_ok(shape, request(4, 2)), shape);
+    EXPECT_TRUE(has(text, "parallel plan: 8 ranks = 2 pipeline stages x tp 4 (routed experts: ep 4), 8 devices available\n")) << text;
     EXPECT_TRUE(has(text, "  stage 0: ranks 0-3, trunk layers [0, 3)\n"));
     EXPECT_TRUE(has(text, "  stage 1: ranks 4-7, trunk layers [3, 6), MTP layers [6, 7)\n"));
     EXPECT_TRUE(has(text, "(per rank 2 q + 1 kv, each kv head on 2 ranks)"));
-    EXPECT_TRUE(has(text, "(tensor-split: d_expert 24 per rank, down K block 12)"));
+    EXPECT_TRUE(has(text, "(4 whole experts per rank)"));
     EXPECT_TRUE(has(text, "rank 1 (stage 0, tp rank 1): canonical blocks [2, 4) = p2+p3\n"));
-    EXPECT_TRUE(has(text, "experts [0, 16) d_expert [24, 48), expert down blocks [2, 4)\n"));
+    EXPECT_TRUE(has(text, "experts [4, 8) whole\n"));
     EXPECT_TRUE(has(text, "kv heads copied on several ranks (tp > kv heads): layers 0-6\n"));
     EXPECT_TRUE(has(text, "  lm_head vocab [768, 1024), each MTP shared_head the same rows\n"));
     // Rank 0 (first stage) holds the embedding but no LM head.

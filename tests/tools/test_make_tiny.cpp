@@ -432,12 +432,48 @@ TEST_F(MakeTinyTest, MoeIntermediateSizeReplacesThePresetsExpertWidthOnly) {
                               bad));
         EXPECT_FALSE(fs::exists(root_ / "bad"));
     }
+    // Any width: routed experts are never cut into canonical blocks or per-rank slices (ENGINE.md section 3).
+    o.out_dir = root_ / "odd";
     o.moe_intermediate_size = 100;
-    auto refused = make_tiny_checkpoint(o);
-    ASSERT_FALSE(refused.has_value());
-    EXPECT_EQ(refused.error().message, "make-tiny: moe_intermediate_size must be a multiple of 8 (the routed "
-                                       "down_proj is reduced in 8 canonical K blocks), found 100");
-    EXPECT_FALSE(fs::exists(root_ / "bad"));
+    ASSERT_TRUE(make_tiny_checkpoint(o).has_value());
+    EXPECT_EQ(open_checkpoint(root_ / "odd").find("model.layers.4.moe.gate_proj.weight")->shape,
+              (std::vector<int64_t>{16, 100, 256}));
+}
+
+// A config.json text with its "sliding_window" line removed.
+std::string config_without_window(const std::string &config) {
+    const size_t at = config.find("\"sliding_window\"");
+    if (at == std::string::npos) return config;
+    const size_t begin = config.rfind('\n', at);
+    const size_t end = config.find('\n', at);
+    return config.substr(0, begin) + config.substr(end);
+}
+
+TEST_F(MakeTinyTest, SlidingWindowReplacesThePresetsWindowOnly) {
+    TinyOptions o;
+    o.out_dir = root_ / "window";
+    o.seed = 5;
+    o.sliding_window = 192;  // three KV pages of 64 rows
+    ASSERT_TRUE(make_tiny_checkpoint(o).has_value());
+    const std::string config = read_file(root_ / "window" / "config.json");
+    EXPECT_NE(config.find("\"sliding_window\": 192,"), std::string::npos) << config;
+    generate(root_ / "ref", 5, "bf16");
+    EXPECT_EQ(config_without_window(config), config_without_window(read_file(root_ / "ref" / "config.json")));
+    io::Checkpoint ck = open_checkpoint(root_ / "window");
+    io::Checkpoint ref = open_checkpoint(root_ / "ref");
+    for (const char *name : {"model.layers.1.self_attn.q_proj.weight", "model.layers.2.moe.gate_proj.weight"}) {
+        EXPECT_EQ(tensor_bytes(ck, name), tensor_bytes(ref, name)) << name;
+    }
+    for (const int64_t bad : {int64_t{-1}, int64_t{4097}}) {
+        o.out_dir = root_ / "bad";
+        o.sliding_window = bad;
+        auto refused = make_tiny_checkpoint(o);
+        ASSERT_FALSE(refused.has_value()) << bad;
+        EXPECT_EQ(refused.error().message,
+                  fmt::format("make-tiny: sliding_window must be in [1, 4096] (0 keeps the preset's 16), found {}",
+                              bad));
+        EXPECT_FALSE(fs::exists(root_ / "bad"));
+    }
 }
 
 TEST(MakeTinyPresets, NamesAndDescriptions) {

@@ -150,13 +150,15 @@ Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
         return make_error("make-tiny: moe_intermediate_size must be in [1, {}] (0 keeps the preset's {}), found {}",
                           kMaxTinyMoeIntermediateSize, preset->d_expert, options.moe_intermediate_size);
     }
-    if (options.moe_intermediate_size % 8 != 0) {
-        return make_error("make-tiny: moe_intermediate_size must be a multiple of 8 (the routed down_proj is reduced "
-                          "in 8 canonical K blocks), found {}",
-                          options.moe_intermediate_size);
-    }
     if (options.moe_intermediate_size > 0) {
         preset->d_expert = options.moe_intermediate_size;
+    }
+    if (options.sliding_window < 0 || options.sliding_window > preset->max_seq_len) {
+        return make_error("make-tiny: sliding_window must be in [1, {}] (0 keeps the preset's {}), found {}",
+                          preset->max_seq_len, preset->window, options.sliding_window);
+    }
+    if (options.sliding_window > 0) {
+        preset->window = options.sliding_window;
     }
     if (options.out_dir.empty()) {
         return make_error("make-tiny: no output directory given");

@@ -22,9 +22,12 @@ struct TinyOptions {
     std::string preset = "tiny";  // one of tiny_preset_names()
     std::string dtype = "bf16";   // "bf16", or "fp8" (routed experts F8_E4M3 with 128x128 block scales)
     bool force = false;           // replace the generator's own files in a non-empty out_dir
-    // Replaces the preset's routed expert width (moe_intermediate_size) when > 0, e.g. 1024 so that fp8
-    // experts split into whole 128-wide scale tiles at TP 8 without EP. 0: the preset's width.
+    // Replaces the preset's routed expert width (moe_intermediate_size) when > 0, e.g. 1280 (the release's)
+    // or a width that is not a multiple of 128 (partial fp8 scale tiles). 0: the preset's width.
     int64_t moe_intermediate_size = 0;
+    // Replaces the preset's sliding window when > 0, e.g. 192 so that a window spans 3 KV pages of 64 rows
+    // and pages are released at commit once out of it. At most the preset's max_seq_len. 0: the preset's.
+    int64_t sliding_window = 0;
 };
 
 struct TinySummary {
@@ -46,7 +49,8 @@ struct TinyPresetInfo {
 
 // Generates the checkpoint. Refuses (with an Error naming the problem): an unknown preset (the
 // message lists the valid ones), an unknown dtype, a moe_intermediate_size outside
-// [0, kMaxTinyMoeIntermediateSize] or not a multiple of 8, an out_dir that is a file, an out_dir that
+// [0, kMaxTinyMoeIntermediateSize], a sliding_window outside [0, max_seq_len], an out_dir that is a file, an
+// out_dir that
 // exists and is not empty without force, a directory that cannot be created or written.
 // The files are written into a temporary directory first and moved into place at the end, so a
 // failure leaves no half-written checkpoint. With force, only the generator's own files are

@@ -35,16 +35,19 @@ void check_same_shape(const char *op, TensorView a, TensorView b) {
                 a.rows(), a.row_elems(), b.rows(), b.row_elems());
 }
 
-// The shape checks of a grouped product over bank bk; returns the offsets (rows of expert e of the whole bank:
-// [offsets[e], offsets[e + 1]) of x_sorted and y).
-const int32_t *grouped_offsets(const char *op, TensorView x_sorted, const WeightBankRef &bk, TensorView offsets,
+// The shape checks of a grouped product over bank bk (holding experts [e0, e1) of the layer); returns the
+// offsets, whose expert e rows are [offsets[e] - offsets[e0], offsets[e + 1] - offsets[e0]) of x and y.
+const int32_t *grouped_offsets(const char *op, TensorView x, const WeightBankRef &bk, TensorView offsets,
                                TensorView y) {
     const int32_t *off = i32(offsets);
-    MEMRA_CHECK(offsets.numel() >= bk.first_expert + bk.n_experts + 1 && off[offsets.numel() - 1] == x_sorted.rows() &&
-                    x_sorted.row_elems() == bk.cols && y.rows() == x_sorted.rows() && y.row_elems() == bk.rows,
-                "{}: x [{}, {}], bank [{}, {}, {}] from expert {}, {} offsets, y [{}, {}]", op, x_sorted.rows(),
-                x_sorted.row_elems(), bk.n_experts, bk.rows, bk.cols, bk.first_expert, offsets.numel(), y.rows(),
-                y.row_elems());
+    const int64_t e0 = bk.first_expert;
+    const int64_t e1 = e0 + bk.n_experts;
+    MEMRA_CHECK(offsets.numel() >= e1 + 1 && x.row_elems() == bk.cols && y.rows() == x.rows() &&
+                    y.row_elems() == bk.rows,
+                "{}: x [{}, {}], bank [{}, {}, {}] from expert {}, {} offsets, y [{}, {}]", op, x.rows(), x.row_elems(),
+                bk.n_experts, bk.rows, bk.cols, e0, offsets.numel(), y.rows(), y.row_elems());
+    MEMRA_CHECK(off[e0] <= off[e1] && off[e1] - off[e0] <= x.rows(),
+                "{}: experts [{}, {}) own {} rows, x holds {}", op, e0, e1, off[e1] - off[e0], x.rows());
     return off;
 }
 
@@ -153,9 +156,6 @@ Result<BankId> CpuBackend::upload_bank_window(const HostBank &b, const BankWindo
     if (auto ok = check_axis("experts", win.expert_begin, win.expert_end, b.n_experts); !ok) {
         return tl::unexpected(ok.error());
     }
-    if (auto ok = check_axis("rows", win.row_begin, win.row_end, b.rows); !ok) return tl::unexpected(ok.error());
-    if (auto ok = check_axis("columns", win.col_begin, win.col_end, b.cols); !ok) return tl::unexpected(ok.error());
-    if (auto ok = check_k_window(win.col_begin, win.col_end, b.cols); !ok) return tl::unexpected(ok.error());
     WeightBankRef w;
     w.dtype = b.dtype;
     w.data = b.data;
@@ -165,10 +165,8 @@ Result<BankId> CpuBackend::upload_bank_window(const HostBank &b, const BankWindo
     w.scale_inv = b.scale_inv;
     w.block_rows = b.block_rows;
     w.block_cols = b.block_cols;
-    if (win.expert_begin != 0 || win.expert_end != b.n_experts || win.row_begin != 0 || win.row_end != b.rows ||
-        win.col_begin != 0 || win.col_end != b.cols) {
-        w = weight_bank_window(w, win.expert_begin, win.expert_end, win.row_begin, win.row_end, win.col_begin,
-                               win.col_end);
+    if (win.expert_begin != 0 || win.expert_end != b.n_experts) {
+        w = weight_bank_window(w, win.expert_begin, win.expert_end);
     }
     banks_.push_back(w);
     return BankId{static_cast<int32_t>(banks_.size() - 1)};
@@ -219,19 +217,55 @@ int64_t CpuBackend::canonical_workspace_floats(int64_t n_rows, MatrixId w) const
     return matmul_canonical_workspace_floats(n_rows, matrix(w));
 }
 
-int64_t CpuBackend::grouped_canonical_workspace_floats(int64_t n_rows, BankId b) const {
-    return matmul_canonical_workspace_floats(n_rows, weight_bank_expert(bank(b), 0));
+Result<KvPoolId> CpuBackend::create_kv_pool(const KvPoolSpec &spec) {
+    auto layout = kv_page_layout(spec);
+    if (!layout) return wrap_error("cpu KV pool", layout.error());
+    auto storage = alloc(DType::kU8, {kv_pool_bytes(spec, *layout)});
+    if (!storage) return wrap_error("cpu KV pool", storage.error());
+    kv_pools_.push_back(KvPool{spec, std::move(*layout), *storage});
+    return KvPoolId{static_cast<int32_t>(kv_pools_.size() - 1)};
+}
+
+const CpuBackend::KvPool &CpuBackend::kv_pool(KvPoolId id) const {
+    MEMRA_CHECK(id.id >= 0 && static_cast<size_t>(id.id) < kv_pools_.size(), "cpu: unknown KV pool handle {}", id.id);
+    return kv_pools_[static_cast<size_t>(id.id)];
+}
+
+TensorView CpuBackend::kv_pool_storage(KvPoolId pool) const { return kv_pool(pool).storage; }
+
+PagedLayer CpuBackend::paged_layer(const KvPool &pool, int layer) const {
+    MEMRA_CHECK(layer >= 0 && static_cast<size_t>(layer) < pool.spec.layers.size(), "cpu: KV pool layer {} of {}",
+                layer, pool.spec.layers.size());
+    const auto l = static_cast<size_t>(layer);
+    PagedLayer p;
+    p.base = static_cast<std::byte *>(pool.storage.data);
+    p.n_pages = pool.spec.n_pages;
+    p.page_bytes = pool.layout.page_bytes;
+    p.k_offset = pool.layout.k_offset[l];
+    p.v_offset = pool.layout.v_offset[l];
+    p.k_row_bytes = pool.layout.k_row_bytes[l];
+    p.v_row_bytes = pool.layout.v_row_bytes[l];
+    p.k_format = pool.spec.k_format;
+    p.v_format = pool.spec.v_format;
+    return p;
+}
+
+Result<void> CpuBackend::prepare_sampling(int32_t vocab_size) {
+    auto s = Sampler::create(vocab_size, SamplingParams{});
+    if (!s) return wrap_error("cpu sampling workspace", s.error());
+    sampler_.emplace(std::move(*s));
+    return {};
 }
 
 void CpuBackend::copy_from_host(const void *src, TensorView dst) {
-    ++counters_.host_copies;
-    counters_.host_copy_bytes += static_cast<int64_t>(dst.n_bytes());
+    ++counters_.h2d_copies;
+    counters_.copy_bytes += static_cast<int64_t>(dst.n_bytes());
     if (dst.n_bytes() > 0) std::memcpy(dst.data, src, dst.n_bytes());
 }
 
 void CpuBackend::copy_to_host(TensorView src, void *dst) {
-    ++counters_.host_copies;
-    counters_.host_copy_bytes += static_cast<int64_t>(src.n_bytes());
+    ++counters_.d2h_copies;
+    counters_.copy_bytes += static_cast<int64_t>(src.n_bytes());
     if (src.n_bytes() > 0) std::memcpy(dst, src.data, src.n_bytes());
 }
 
@@ -302,33 +336,16 @@ void CpuBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, Tensor
     cpu::matmul_canonical(pool_, f32(x), x.rows(), m, f32(y), f32(workspace));
 }
 
-void CpuBackend::matmul_grouped(TensorView x_sorted, BankId b, TensorView offsets, TensorView y) {
+void CpuBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) {
     ++counters_.launches;
     const WeightBankRef &bk = bank(b);
-    const int32_t *off = grouped_offsets("matmul_grouped", x_sorted, bk, offsets, y);
+    const int32_t *off = grouped_offsets("matmul_grouped", x, bk, offsets, y);
+    const int64_t base = off[bk.first_expert];
     for (int64_t e = 0; e < bk.n_experts; ++e) {
-        const int64_t r0 = off[bk.first_expert + e];
-        const int64_t r1 = off[bk.first_expert + e + 1];
+        const int64_t r0 = off[bk.first_expert + e] - base;
+        const int64_t r1 = off[bk.first_expert + e + 1] - base;
         if (r1 == r0) continue;
-        cpu::matmul(pool_, f32(x_sorted.row_slice(r0, r1)), r1 - r0, weight_bank_expert(bk, e),
-                    f32(y.row_slice(r0, r1)));
-    }
-}
-
-void CpuBackend::matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorView offsets, TensorView y,
-                                          TensorView workspace) {
-    ++counters_.launches;
-    const WeightBankRef &bk = bank(b);
-    const int32_t *off = grouped_offsets("matmul_grouped_canonical", x_sorted, bk, offsets, y);
-    for (int64_t e = 0; e < bk.n_experts; ++e) {
-        const int64_t r0 = off[bk.first_expert + e];
-        const int64_t r1 = off[bk.first_expert + e + 1];
-        if (r1 == r0) continue;
-        const WeightRef w = weight_bank_expert(bk, e);
-        MEMRA_CHECK(workspace.numel() >= matmul_canonical_workspace_floats(r1 - r0, w),
-                    "matmul_grouped_canonical: workspace of {} floats too small", workspace.numel());
-        cpu::matmul_canonical(pool_, f32(x_sorted.row_slice(r0, r1)), r1 - r0, w, f32(y.row_slice(r0, r1)),
-                              f32(workspace));
+        cpu::matmul(pool_, f32(x.row_slice(r0, r1)), r1 - r0, weight_bank_expert(bk, e), f32(y.row_slice(r0, r1)));
     }
 }
 
@@ -343,22 +360,45 @@ void CpuBackend::rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_
     MEMRA_CHECK(r.has_value(), "rope: {}", r ? "" : r.error().message);
 }
 
-void CpuBackend::attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView k, TensorView v,
-                           int64_t kv_begin, TensorView gate, TensorView out) {
+void CpuBackend::paged_attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView q_seq,
+                                 KvPoolId pool, int layer, TensorView block_tables, int64_t first_pos, TensorView gate,
+                                 TensorView out) {
     ++counters_.launches;
+    const KvPool &kp = kv_pool(pool);
+    const PagedLayer pl = paged_layer(kp, layer);  // checks the layer first
     const int64_t row = p.n_heads * p.head_dim;
-    const int64_t kv_row = p.n_kv_heads * p.head_dim;
+    MEMRA_CHECK(block_tables.rank == 2, "paged_attention: block tables must be [n_seqs, max_blocks], rank {}",
+                block_tables.rank);
     MEMRA_CHECK(q.row_elems() == row && out.row_elems() == row && out.rows() == q.rows() &&
-                    q_pos.numel() == q.rows() && k.row_elems() == kv_row && v.row_elems() == kv_row &&
-                    k.rows() == v.rows(),
-                "attention: q [{}, {}], k [{}, {}], v [{}, {}], out [{}, {}]", q.rows(), q.row_elems(), k.rows(),
-                k.row_elems(), v.rows(), v.row_elems(), out.rows(), out.row_elems());
+                    q_pos.numel() == q.rows() && q_seq.numel() == q.rows() &&
+                    kp.layout.row_elems[static_cast<size_t>(layer)] == p.n_kv_heads * p.head_dim,
+                "paged_attention: q [{}, {}], {} positions, {} sequences, out [{}, {}], pool layer {} of {} values",
+                q.rows(), q.row_elems(), q_pos.numel(), q_seq.numel(), out.rows(), out.row_elems(), layer,
+                kp.layout.row_elems[static_cast<size_t>(layer)]);
     const bool gated = gate.data != nullptr;
-    MEMRA_CHECK(!gated || (gate.rows() == q.rows() && gate.row_elems() == p.n_heads), "attention: gate [{}, {}]",
+    MEMRA_CHECK(!gated || (gate.rows() == q.rows() && gate.row_elems() == p.n_heads), "paged_attention: gate [{}, {}]",
                 gate.rows(), gate.row_elems());
     const AttentionShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.window, attention_scale(p.head_dim)};
-    cpu::attention(pool_, shape, f32(q), row, i64(q_pos), q.rows(), f32(k), f32(v), kv_begin, kv_begin + k.rows(),
-                   gated ? f32(gate) : nullptr, p.n_heads, f32(out));
+    cpu::paged_attention(pool_, shape, f32(q), row, i64(q_pos), i32(q_seq), q.rows(), pl,
+                         i32(block_tables), block_tables.row_elems(), block_tables.rows(), first_pos,
+                         gated ? f32(gate) : nullptr, p.n_heads, f32(out));
+}
+
+void CpuBackend::kv_write(KvPoolId pool, int layer, TensorView k, TensorView v, TensorView slots) {
+    ++counters_.launches;
+    const KvPool &kp = kv_pool(pool);
+    const PagedLayer pl = paged_layer(kp, layer);
+    const int64_t row_elems = kp.layout.row_elems[static_cast<size_t>(layer)];
+    check_same_shape("kv_write", k, v);
+    MEMRA_CHECK(k.row_elems() == row_elems && slots.numel() == k.rows(), "kv_write: k [{}, {}], {} slots, layer {} "
+                "rows of {} values", k.rows(), k.row_elems(), slots.numel(), layer, row_elems);
+    const int32_t *sl = i32(slots);
+    const int64_t capacity = kp.spec.n_pages * kKvPageRows;
+    for (int64_t i = 0; i < slots.numel(); ++i) {
+        MEMRA_CHECK(sl[i] >= 0 && sl[i] < capacity, "kv_write: row {} slot {} outside the pool's {} slots", i, sl[i],
+                    capacity);
+    }
+    cpu::kv_write(pool_, pl, row_elems, f32(k), f32(v), sl, k.rows());
 }
 
 void CpuBackend::round_rows(TensorView x, RowRounding r) {
@@ -397,28 +437,54 @@ void CpuBackend::moe_sort_pairs(TensorView expert_ids, int64_t n_experts, Tensor
                         i32(sorted_pair), i32(row_of_pair));
 }
 
-void CpuBackend::moe_permute(TensorView x, TensorView sorted_pair, int64_t top_k, TensorView x_sorted) {
+void CpuBackend::moe_permute(TensorView x, TensorView sorted_pair, TensorView offsets, int64_t expert_begin,
+                             int64_t expert_end, int64_t top_k, TensorView x_own) {
     ++counters_.launches;
-    MEMRA_CHECK(x_sorted.rows() == sorted_pair.numel() && x_sorted.rows() == x.rows() * top_k &&
-                    x_sorted.row_elems() == x.row_elems(),
-                "moe_permute: x [{}, {}], x_sorted [{}, {}], top_k {}", x.rows(), x.row_elems(), x_sorted.rows(),
-                x_sorted.row_elems(), top_k);
-    cpu::moe_permute(pool_, f32(x), x.row_elems(), i32(sorted_pair), sorted_pair.numel(), top_k, f32(x_sorted));
+    const int32_t *off = i32(offsets);
+    MEMRA_CHECK(0 <= expert_begin && expert_begin <= expert_end && expert_end < offsets.numel() &&
+                    sorted_pair.numel() == x.rows() * top_k && x_own.row_elems() == x.row_elems(),
+                "moe_permute: x [{}, {}], {} pairs, experts [{}, {}) of {} offsets, x_own [{}, {}]", x.rows(),
+                x.row_elems(), sorted_pair.numel(), expert_begin, expert_end, offsets.numel(), x_own.rows(),
+                x_own.row_elems());
+    const int64_t r0 = off[expert_begin];
+    const int64_t r1 = off[expert_end];
+    MEMRA_CHECK(0 <= r0 && r0 <= r1 && r1 <= sorted_pair.numel() && r1 - r0 <= x_own.rows(),
+                "moe_permute: experts [{}, {}) own sorted rows [{}, {}), x_own holds {}", expert_begin, expert_end, r0,
+                r1, x_own.rows());
+    cpu::moe_permute(pool_, f32(x), x.row_elems(), i32(sorted_pair) + r0, r1 - r0, top_k, f32(x_own));
 }
 
-void CpuBackend::moe_combine(TensorView h, TensorView expert_out, TensorView row_of_pair, TensorView weights,
+void CpuBackend::moe_source_rows(TensorView expert_ids, TensorView row_of_pair, TensorView offsets, int64_t n_owners,
+                                 int64_t capacity, TensorView src_row) {
+    ++counters_.launches;
+    const int64_t n_experts = offsets.numel() - 1;
+    MEMRA_CHECK(n_owners >= 1 && n_experts % n_owners == 0 && capacity >= 0 &&
+                    row_of_pair.numel() == expert_ids.numel() && src_row.numel() == expert_ids.numel(),
+                "moe_source_rows: {} pairs, {} experts over {} owners, {} source rows", expert_ids.numel(), n_experts,
+                n_owners, src_row.numel());
+    cpu::moe_source_rows(i32(expert_ids), i32(row_of_pair), expert_ids.numel(), i32(offsets), n_experts, n_owners,
+                         capacity, i32(src_row));
+}
+
+void CpuBackend::moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,
                              TensorView shared, TensorView out) {
     ++counters_.launches;
     check_same_shape("moe_combine", h, out);
     const int64_t top_k = weights.row_elems();
-    MEMRA_CHECK(weights.rows() == h.rows() && expert_out.rows() == h.rows() * top_k &&
-                    expert_out.row_elems() == h.row_elems() && row_of_pair.numel() == expert_out.rows(),
-                "moe_combine: h [{}, {}], expert_out [{}, {}], weights [{}, {}]", h.rows(), h.row_elems(),
-                expert_out.rows(), expert_out.row_elems(), weights.rows(), weights.row_elems());
+    MEMRA_CHECK(weights.rows() == h.rows() && expert_out.row_elems() == h.row_elems() &&
+                    src_row.numel() == h.rows() * top_k,
+                "moe_combine: h [{}, {}], expert_out [{}, {}], weights [{}, {}], {} source rows", h.rows(),
+                h.row_elems(), expert_out.rows(), expert_out.row_elems(), weights.rows(), weights.row_elems(),
+                src_row.numel());
+    const int32_t *src = i32(src_row);
+    for (int64_t q = 0; q < src_row.numel(); ++q) {
+        MEMRA_CHECK(src[q] >= 0 && src[q] < expert_out.rows(), "moe_combine: pair {} reads row {} of {}", q, src[q],
+                    expert_out.rows());
+    }
     const bool has_shared = shared.data != nullptr;
     if (has_shared) check_same_shape("moe_combine", h, shared);
-    cpu::moe_combine(pool_, f32(h), f32(expert_out), i32(row_of_pair), f32(weights),
-                     has_shared ? f32(shared) : nullptr, h.rows(), top_k, h.row_elems(), f32(out));
+    cpu::moe_combine(pool_, f32(h), f32(expert_out), src, f32(weights), has_shared ? f32(shared) : nullptr, h.rows(),
+                     top_k, h.row_elems(), f32(out));
 }
 
 void CpuBackend::gather_rows(TensorView src, TensorView rows, TensorView dst) {
@@ -476,6 +542,36 @@ void CpuBackend::join_col_shards(TensorView shards, TensorView out) {
             std::memcpy(dst + static_cast<size_t>(t * n_shards + s) * piece,
                         src + static_cast<size_t>(s * n + t) * piece, piece);
         }
+    }
+}
+
+void CpuBackend::sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) {
+    ++counters_.launches;
+    MEMRA_CHECK(sampler_.has_value(), "sample: prepare_sampling was not called");
+    MEMRA_CHECK(rows.dtype == DType::kU8 && out.dtype == DType::kU8 && rows.n_bytes() % sizeof(SampleRow) == 0 &&
+                    out.n_bytes() == rows.n_bytes() / sizeof(SampleRow) * sizeof(SampledToken),
+                "sample: {} row bytes, {} out bytes", rows.n_bytes(), out.n_bytes());
+    const int64_t vocab = logits.row_elems();
+    MEMRA_CHECK(n_valid >= 1 && n_valid <= vocab && n_valid <= sampler_->vocab_size(),
+                "sample: {} valid ids of logits rows of {} (workspace {})", n_valid, vocab, sampler_->vocab_size());
+    const auto n = static_cast<int64_t>(rows.n_bytes() / sizeof(SampleRow));
+    const auto *rs = static_cast<const SampleRow *>(rows.data);
+    auto *os = static_cast<SampledToken *>(out.data);
+    const int32_t *hist = i32(history);
+    const float *lg = f32(logits);
+    for (int64_t i = 0; i < n; ++i) {
+        const SampleRow &r = rs[i];
+        MEMRA_CHECK(r.logit_row >= 0 && r.logit_row < logits.rows() && r.history_begin >= 0 && r.history_len >= 0 &&
+                        r.history_begin + r.history_len <= history.numel(),
+                    "sample: row {} reads logits row {} of {}, history [{}, +{}) of {}", i, r.logit_row, logits.rows(),
+                    r.history_begin, r.history_len, history.numel());
+        const std::span<const float> row(lg + r.logit_row * vocab, static_cast<size_t>(n_valid));
+        sampler_->set_params(r.params);
+        SampledToken &o = os[i];
+        o.id = sampler_->sample(row, {hist + r.history_begin, static_cast<size_t>(r.history_len)}, r.choice,
+                                r.position);
+        o.has_logprobs = r.top_logprobs >= 0 ? 1 : 0;
+        if (r.top_logprobs >= 0) token_logprobs(row, o.id, r.top_logprobs, o.logprobs);
     }
 }
 

@@ -7,10 +7,12 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "backend/backend.h"
 #include "backend/cpu/matmul.h"
+#include "backend/cpu/ops_attention.h"
 #include "backend/cpu/ops_rope.h"
 #include "core/thread_pool.h"
 
@@ -37,7 +39,9 @@ public:
     Result<RopeId> create_rope_table(int64_t rot_dim, double theta, const RopeScalingParams *llama3,
                                      int64_t n_positions) override;
     int64_t canonical_workspace_floats(int64_t n_rows, MatrixId w) const override;
-    int64_t grouped_canonical_workspace_floats(int64_t n_rows, BankId b) const override;
+    Result<KvPoolId> create_kv_pool(const KvPoolSpec &spec) override;
+    TensorView kv_pool_storage(KvPoolId pool) const override;
+    Result<void> prepare_sampling(int32_t vocab_size) override;
 
     void copy_from_host(const void *src, TensorView dst) override;
     void copy_to_host(TensorView src, void *dst) override;
@@ -49,25 +53,29 @@ public:
     void residual_add(TensorView a, TensorView b, TensorView out) override;
     void matmul(TensorView x, MatrixId w, TensorView y) override;
     void matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) override;
-    void matmul_grouped(TensorView x_sorted, BankId b, TensorView offsets, TensorView y) override;
-    void matmul_grouped_canonical(TensorView x_sorted, BankId b, TensorView offsets, TensorView y,
-                                  TensorView workspace) override;
+    void matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) override;
     void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) override;
-    void attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView k, TensorView v,
-                   int64_t kv_begin, TensorView gate, TensorView out) override;
+    void paged_attention(const AttentionParams &p, TensorView q, TensorView q_pos, TensorView q_seq, KvPoolId pool,
+                         int layer, TensorView block_tables, int64_t first_pos, TensorView gate,
+                         TensorView out) override;
+    void kv_write(KvPoolId pool, int layer, TensorView k, TensorView v, TensorView slots) override;
     void round_rows(TensorView x, RowRounding r) override;
     void swiglu(TensorView gate, TensorView up, float limit, TensorView out) override;
     void router_topk(const RouterConfig &cfg, TensorView logits, VectorId bias, TensorView expert_ids,
                      TensorView weights) override;
     void moe_sort_pairs(TensorView expert_ids, int64_t n_experts, TensorView offsets, TensorView sorted_pair,
                         TensorView row_of_pair) override;
-    void moe_permute(TensorView x, TensorView sorted_pair, int64_t top_k, TensorView x_sorted) override;
-    void moe_combine(TensorView h, TensorView expert_out, TensorView row_of_pair, TensorView weights,
+    void moe_permute(TensorView x, TensorView sorted_pair, TensorView offsets, int64_t expert_begin,
+                     int64_t expert_end, int64_t top_k, TensorView x_own) override;
+    void moe_source_rows(TensorView expert_ids, TensorView row_of_pair, TensorView offsets, int64_t n_owners,
+                         int64_t capacity, TensorView src_row) override;
+    void moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,
                      TensorView shared, TensorView out) override;
     void gather_rows(TensorView src, TensorView rows, TensorView dst) override;
     void concat_cols(TensorView a, TensorView b, TensorView out) override;
     void canonical_combine(TensorView subtree_sums, TensorView out) override;
     void join_col_shards(TensorView shards, TensorView out) override;
+    void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) override;
 
     BackendCounters counters() const override { return counters_; }
     void reset_counters() override { counters_ = {}; }
@@ -80,6 +88,13 @@ private:
     const WeightRef &matrix(MatrixId id) const;
     const WeightBankRef &bank(BankId id) const;
     const HostVector &host_vector(VectorId id) const;
+    struct KvPool {
+        KvPoolSpec spec;
+        KvPageLayout layout;
+        TensorView storage;  // [pool bytes] kU8, one of buffers_
+    };
+    const KvPool &kv_pool(KvPoolId id) const;
+    PagedLayer paged_layer(const KvPool &pool, int layer) const;
 
     ThreadPool pool_;
     std::vector<std::unique_ptr<std::byte[]>> buffers_;  // every alloc(), freed with the backend
@@ -87,6 +102,8 @@ private:
     std::vector<WeightBankRef> banks_;
     std::vector<HostVector> vectors_;
     std::vector<RopeTable> rope_tables_;
+    std::vector<KvPool> kv_pools_;
+    std::optional<Sampler> sampler_;  // the sampling op's workspace (prepare_sampling)
     BackendCounters counters_;
 };
 

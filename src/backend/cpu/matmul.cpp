@@ -362,15 +362,9 @@ void balanced_tree(const float *v, int64_t m, int64_t n, float *out) {
 
 namespace {
 
-int64_t bank_ld(const WeightBankRef &bank) { return bank.ld > 0 ? bank.ld : bank.cols; }
-int64_t bank_k_full(const WeightBankRef &bank) { return bank.k_full > 0 ? bank.k_full : bank.cols; }
-int64_t bank_expert_stride(const WeightBankRef &bank) {
-    return bank.expert_stride > 0 ? bank.expert_stride : bank.rows * bank_ld(bank);
-}
-int64_t bank_scale_stride(const WeightBankRef &bank) {
-    if (bank.scale_stride > 0) return bank.scale_stride;
-    return ((bank.rows + bank.block_rows - 1) / bank.block_rows) *
-           ((bank_k_full(bank) + bank.block_cols - 1) / bank.block_cols);
+int64_t bank_expert_elems(const WeightBankRef &bank) { return bank.rows * bank.cols; }
+int64_t bank_scale_floats(const WeightBankRef &bank) {
+    return ((bank.rows + bank.block_rows - 1) / bank.block_rows) * ((bank.cols + bank.block_cols - 1) / bank.block_cols);
 }
 
 }  // namespace
@@ -386,40 +380,19 @@ WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert) {
     w.cols = bank.cols;
     w.block_rows = bank.block_rows;
     w.block_cols = bank.block_cols;
-    w.row_offset = bank.row_offset;
-    w.ld = bank_ld(bank);
-    w.k_begin = bank.k_begin;
-    w.k_full = bank_k_full(bank);
-    w.data = static_cast<const uint8_t *>(bank.data) + expert * bank_expert_stride(bank) * weight_elem_size(bank.dtype);
-    if (bank.scale_inv != nullptr) w.scale_inv = bank.scale_inv + expert * bank_scale_stride(bank);
+    w.data = static_cast<const uint8_t *>(bank.data) + expert * bank_expert_elems(bank) * weight_elem_size(bank.dtype);
+    if (bank.scale_inv != nullptr) w.scale_inv = bank.scale_inv + expert * bank_scale_floats(bank);
     return w;
 }
 
-WeightBankRef weight_bank_window(const WeightBankRef &bank, int64_t e0, int64_t e1, int64_t r0, int64_t r1,
-                                 int64_t k0, int64_t k1) {
+WeightBankRef weight_bank_window(const WeightBankRef &bank, int64_t e0, int64_t e1) {
     MEMRA_CHECK(0 <= e0 && e0 < e1 && e1 <= bank.n_experts, "weight bank window: experts [{}, {}) outside [0, {})",
                 e0, e1, bank.n_experts);
-    MEMRA_CHECK(0 <= r0 && r0 < r1 && r1 <= bank.rows, "weight bank window: rows [{}, {}) outside [0, {})", r0, r1,
-                bank.rows);
-    MEMRA_CHECK(bank.k_begin <= k0 && k0 < k1 && k1 <= bank.k_begin + bank.cols,
-                "weight bank window: K [{}, {}) outside the held K [{}, {})", k0, k1, bank.k_begin,
-                bank.k_begin + bank.cols);
     WeightBankRef s = bank;
-    s.ld = bank_ld(bank);
-    s.k_full = bank_k_full(bank);
-    s.expert_stride = bank_expert_stride(bank);
-    if (bank.scale_inv != nullptr) {
-        s.scale_stride = bank_scale_stride(bank);
-        s.scale_inv = bank.scale_inv + e0 * s.scale_stride;
-    }
-    s.data = static_cast<const uint8_t *>(bank.data) +
-             (e0 * s.expert_stride + r0 * s.ld + (k0 - bank.k_begin)) * weight_elem_size(bank.dtype);
+    s.data = static_cast<const uint8_t *>(bank.data) + e0 * bank_expert_elems(bank) * weight_elem_size(bank.dtype);
+    if (bank.scale_inv != nullptr) s.scale_inv = bank.scale_inv + e0 * bank_scale_floats(bank);
     s.n_experts = e1 - e0;
-    s.rows = r1 - r0;
-    s.cols = k1 - k0;
     s.first_expert = bank.first_expert + e0;
-    s.row_offset = bank.row_offset + r0;
-    s.k_begin = k0;
     return s;
 }
 

@@ -63,28 +63,27 @@ inline int64_t weight_k_full(const WeightRef &w) { return w.k_full > 0 ? w.k_ful
 inline bool weight_has_full_k(const WeightRef &w) { return w.k_begin == 0 && w.cols == weight_k_full(w); }
 
 // A stacked expert bank [n_experts, rows, cols] with, for fp8, scale_inv
-// [n_experts, ceil(rows / block_rows), ceil(cols / block_cols)] f32; or a window of one (a TP rank's
-// experts under EP, or every expert's d_expert slice without EP), described as for WeightRef.
+// [n_experts, ceil(rows / block_rows), ceil(cols / block_cols)] f32; or the experts [e0, e1) of one (a TP
+// rank's own experts). Routed experts are never split by width (ENGINE.md section 3): every held expert is
+// whole, its products the canonical K loop over the full K.
 struct WeightBankRef {
     DType dtype = DType::kBF16;
-    const void *data = nullptr;  // [n_experts, rows, cols] dtype: expert 0 of the window at its (row 0, col 0)
+    const void *data = nullptr;  // [n_experts, rows, cols] dtype, dense: held expert 0 first
     int64_t n_experts = 0;       // experts held
     int64_t rows = 0;
     int64_t cols = 0;
-    const float *scale_inv = nullptr;  // kF8E4M3 only: the grid of held expert 0
+    const float *scale_inv = nullptr;  // kF8E4M3 only: the grids of the held experts, dense
     int64_t block_rows = kFp8Block;
     int64_t block_cols = kFp8Block;
-    int64_t first_expert = 0;   // global index of held expert 0: the grouped ops read offsets[first_expert + e]
-    int64_t expert_stride = 0;  // elements between consecutive experts; 0 means rows * weight ld (dense)
-    int64_t scale_stride = 0;   // floats between consecutive experts' scale grids; 0 means the dense grid
-    int64_t row_offset = 0;     // as WeightRef, for every expert
-    int64_t ld = 0;
-    int64_t k_begin = 0;
-    int64_t k_full = 0;
+    int64_t first_expert = 0;  // global index of held expert 0: the grouped ops read offsets[first_expert + e]
 };
 
 // Expert `expert` of a bank as a WeightRef (0 <= expert < n_experts: MEMRA_CHECK).
 WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert);
+
+// The experts [e0, e1) of a bank (inside what it holds, non-empty: MEMRA_CHECK). Held expert 0 becomes global
+// expert bank.first_expert + e0.
+WeightBankRef weight_bank_window(const WeightBankRef &bank, int64_t e0, int64_t e1);
 
 // Rows [r0, r1) of w (0 <= r0 <= r1 <= rows: MEMRA_CHECK), for column-parallel sharding: same columns,
 // fp8 scales keep following their rows (row_offset), so the slice's outputs equal rows r0..r1 of w's.
@@ -94,11 +93,6 @@ WeightRef weight_row_slice(const WeightRef &w, int64_t r0, int64_t r1);
 // sharding. Row-parallel products over the window give the partials / subtree sum of the canonical blocks
 // it covers; column-parallel products refuse it.
 WeightRef weight_k_window(const WeightRef &w, int64_t k0, int64_t k1);
-
-// The window of a bank holding experts [e0, e1), rows [r0, r1) and absolute K columns [k0, k1) of each
-// (all inside what bank holds: MEMRA_CHECK). Held expert 0 becomes global expert bank.first_expert + e0.
-WeightBankRef weight_bank_window(const WeightBankRef &bank, int64_t e0, int64_t e1, int64_t r0, int64_t r1,
-                                 int64_t k0, int64_t k1);
 
 // ---------------------------------------------------------------------------------------------
 // Column-parallel products (q/k/v/gate, expert gate/up, router, lm_head): the canonical K loop over

@@ -1,11 +1,16 @@
-// CPU attention for prefill, decode and verify alike (STEP35.md 4.3 item 5-6): causal, optional sliding
-// window, GQA, then the optional per-head sigmoid gate. A query's result depends only on its own q row,
-// its absolute position and the keys it can see, never on the other queries of the call or on how much
-// of the key range was passed, so any split into calls gives the same bits (DETERMINISM.md rule 9, D2).
+// CPU attention over a paged KV pool, for prefill, decode and verify alike, and the KV write that fills the
+// pool (STEP35.md 4.3 items 5-6, ENGINE.md section 2): causal, optional sliding window, GQA, then the
+// optional per-head sigmoid gate. A query's result depends only on its own q row, its absolute position and
+// the keys of its own sequence it can see, read back from the pool in their stored format — never on the
+// other queries of the call, the other sequences, the page ids or how its keys were written — so any batch
+// and any chunking give the same bits (DETERMINISM.md rule 9, D2).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
+#include "core/kv_format.h"
+#include "core/kv_page.h"
 #include "core/thread_pool.h"
 
 namespace memra::cpu {
@@ -21,9 +26,33 @@ struct AttentionShape {
 // float(1 / sqrt(double(head_dim))): HF's `head_dim ** -0.5` rounded to float32, computed on the host.
 float attention_scale(int64_t head_dim);
 
-// attention: for query i (absolute position P = q_pos[i]) and query head h, with kv head g = h / (n_heads /
-// n_kv_heads), the visible keys are the positions p with lo <= p <= P, lo = max(0, P - window + 1) for a
-// sliding layer and 0 for a full one. In this order of fp32 operations:
+// One layer of a paged pool as the kernels address it (core/kv_page.h): the row of slot s lies at
+// base + (s / 64) * page_bytes + k_offset + (s % 64) * k_row_bytes (V likewise); the sequence's block table
+// row gives the page of each logical block (position / 64), -1 where a page was released.
+struct PagedLayer {
+    std::byte *base = nullptr;
+    int64_t n_pages = 0;  // pages of the pool: a block-table entry outside [0, n_pages) is a broken invariant
+    int64_t page_bytes = 0;
+    int64_t k_offset = 0;
+    int64_t v_offset = 0;
+    int64_t k_row_bytes = 0;
+    int64_t v_row_bytes = 0;
+    KvFormat k_format = KvFormat::kF32;
+    KvFormat v_format = KvFormat::kF32;
+};
+
+// kv_write: for each row i, encodes k[i] and v[i] (row_elems f32 values each, kv_encode) into slot
+// slots[i] of the layer. k, v: [n, row_elems]. Rows are independent and threads split them, so the slots
+// must be distinct (the engine stages each position of a sequence once, in pages no other sequence holds);
+// each must lie in [0, n_pages * 64) (MEMRA_CHECK).
+void kv_write(ThreadPool &pool, const PagedLayer &layer, int64_t row_elems, const float *k, const float *v,
+              const int32_t *slots, int64_t n);
+
+// paged_attention: for query i (absolute position P = q_pos[i], sequence s = q_seq[i]) and query head h,
+// with kv head g = h / (n_heads / n_kv_heads), the visible keys are the positions p with lo <= p <= P,
+// lo = max(first_pos, P - window + 1) on a sliding layer and first_pos on a full one. Each key and value is
+// decoded from the pool exactly as stored (kv_decode of its head's values), then, in this order of fp32
+// operations:
 //   s_p  = dot_f32(q[i, h], k[p, g], head_dim) * scale      (core/math.h canonical dot, then one multiply)
 //   m    = max of s_p over visible p                          (pass 1, increasing p; a NaN score is skipped
 //                                                              here and propagates through pass 2)
@@ -34,14 +63,16 @@ float attention_scale(int64_t head_dim);
 //   out[i, h, d] = o[d] / l
 //   gate (when gate != nullptr): out[i, h, d] = out[i, h, d] * sigmoid_f32(gate[i * gate_stride + h])
 // (the weights are normalised once at the end, by division, as flash attention does; no heap scratch.)
+// A work item is one (query, kv head): it decodes each visible key and value once for the query heads that
+// share them, which changes no per-head order.
 //
-// q: query i head h at q[i * q_stride + h * head_dim], q_stride >= n_heads * head_dim.
-// q_pos: [n_q] absolute positions, any order. k, v: [kv_end - kv_begin, n_kv_heads, head_dim] f32, row r holding
-// position kv_begin + r. Every query's visible keys must lie inside [kv_begin, kv_end) (MEMRA_CHECK); keys outside
-// a query's window are simply not read. gate: raw head-gate logits [n_q, gate_stride] or nullptr.
-// out: [n_q, n_heads, head_dim] f32; must not overlap q, k, v or gate.
-void attention(ThreadPool &pool, const AttentionShape &shape, const float *q, int64_t q_stride, const int64_t *q_pos,
-               int64_t n_q, const float *k, const float *v, int64_t kv_begin, int64_t kv_end, const float *gate,
-               int64_t gate_stride, float *out);
+// q: query i head h at q[i * q_stride + h * head_dim], q_stride >= n_heads * head_dim. q_pos: [n_q] absolute
+// positions; q_seq: [n_q] indices into block_tables ([n_seqs, bt_stride] i32). Every visible position must
+// have a page (MEMRA_CHECK). gate: raw head-gate logits [n_q, gate_stride] or nullptr. out: [n_q, n_heads,
+// head_dim] f32; must not overlap q or gate.
+void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float *q, int64_t q_stride,
+                     const int64_t *q_pos, const int32_t *q_seq, int64_t n_q, const PagedLayer &layer,
+                     const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
+                     const float *gate, int64_t gate_stride, float *out);
 
 }  // namespace memra::cpu

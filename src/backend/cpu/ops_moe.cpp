@@ -1,6 +1,8 @@
 // Router, pair sort, permute and combine on the CPU (see ops_moe.h for the exact orders).
 #include "backend/cpu/ops_moe.h"
 
+#include <cstdint>
+
 #include <cstring>
 #include <limits>
 
@@ -89,14 +91,32 @@ void moe_permute(ThreadPool &pool, const float *x, int64_t d, const int32_t *sor
     });
 }
 
-void moe_combine(ThreadPool &pool, const float *h, const float *expert_out, const int32_t *row_of_pair,
+void moe_source_rows(const int32_t *expert_ids, const int32_t *row_of_pair, int64_t n_pairs, const int32_t *offsets,
+                     int64_t n_experts, int64_t n_owners, int64_t capacity, int32_t *src_row) {
+    MEMRA_CHECK(n_owners >= 1 && n_experts >= n_owners && n_experts % n_owners == 0 && capacity >= 0,
+                "moe_source_rows: {} experts over {} owners, capacity {}", n_experts, n_owners, capacity);
+    const int64_t per_owner = n_experts / n_owners;
+    for (int64_t q = 0; q < n_pairs; ++q) {
+        const int64_t e = expert_ids[q];
+        MEMRA_CHECK(e >= 0 && e < n_experts, "moe_source_rows: pair {} routed to expert {} of {}", q, e, n_experts);
+        const int64_t owner = e / per_owner;
+        const int64_t local = row_of_pair[q] - offsets[owner * per_owner];
+        MEMRA_CHECK(local >= 0 && local < capacity, "moe_source_rows: pair {} is row {} of owner {}, capacity {}", q,
+                    local, owner, capacity);
+        MEMRA_CHECK(owner * capacity + local <= INT32_MAX, "moe_source_rows: row {} of the gathered rows past 2^31",
+                    owner * capacity + local);
+        src_row[q] = static_cast<int32_t>(owner * capacity + local);
+    }
+}
+
+void moe_combine(ThreadPool &pool, const float *h, const float *expert_out, const int32_t *src_row,
                  const float *weights, const float *shared, int64_t n_tokens, int64_t top_k, int64_t d, float *out) {
     MEMRA_CHECK(n_tokens >= 0 && top_k >= 1 && d > 0, "moe_combine: bad shape tokens {} top_k {} d {}", n_tokens,
                 top_k, d);
     detail::parallel_rows(pool, n_tokens, d * (top_k + 2), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
             const float *w = weights + t * top_k;
-            const int32_t *rows = row_of_pair + t * top_k;
+            const int32_t *rows = src_row + t * top_k;
             for (int64_t j = 0; j < d; ++j) {
                 float routed = 0.0f;
                 for (int64_t k = 0; k < top_k; ++k) routed = routed + w[k] * expert_out[rows[k] * d + j];

@@ -1,7 +1,7 @@
 // CPU MoE ops (STEP35.md 4.5, DETERMINISM.md rule 5): the sigmoid top-k router with a selection-only bias,
-// the stable counting sort of (token, slot) pairs by expert, the permute into expert order, and the
-// slot-order weighted combine with the shared expert and residual. Slot order is part of the contract:
-// the combine adds expert outputs in it.
+// the stable counting sort of (token, slot) pairs by expert, the permute into expert order, where each pair's
+// expert row lies among the owners' gathered rows (moe_source_rows), and the slot-order weighted combine with
+// the shared expert and residual. Slot order is part of the contract: the combine adds expert outputs in it.
 #pragma once
 
 #include <cstdint>
@@ -42,18 +42,28 @@ void moe_sort_pairs(const int32_t *expert_ids, int64_t n_tokens, int64_t top_k, 
                     int32_t *sorted_pair, int32_t *row_of_pair);
 
 // moe_permute: x_sorted[r, :] = x[sorted_pair[r] / top_k, :] (exact copies), so that each expert's rows are
-// contiguous. x: [n_tokens, d] f32; x_sorted: [n_pairs, d] f32.
+// contiguous. x: [n_tokens, d] f32; sorted_pair: [n_pairs] (all pairs, or the contiguous run of one owner's
+// experts); x_sorted: [n_pairs, d] f32.
 void moe_permute(ThreadPool &pool, const float *x, int64_t d, const int32_t *sorted_pair, int64_t n_pairs,
                  int64_t top_k, float *x_sorted);
 
-// moe_combine: for each token t and column j, with y_k = expert_out[row_of_pair[t * top_k + k], j]:
+// moe_source_rows: where pair q's expert output lies in the gathered owner buffers [n_owners, capacity, d]:
+// experts are owned in equal contiguous runs of n_experts / n_owners (parallel::expert_owner), owner
+// o = expert_ids[q] / (n_experts / n_owners) keeps its pairs compact in sorted order, so
+//   src_row[q] = o * capacity + row_of_pair[q] - offsets[o * (n_experts / n_owners)].
+// With one owner and capacity n_pairs this is row_of_pair itself. MEMRA_CHECKs each row fits the capacity.
+void moe_source_rows(const int32_t *expert_ids, const int32_t *row_of_pair, int64_t n_pairs, const int32_t *offsets,
+                     int64_t n_experts, int64_t n_owners, int64_t capacity, int32_t *src_row);
+
+// moe_combine: for each token t and column j, with y_k = expert_out[src_row[t * top_k + k], j]:
 //   routed = +0; for k = 0..top_k-1 (slot order): routed = routed + (weights[t, k] * y_k)
 //       (the product rounded, then the add: no fused multiply-add)
 //   out[t, j] = h[t, j] + (routed + shared[t, j])      (shared == nullptr: out[t, j] = h[t, j] + routed)
-// h: [n_tokens, d] residual; expert_out: [n_pairs, d] rows in sorted order (pass the identity map as
-// row_of_pair for rows in (token, slot) order); weights: [n_tokens, top_k]; shared: [n_tokens, d] or nullptr;
-// out: [n_tokens, d], may equal h.
-void moe_combine(ThreadPool &pool, const float *h, const float *expert_out, const int32_t *row_of_pair,
+// h: [n_tokens, d] residual; expert_out: [rows, d], any rows, each pair's row placed by src_row (the owners'
+// gathered rows through moe_source_rows; row_of_pair for rows in sorted order; the identity map for rows in
+// (token, slot) order); weights: [n_tokens, top_k]; shared: [n_tokens, d] or nullptr; out: [n_tokens, d], may
+// equal h.
+void moe_combine(ThreadPool &pool, const float *h, const float *expert_out, const int32_t *src_row,
                  const float *weights, const float *shared, int64_t n_tokens, int64_t top_k, int64_t d, float *out);
 
 }  // namespace memra::cpu

@@ -1,13 +1,13 @@
 // A CPU backend that finishes the canonical block tree left to right, ((s0 + s1) + s2) + s3 ..., instead of
-// the balanced tree: the canonical order for 2 ranks, another order for 4 and 8. The TP tests and memra
-// verify's tests use it to show that their gates fail on a perturbed reduction order.
+// the balanced tree: the canonical order for 2 ranks, another order for 4 and 8. memra verify's tests use it
+// to show that the gates fail on a perturbed reduction order.
 #pragma once
 
 #include <cstdint>
 
 #include "backend/cpu/cpu_backend.h"
 
-namespace memra::model {
+namespace memra::runtime {
 
 class SkewedCombineBackend : public cpu::CpuBackend {
 public:
@@ -26,4 +26,4 @@ public:
     }
 };
 
-}  // namespace memra::model
+}  // namespace memra::runtime

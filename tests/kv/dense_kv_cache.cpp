@@ -1,7 +1,8 @@
-// The dense KV cache: spec validation and layout, transaction bookkeeping (one open transaction,
-// monotonic generations, per-layer staged counts), ring addressing for sliding layers, and copy-growth.
-// Every refusal returns before any state changes, so a refused call leaves the cache as it was.
-#include "kv/kv_cache.h"
+// The dense KV cache, the paged bookkeeping's test oracle (dense_kv_cache.h): spec validation and layout,
+// transaction bookkeeping (one open transaction, monotonic generations, per-layer staged counts), ring
+// addressing for sliding layers, and copy-growth. Every refusal returns before any state changes, so a
+// refused call leaves the cache as it was.
+#include "dense_kv_cache.h"
 
 #include <algorithm>
 #include <cstring>

@@ -11,9 +11,9 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/sampler.h"
+#include "core/sampling.h"
 
-namespace memra::runtime {
+namespace memra {
 namespace {
 
 using Ids = std::vector<int32_t>;
@@ -355,4 +355,4 @@ TEST(Sampler, RefusesBadParameters) {
 }
 
 }  // namespace
-}  // namespace memra::runtime
+}  // namespace memra

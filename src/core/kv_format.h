@@ -10,7 +10,7 @@
 
 #include "core/result.h"
 
-namespace memra::kv {
+namespace memra {
 
 enum class KvFormat {
     kF32,   // 4 bytes per value, the input bits
@@ -36,4 +36,4 @@ Result<int64_t> kv_row_bytes(KvFormat format, int n_kv_heads, int head_dim);
 void kv_encode(KvFormat format, const float *x, int64_t n, std::byte *out);
 void kv_decode(KvFormat format, const std::byte *in, int64_t n, float *y);
 
-}  // namespace memra::kv
+}  // namespace memra

@@ -1,8 +1,10 @@
-// The determinism gates of `memra verify` (DETERMINISM.md "The gates"): one scenario runs on the canonical
-// path (a plain TP=1 Step35Forward) and on a native Step35RankGroup per requested (tp, ep); every stage
-// compares raw bits (logits, each rank's KV bytes against its heads' slice of the TP=1 cache, one layer's
-// intermediates against TP=1 and a per-expert oracle) and counts each native step's work (launches, host
-// copies, collectives, heap allocations). The CLI formats the report; tests call run_verify directly.
+// The determinism gates of `memra verify` (DETERMINISM.md "The gates"): one scenario runs through the engine
+// (runtime/engine.h) on the canonical path (one rank, the whole model) and again on a native engine per
+// requested TP degree (routed experts expert-parallel); every stage compares raw bits (logits, each rank's
+// KV bytes against its heads' slice of the reference rows, the page tables, one layer's intermediates
+// against the reference and an independent per-expert oracle) and counts each native step's work
+// (launches, copies each way, collectives, heap allocations). The CLI formats the report; tests call
+// run_verify directly.
 #pragma once
 
 #include <cstdint>
@@ -12,32 +14,30 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/kv_format.h"
 #include "core/result.h"
 #include "io/safetensors.h"
-#include "kv/kv_format.h"
 #include "model/step35_config.h"
 
-namespace memra::model {
+namespace memra::runtime {
 
-// Makes the backend of the canonical TP=1 run, and rank `rank` of a native run of `tp` ranks. The model
-// module does not depend on a backend implementation, so the caller names it (CPU in the CLI; a test may
-// hand the ranks a deliberately perturbed backend to show that a gate fails).
+// Makes the backend of the canonical TP=1 run, and rank `rank` of a native run of `tp` ranks. The runtime
+// does not depend on a backend implementation, so the caller names it (CPU in the CLI; a test may hand the
+// ranks a deliberately perturbed backend to show that a gate fails).
 using ReferenceBackendFactory = std::function<Result<std::unique_ptr<Backend>>()>;
 using RankBackendFactory = std::function<Result<std::unique_ptr<Backend>>(int tp, int rank)>;
 
 struct VerifyLine;
 
 struct VerifyOptions {
-    std::vector<int> tp = {1, 2, 4, 8};  // native degrees, in this order
-    std::vector<bool> ep = {false};      // for each degree, each of these EP modes
-    bool ep_both = false;                // ep lists both modes because both were asked for as a pair: a refused
-                                         // combination is then expected, not a request the user spelled out
+    std::vector<int> tp = {1, 2, 4, 8};  // native degrees, in this order (routed experts expert-parallel)
     int prefill_tokens = 40;             // prompt length (>= 2); longer than the sliding window by default
-    int decode_steps = 16;               // decode steps after the prompt (>= 1)
+    int decode_steps = 16;               // decode steps after the prompt (>= 1); more follow until a sliding
+                                         // page has been released
     int batch = 8;                       // batch invariance: batches of 1 .. batch sequences (>= 1)
     int layer = -1;                      // the layer of the layer gates: -1 = the first MoE layer (else 0)
-    kv::KvFormat k_format = kv::KvFormat::kF32;
-    kv::KvFormat v_format = kv::KvFormat::kF32;
+    KvFormat k_format = KvFormat::kF32;
+    KvFormat v_format = KvFormat::kF32;
     uint64_t seed = 0x5eed;  // of the token ids (uniform over the vocabulary)
     ReferenceBackendFactory make_reference_backend;
     RankBackendFactory make_rank_backend;
@@ -52,8 +52,9 @@ enum class GateStatus { kPass, kFail, kSkip };
 const char *gate_status_name(GateStatus s);  // "PASS", "FAIL", "SKIP"
 
 // One comparison of a stage: `mismatches` of `compared` items differ. Items are 4-byte values compared as
-// raw bits (unit "values"), KV row bytes ("bytes"), cache state fields ("fields": length, capacity,
-// generation, live bounds) or whole caches by digest ("caches"). It counts toward gate `gate`.
+// raw bits (unit "values"), KV row bytes ("bytes"), state fields ("fields": lengths, generation, pages held,
+// block-table entries, page accounting, work counts) or whole caches by digest ("caches"). It counts toward
+// gate `gate`.
 struct Comparison {
     std::string gate;  // e.g. "LOGITS_DECODE"
     std::string what;  // short label: "logits", "kv_bytes", "attention", ...
@@ -63,36 +64,35 @@ struct Comparison {
     std::string first;  // where the first mismatch is, when there is one
 };
 
-// Work of one native step on rank 0 (every rank runs the same op sequence; ranks_differ says otherwise).
+// Work of one native step (plan + run + finish) on rank 0 (every rank runs the same op sequence;
+// ranks_differ says otherwise).
 struct StepCounts {
     int64_t launches = 0;     // backend op calls
-    int64_t host_copies = 0;  // host <-> backend transfers (the verifier's own tap copies excluded)
+    int64_t h2d = 0;          // host -> backend copies (the step tables)
+    int64_t d2h = 0;          // backend -> host copies (the sampled ids; the logits when returned)
+    int64_t syncs = 0;        // of those, made before finish() (each a wait for the backend): want 0
     int64_t all_gathers = 0;
-    int64_t broadcasts = 0;
     int64_t comm_bytes = 0;     // receive-buffer bytes of the collectives
-    int64_t allocations = -1;  // heap allocations while the ranks ran the step (all ranks); -1: not counted
+    int64_t allocations = -1;  // heap allocations from plan() to finish()'s return, every thread; -1: not counted
     bool ranks_differ = false;  // some rank's launches / copies / collectives differ from rank 0's
 };
 
 // One line of the report: one stage of the TP=1 reference (tp = 1, reference = true) or of one native run.
 struct VerifyLine {
     int tp = 1;
-    bool ep = false;
     bool reference = false;
     std::string stage;  // "prefill", "decode 3", "txn partial", "L2 prefill", "batch 4", ...
     std::vector<Comparison> comparisons;
     bool has_counts = false;  // a native step ran for this line
     StepCounts counts;
-    std::string note;   // extra facts (pair counts, grown capacity) or, for a failed run, the error
+    std::string note;   // extra facts (pair counts, pages) or, for a failed run, the error
     bool failed = false;  // the native run stopped here with an error (note)
 };
 
-// A (tp, ep) combination: run, or refused by the plan (skipped, with the plan's reason).
+// A TP degree: run, or refused by the plan (skipped, with the plan's reason).
 struct VerifyCombo {
     int tp = 1;
-    bool ep = false;
     bool skipped = false;
-    bool requested = false;  // the user asked for exactly this combination (not implied by ep_both)
     std::string reason;      // the plan's refusal, or the error that stopped the run
 };
 
@@ -121,12 +121,13 @@ const std::vector<std::string> &verify_gate_names();
 // Runs the gates on the checkpoint in ckpt (cfg parsed from it). Errors (not FAILs): options out of range
 // (tokens < 2, decode < 1, batch < 1, a layer outside the trunk, a tp < 1, no backend factory), a
 // reference run that cannot run, a context the model does not have. A native run that fails ends that
-// run with a failed line and FAILs the NATIVE_RUN gate; a combination the plan refuses is skipped.
-Result<VerifyReport> run_verify(const io::Checkpoint &ckpt, const Step35Config &cfg, const VerifyOptions &options);
+// run with a failed line and FAILs the NATIVE_RUN gate; a degree the plan refuses is skipped.
+Result<VerifyReport> run_verify(const io::Checkpoint &ckpt, const model::Step35Config &cfg,
+                                const VerifyOptions &options);
 
 // The report as the CLI prints it: a header, one line per stage, then one line per gate and an overall
 // line. format_verify_line is one stage line (what on_line callers print).
 std::string format_verify_line(const VerifyLine &line);
 std::string format_verify_summary(const VerifyReport &report);
 
-}  // namespace memra::model
+}  // namespace memra::runtime

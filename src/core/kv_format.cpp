@@ -1,7 +1,7 @@
 // KV row formats: name parsing, byte sizes, and row encode/decode on top of core's exact conversions
 // (float_formats.h) and GGML block quantizers (quant_blocks.h). Blocks are copied through a local
 // struct with memcpy, so cache storage needs no alignment beyond bytes.
-#include "kv/kv_format.h"
+#include "core/kv_format.h"
 
 #include <cstdint>
 #include <cstring>
@@ -10,7 +10,7 @@
 #include "core/float_formats.h"
 #include "core/quant_blocks.h"
 
-namespace memra::kv {
+namespace memra {
 
 namespace {
 
@@ -140,4 +140,4 @@ void kv_decode(KvFormat format, const std::byte *in, int64_t n, float *y) {
     MEMRA_CHECK(false, "unknown KvFormat {}", static_cast<int>(format));
 }
 
-}  // namespace memra::kv
+}  // namespace memra

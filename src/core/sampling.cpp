@@ -1,6 +1,7 @@
-// Sampler: the penalty / temperature / top-k / top-p / min-p chain over a prepared workspace, and the
-// Gumbel-max draw from Philox4x32-10 noise keyed by (seed, sequence, position, token id).
-#include "runtime/sampler.h"
+// Sampler: the penalty / temperature / top-k / top-p / min-p chain over a prepared workspace, the
+// Gumbel-max draw from Philox4x32-10 noise keyed by (seed, choice index, position, token id), and the
+// log-probabilities of the chosen and the most likely tokens.
+#include "core/sampling.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,7 +12,7 @@
 #include "core/float_formats.h"
 #include "core/math.h"
 
-namespace memra::runtime {
+namespace memra {
 
 Result<void> validate_sampling_params(const SamplingParams &p) {
     if (!std::isfinite(p.temperature) || p.temperature < 0.0f) {
@@ -94,19 +95,19 @@ float log_f32(float x) {
     return ef * kLn2Hi + (log_m + ef * kLn2Lo);
 }
 
-float philox_uniform(uint64_t seed, uint64_t seq_id, int64_t position, int32_t id) {
+float philox_uniform(uint64_t seed, uint64_t choice, int64_t position, int32_t id) {
     MEMRA_CHECK(position >= 0 && position <= int64_t{0xffffffff}, "position {} outside [0, 2^32)", position);
     MEMRA_CHECK(id >= 0, "token id {} < 0", id);
     const std::array<uint32_t, 4> counter = {static_cast<uint32_t>(id) / 4u, static_cast<uint32_t>(position),
-                                             static_cast<uint32_t>(seq_id), static_cast<uint32_t>(seq_id >> 32)};
+                                             static_cast<uint32_t>(choice), static_cast<uint32_t>(choice >> 32)};
     const std::array<uint32_t, 2> key = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
     const uint32_t word = philox4x32_10(counter, key)[static_cast<size_t>(id) % 4];
     // 23 bits + 0.5 fit a float exactly: u in [2^-24, 1 - 2^-24], never 0 or 1.
     return (static_cast<float>(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
 }
 
-float gumbel_noise(uint64_t seed, uint64_t seq_id, int64_t position, int32_t id) {
-    return -log_f32(-log_f32(philox_uniform(seed, seq_id, position, id)));
+float gumbel_noise(uint64_t seed, uint64_t choice, int64_t position, int32_t id) {
+    return -log_f32(-log_f32(philox_uniform(seed, choice, position, id)));
 }
 
 Result<Sampler> Sampler::create(int32_t vocab_size, const SamplingParams &params) {
@@ -124,9 +125,16 @@ Result<Sampler> Sampler::create(int32_t vocab_size, const SamplingParams &params
     return s;
 }
 
+void Sampler::set_params(const SamplingParams &params) {
+    auto ok = validate_sampling_params(params);
+    MEMRA_CHECK(ok.has_value(), "sampler: {}", ok ? "" : ok.error().message);
+    params_ = params;
+}
+
 void Sampler::apply_penalties(std::span<const float> logits, std::span<const int32_t> context) {
-    MEMRA_CHECK(static_cast<int64_t>(logits.size()) == vocab_size_, "logits: expected {} values, found {}",
-                vocab_size_, logits.size());
+    MEMRA_CHECK(!logits.empty() && static_cast<int64_t>(logits.size()) <= vocab_size_,
+                "logits: expected 1 .. {} values, found {}", vocab_size_, logits.size());
+    n_ = static_cast<int32_t>(logits.size());
     const float kNegInf = -std::numeric_limits<float>::infinity();
     for (size_t i = 0; i < logits.size(); ++i) work_[i] = logits[i] != logits[i] ? kNegInf : logits[i];
 
@@ -141,8 +149,13 @@ void Sampler::apply_penalties(std::span<const float> logits, std::span<const int
         ++count_[static_cast<size_t>(t)];
     }
     // Each distinct token once; clearing its count on the way leaves count_ all zero for the next call.
+    // A token outside the sampled ids (>= n_) has no logit to penalise.
     for (const int32_t t : recent) {
         int32_t &c = count_[static_cast<size_t>(t)];
+        if (t >= n_) {
+            c = 0;
+            continue;
+        }
         if (c == 0) continue;
         float &l = work_[static_cast<size_t>(t)];
         l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
@@ -153,7 +166,7 @@ void Sampler::apply_penalties(std::span<const float> logits, std::span<const int
 
 int32_t Sampler::greedy() const {
     int32_t best = 0;
-    for (int32_t i = 1; i < vocab_size_; ++i) {
+    for (int32_t i = 1; i < n_; ++i) {
         if (work_[static_cast<size_t>(i)] > work_[static_cast<size_t>(best)]) best = i;
     }
     return best;
@@ -173,13 +186,14 @@ std::span<const int32_t> Sampler::candidates(std::span<const float> logits, std:
         n_candidates_ = 1;
         return std::span<const int32_t>(order_.data(), 1);
     }
-    for (size_t i = 0; i < work_.size(); ++i) score_[i] = work_[i] / p.temperature;
-    std::iota(order_.begin(), order_.end(), 0);
+    const auto all = static_cast<size_t>(n_);
+    for (size_t i = 0; i < all; ++i) score_[i] = work_[i] / p.temperature;
+    std::iota(order_.begin(), order_.begin() + n_, 0);
     const auto cmp = [this](int32_t a, int32_t b) { return before(a, b); };
-    int64_t n = vocab_size_;
+    int64_t n = n_;
     if (p.top_k > 0 && p.top_k < n) {
         n = p.top_k;
-        std::nth_element(order_.begin(), order_.begin() + n, order_.end(), cmp);
+        std::nth_element(order_.begin(), order_.begin() + n, order_.begin() + n_, cmp);
     }
     std::sort(order_.begin(), order_.begin() + n, cmp);
 
@@ -218,7 +232,7 @@ std::span<const int32_t> Sampler::candidates(std::span<const float> logits, std:
     return std::span<const int32_t>(order_.data(), static_cast<size_t>(n));
 }
 
-int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> context, uint64_t seq_id,
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> context, uint64_t choice,
                         int64_t position) {
     MEMRA_CHECK(position >= 0 && position <= int64_t{0xffffffff}, "position {} outside [0, 2^32)", position);
     const std::span<const int32_t> kept = candidates(logits, context);
@@ -228,7 +242,7 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     int32_t best = -1;
     float best_key = 0.0f;
     for (const int32_t id : kept) {
-        const float key = (score_[static_cast<size_t>(id)] - top) + gumbel_noise(params_.seed, seq_id, position, id);
+        const float key = (score_[static_cast<size_t>(id)] - top) + gumbel_noise(params_.seed, choice, position, id);
         if (best < 0 || key > best_key || (key == best_key && id < best)) {
             best = id;
             best_key = key;
@@ -237,4 +251,37 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     return best;
 }
 
-}  // namespace memra::runtime
+void token_logprobs(std::span<const float> logits, int32_t chosen, int32_t n_top, TokenLogprobs &out) {
+    const auto n = static_cast<int64_t>(logits.size());
+    MEMRA_CHECK(n >= 1 && chosen >= 0 && chosen < n && n_top >= 0 && n_top <= kMaxTopLogprobs,
+                "token_logprobs: {} logits, chosen {}, top {}", n, chosen, n_top);
+    const float kNegInf = -std::numeric_limits<float>::infinity();
+    const auto value = [&](int64_t i) { return logits[static_cast<size_t>(i)] != logits[static_cast<size_t>(i)]
+                                                   ? kNegInf
+                                                   : logits[static_cast<size_t>(i)]; };
+    float top = kNegInf;
+    for (int64_t i = 0; i < n; ++i) top = value(i) > top ? value(i) : top;
+    // log softmax: l - top - log(sum exp(l - top)), the sum in increasing id order.
+    float sum = 0.0f;
+    if (std::isfinite(top)) {
+        for (int64_t i = 0; i < n; ++i) sum = sum + exp_f32(value(i) - top);
+    }
+    const float log_sum = std::isfinite(top) ? log_f32(sum) : 0.0f;
+    const auto logprob = [&](int64_t i) { return std::isfinite(top) ? (value(i) - top) - log_sum : kNegInf; };
+    out.chosen = logprob(chosen);
+    // The n_top largest logits, ties to the lower id, by insertion into a short sorted list.
+    out.n_top = 0;
+    for (int64_t i = 0; i < n && n_top > 0; ++i) {
+        const float v = value(i);
+        int32_t at = out.n_top;
+        while (at > 0 && v > value(out.top_ids[at - 1])) --at;
+        if (at >= n_top) continue;
+        const int32_t last = std::min(out.n_top, n_top - 1);
+        for (int32_t j = last; j > at; --j) out.top_ids[j] = out.top_ids[j - 1];
+        out.top_ids[at] = static_cast<int32_t>(i);
+        out.n_top = std::min(out.n_top + 1, n_top);
+    }
+    for (int32_t j = 0; j < out.n_top; ++j) out.top_logprobs[j] = logprob(out.top_ids[j]);
+}
+
+}  // namespace memra

@@ -1,5 +1,5 @@
-// The one source file of memra_model_tests that includes the counting allocator (alloc_count.h).
-#include "model/alloc_count.h"
+// The one source file of memra_runtime_tests that includes the counting allocator (alloc_count.h).
+#include "runtime/alloc_count.h"
 
 #include "alloc_counter.h"
 

@@ -1,4 +1,4 @@
-// kv/kv_format.h: format names, row byte sizes (SERVING.md 1.5's figures), refusals, and row encoding
+// core/kv_format.h: format names, row byte sizes (SERVING.md 1.5's figures), refusals, and row encoding
 // compared as raw bytes with core's independent conversions (f32 bits, f32_to_bf16, quantize_row_*),
 // decoding with core's dequantizers.
 #include <cstdint>
@@ -11,9 +11,9 @@
 
 #include "core/float_formats.h"
 #include "core/quant_blocks.h"
-#include "kv/kv_format.h"
+#include "core/kv_format.h"
 
-namespace memra::kv {
+namespace memra {
 namespace {
 
 std::vector<float> random_values(int64_t n, uint32_t seed) {
@@ -150,4 +150,4 @@ TEST(KvFormat, Q5_1IsQuantizeRowQ5_1) {
 }
 
 }  // namespace
-}  // namespace memra::kv
+}  // namespace memra

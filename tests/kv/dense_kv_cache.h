@@ -1,8 +1,8 @@
-// The dense KV cache: one sequence, every layer's K and V rows in contiguous storage (full layers) or a
-// ring (sliding-window and MTP layers), written only through transactions (ARCHITECTURE.md "KV cache",
-// DETERMINISM.md D7). It is the reference form used by the CPU engine and the gates; the paged serving
-// form (SERVING.md 6.1) is to offer the same per-sequence methods and produce the same bytes per logical
-// row, which is why everything here is addressed by (layer, absolute position), never by storage offset.
+// The dense KV cache, kept as a test oracle (ENGINE.md section 2): one sequence, every layer's K and V rows
+// in contiguous storage (full layers) or a ring (sliding-window and MTP layers), written only through
+// transactions. The engine stores KV in pages (kv/paged_kv.h); test_paged_kv.cpp's transaction fuzz (SERVING.md
+// 6.4 T2) runs the same steps on both and requires the same bytes per logical row, which is why everything
+// here is addressed by (layer, absolute position), never by storage offset.
 #pragma once
 
 #include <cstddef>
@@ -10,8 +10,8 @@
 #include <span>
 #include <vector>
 
+#include "core/kv_format.h"
 #include "core/result.h"
-#include "kv/kv_format.h"
 
 namespace memra::kv {
 

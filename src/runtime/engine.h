@@ -1,0 +1,271 @@
+// The engine (ENGINE.md sections 1 and 5): one model on one or more tensor-parallel ranks (in-process rank
+// threads, each with its own backend; routed experts expert-parallel over them), the paged KV pools, and the
+// step every caller runs — `memra run`, `bench`, `verify`, the forward tool, later the server and MTP
+// speculation:
+//
+//   plan(items)   host: check the request, begin one KV transaction per sequence (pages for the staged rows
+//                 of every stream), pack every per-step table (tokens, positions, row -> sequence, KV slots,
+//                 block tables, logit rows, MTP hidden sources, sampling rows and penalty windows) and copy
+//                 it to each rank's backend in one host -> backend copy
+//   run()         backend only: the forward's fixed op sequence, then the sampling op; no host read, no
+//                 allocation, the same launches for 1 or many sequences
+//   finish(keep)  host: one backend -> host copy of the sampled ids (and, when asked, the logits), commit
+//                 the kept rows of each stream per sequence, roll back the rest
+//
+// A planned step can be abandoned instead (every transaction rolled back: the cache is byte-identical to one
+// where the step never ran). Sampling is keyed by (seed, choice index, position), so a token depends on
+// nothing else in the batch. Cross-rank bit checks are verify's (runtime/verify.h), outside any timed step.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/result.h"
+#include "core/sampling.h"
+#include "io/safetensors.h"
+#include "kv/paged_kv.h"
+#include "model/step35_config.h"
+#include "model/step35_forward.h"
+#include "model/step35_model.h"
+#include "parallel/comm.h"
+#include "parallel/plan.h"
+
+namespace memra::runtime {
+
+// Makes rank r's backend (e.g. a cpu::CpuBackend with its own threads); the runtime does not depend on a
+// backend implementation, so the caller names it.
+using BackendFactory = std::function<Result<std::unique_ptr<Backend>>(int rank)>;
+
+// The default row budget of a step on the CPU (chunked prefill): scratch is sized by it, never by a prompt.
+inline constexpr int64_t kCpuStepRows = 512;
+
+struct EngineOptions {
+    int tp = 1;                           // tensor-parallel ranks (routed experts expert-parallel over them)
+    KvFormat k_format = KvFormat::kBf16;  // KV cache formats (f32, bf16, q8_0, q5_1)
+    KvFormat v_format = KvFormat::kBf16;
+    int64_t ctx_size = 4096;              // KV positions of the full-attention pool, all sequences together; a
+                                          // sequence reaches at most min(ctx_size, the model's context length)
+    int max_seqs = 1;                     // sequences per step
+    int64_t step_rows = kCpuStepRows;     // rows per stream per step, all sequences together (>= 1)
+    int64_t max_logit_rows = 0;           // logit rows per step, every stream together; 0: max_seqs
+    int mtp_layers = 0;                   // MTP layers with KV space, runnable by steps (0 .. the model's)
+    int32_t sample_vocab = 0;             // ids [0, n) may be sampled (the tokenizer's real ids); 0: every id
+    BackendFactory make_backend;
+};
+
+// Which trunk rows of a step item compute logits.
+enum class LogitRows {
+    kNone,  // none (a prefill chunk that is not the last)
+    kLast,  // the last staged row (decode, the last prefill chunk)
+    kAll,   // every staged row (verify, perplexity, the forward tool)
+};
+
+class Engine;
+
+struct SequenceOptions {
+    int mtp_streams = 0;      // MTP layers this sequence stages rows for (0 .. the engine's mtp_layers)
+    SamplingParams sampling;  // validated here
+    uint64_t choice = 0;      // the choice index of the random stream (OpenAI's n: 0, 1, ...)
+};
+
+// One sequence: its tokens, sampling parameters and KV pages. Created by an engine and used only with it;
+// destroying it gives its pages back. Must not outlive the engine.
+class Sequence {
+public:
+    Sequence(const Sequence &) = delete;
+    Sequence &operator=(const Sequence &) = delete;
+    ~Sequence();
+
+    // The sequence's tokens: prompt and generated ones. A step's rows come from here (trunk row p reads
+    // tokens[p]; MTP row p reads tokens[p + 1]); the caller appends sampled tokens before feeding them.
+    std::vector<int32_t> tokens;
+
+    const SamplingParams &sampling() const { return sampling_; }
+    uint64_t choice() const { return choice_; }
+    // Replaces the sampling parameters, refusing invalid ones (nothing changes then).
+    Result<void> set_sampling(const SamplingParams &params);
+
+    // Committed rows of a stream (0: the trunk, 1 + k: MTP layer k); the next trunk row is position length().
+    int64_t length(int stream = 0) const { return kv_.length(stream); }
+    // Tokens not yet in the trunk's cache.
+    int64_t pending() const { return static_cast<int64_t>(tokens.size()) - kv_.length(0); }
+    const kv::SeqKv &kv() const { return kv_; }
+    int n_streams() const { return kv_.shape().n_streams; }
+
+private:
+    friend class Engine;
+    Sequence(Engine *engine, const kv::SeqKvShape &shape, const SequenceOptions &options);
+
+    Engine *engine_ = nullptr;
+    kv::SeqKv kv_;
+    kv::TxnId txn_;
+    SamplingParams sampling_;
+    uint64_t choice_ = 0;
+};
+
+// One sequence's part of a step.
+struct StepItem {
+    Sequence *seq = nullptr;
+    int64_t rows = 0;                              // trunk rows: tokens [length(0), length(0) + rows)
+    int64_t mtp_rows[model::kMaxMtp] = {0, 0, 0};  // MTP layer k rows from length(1 + k); row p takes token p + 1
+    LogitRows logits = LogitRows::kLast;           // trunk rows whose logits are computed
+    bool mtp_logits = false;                       // the logits of every MTP row
+    bool sample = false;                           // sample the token after the last trunk row (needs its logits)
+    bool return_logits = false;                    // copy the item's logit rows to the host at finish
+    int32_t top_logprobs = -1;                     // with sample: -1 none, else 0 .. kMaxTopLogprobs alternatives
+};
+
+// Rows to keep per stream at finish; -1 keeps every staged row of that stream.
+struct Keep {
+    int64_t rows[kv::kMaxStreams] = {-1, -1, -1, -1};
+};
+
+// Work on one rank since reset_counters().
+struct StepCounters {
+    BackendCounters backend;
+    model::CommCounters comm;
+    // Backend -> host copies (each one a wait for the backend) made by the last step before its finish():
+    // plan and run never wait, so this stays 0 unless something hooked into the run (verify's taps) copies.
+    int64_t d2h_before_finish = 0;
+};
+
+class Engine {
+public:
+    // Plans the ranks (model::plan_shape + parallel::make_plan; a refusal is the error), binds each rank's
+    // shard, sizes the pools and every step buffer. The checkpoint must outlive the engine (CPU shards are
+    // views of its mmap). Refused: options out of range, a plan the model cannot take, a backend failure.
+    static Result<std::unique_ptr<Engine>> create(const io::Checkpoint &ckpt, const model::Step35Config &cfg,
+                                                  const EngineOptions &options);
+    Engine(const Engine &) = delete;
+    Engine &operator=(const Engine &) = delete;
+    ~Engine();
+
+    // A new empty sequence (allocates its block tables: not a hot-path call). Refused: more MTP streams than
+    // the engine runs, invalid sampling parameters.
+    Result<std::unique_ptr<Sequence>> create_sequence(const SequenceOptions &options = {});
+
+    // ---- The step ----
+
+    // Checks the items and prepares a step (see the file comment). Refused before anything changes: a step
+    // already planned, no items or more than max_seqs, a sequence twice or of another engine, rows without
+    // tokens, positions past a sequence's limit, more rows per stream or logit rows than the capacity, an MTP
+    // row whose hidden source is not in the step, a token id outside the vocabulary, sampling without the
+    // last row's logits; pools out of pages (the transactions begun so far are rolled back).
+    Result<void> plan(std::span<const StepItem> items);
+    // Runs the planned step on every rank. An error here (a rank failing, a communicator abort) is kept and
+    // reported by finish(), which then rolls the step back.
+    void run();
+    // Reads the results back and commits keep[i] of item i (an empty span keeps every staged row). Refused:
+    // no run step, a keep count past what was staged (the step is then rolled back). After a failed run:
+    // rolls every transaction back and returns the run's error.
+    Result<void> finish(std::span<const Keep> keep = {});
+    // Rolls a planned (or run) step back without committing anything.
+    void abandon();
+    // plan + run + finish, keeping everything.
+    Result<void> step(std::span<const StepItem> items);
+
+    // ---- Results of the last finished step ----
+
+    // The sampled token of item i (MEMRA_CHECK: the item sampled).
+    const SampledToken &sampled(size_t item) const;
+    // The host copy of item i's logit rows of a stream ([rows, vocab_size]; MEMRA_CHECK: return_logits).
+    std::span<const float> logits(size_t item, int stream = 0) const;
+    // Item i's logit rows of a stream in the step's logits buffer: [first, first + count).
+    std::pair<int64_t, int64_t> logit_range(size_t item, int stream = 0) const;
+
+    // ---- Facts ----
+
+    const model::Step35Config &config() const { return cfg_; }
+    const EngineOptions &options() const { return options_; }
+    int tp() const { return options_.tp; }
+    int64_t max_positions() const { return seq_shape_.max_positions; }
+    const parallel::ParallelPlan &plan_of_ranks() const { return plan_; }
+    const model::KvPoolLayout &pool_layout() const { return pools_; }
+    const kv::PagePool &page_pool(kv::PoolKind kind) const;
+    int64_t kv_bytes() const;  // both pools on every rank
+
+    // ---- Inspection (verification and tests; never on the hot path) ----
+
+    Backend &backend(int rank);
+    model::Step35Forward &forward(int rank);
+    // Rank r's logits of the last run ([rows, vocab], rows of every item and stream in step order) on the
+    // host: verify compares the ranks' bits.
+    std::vector<float> rank_logits(int rank) const;
+    // The raw K and V bytes of one committed row of a sequence on a rank: config layer `layer` (its pool and
+    // pool layer), position `position`. Refused: a row that is not live.
+    Result<void> kv_row(int rank, const Sequence &seq, int layer, int64_t position, std::vector<std::byte> &k,
+                        std::vector<std::byte> &v) const;
+    // Page accounting: every page free or held by exactly the sequences that hold it (SERVING.md 5.2 I2).
+    Result<void> check_pages() const;
+
+    // Work since the last reset, per rank.
+    StepCounters counters(int rank) const;
+    void reset_counters();
+    // count() returns the process's heap allocations so far; empty turns counting off. While on, a step's
+    // allocations from plan() to finish()'s (or abandon()'s) return are counted, on every thread.
+    void set_allocation_counter(std::function<int64_t()> count) { count_allocations_ = std::move(count); }
+    // Heap allocations of the last step's plan + run + finish together; -1 when not counted.
+    int64_t step_allocations() const { return step_allocations_; }
+
+private:
+    friend class Sequence;
+    struct Rank;
+    Engine() = default;
+    Result<void> check_items(std::span<const StepItem> items) const;
+    Result<void> begin_all(std::span<const StepItem> items);
+    void pack_tables(std::span<const StepItem> items);
+    void rollback_all();
+    Result<void> run_rank(int rank);
+    void release(Sequence &seq);
+    void count(int64_t before);
+
+    model::Step35Config cfg_;
+    EngineOptions options_;
+    parallel::ParallelPlan plan_;
+    model::KvPoolLayout pools_;
+    kv::SeqKvShape seq_shape_;  // without MTP streams (a sequence's own count is set at create)
+    model::ForwardCapacity cap_;
+    std::optional<parallel::InProcessGroup> group_;
+    std::vector<std::unique_ptr<Rank>> ranks_;
+    kv::PagePool full_, swa_;
+    std::vector<Sequence *> live_;  // every sequence not yet destroyed
+
+    // The planned step.
+    enum class Phase { kIdle, kPlanned, kRun };
+    Phase phase_ = Phase::kIdle;
+    std::vector<Sequence *> step_seqs_;  // [item]
+    std::vector<StepItem> step_items_;   // [item]
+    std::vector<std::byte> host_tables_;  // the packed tables, copied to every rank
+    int64_t table_bytes_ = 0;             // used by this step
+    int64_t n_logit_rows_ = 0;
+    int64_t n_sample_rows_ = 0;
+    int64_t sample_offset_ = 0, history_offset_ = 0, history_len_ = 0;
+    std::vector<int64_t> sample_row_of_item_;            // [item] its sample row, -1
+    std::vector<int64_t> logit_begin_[kv::kMaxStreams];  // [stream][item] first logit row of the item
+    std::vector<int64_t> logit_count_[kv::kMaxStreams];  // [stream][item]
+    std::string run_error_;
+
+    // Results.
+    std::vector<SampledToken> sampled_;  // [sample row]
+    std::vector<float> logits_host_;     // [logit rows, vocab] when some item returned logits
+    bool logits_copied_ = false;
+
+    std::function<int64_t()> count_allocations_;
+    int64_t alloc_before_ = 0;  // the count when the step was planned
+    int64_t step_allocations_ = -1;
+};
+
+// Feeds every pending token of one sequence through as many steps as the row budget needs (chunked prefill:
+// logits only on the last chunk) and samples the next token from the last one, which it returns; the
+// sequence's cache then holds every token. Refused: nothing pending; a step's refusal (nothing of that step
+// committed; earlier chunks stay).
+Result<int32_t> feed(Engine &engine, Sequence &seq);
+
+}  // namespace memra::runtime

@@ -1,0 +1,648 @@
+// The engine (runtime/engine.h) on the tiny checkpoint (bf16 and fp8) through the CPU backend: run-to-run
+// determinism (D1), thread invariance (D5), batch invariance over batch size and slot (D2), chunked prefill ==
+// one-shot prefill (rule 9), a teacher-forced prefill reproducing every decode step's logits and KV bytes,
+// partial commits, an abandoned step leaving the cache byte-identical, the MTP chain, sampling (restricted
+// ids, seeds, choices, log-probabilities), the per-step work (launches independent of the batch, one copy each
+// way, no allocation) and refusals that change nothing. Every comparison is on raw bits.
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "backend/cpu/cpu_backend.h"
+#include "io/safetensors.h"
+#include "model/step35_config.h"
+#include "runtime/engine.h"
+
+#include "model/model_test_util.h"
+#include "model/tiny_dirs.h"
+#include "runtime/alloc_count.h"
+
+namespace memra::runtime {
+namespace {
+
+namespace fs = std::filesystem;
+using model::bit_mismatches;
+using model::make_tokens;
+using model::TinyDirs;
+
+// A checkpoint and an engine over it (the engine's weights are views of the checkpoint's mmap).
+struct Loaded {
+    std::unique_ptr<io::Checkpoint> ckpt;
+    model::Step35Config cfg;
+    std::unique_ptr<Engine> engine;
+};
+
+EngineOptions options(int threads = 1) {
+    EngineOptions o;
+    o.k_format = KvFormat::kF32;
+    o.v_format = KvFormat::kF32;
+    o.ctx_size = 1024;
+    o.max_seqs = 8;
+    o.step_rows = 128;
+    o.max_logit_rows = 128;
+    o.mtp_layers = 1;
+    o.make_backend = [threads](int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
+    };
+    return o;
+}
+
+// A sequence with greedy sampling.
+std::unique_ptr<Sequence> new_seq(Engine &e, int mtp_streams = 0, float temperature = 0.0f, uint64_t seed = 0,
+                                  uint64_t choice = 0) {
+    SequenceOptions so;
+    so.mtp_streams = mtp_streams;
+    so.sampling.temperature = temperature;
+    so.sampling.seed = seed;
+    so.choice = choice;
+    auto s = e.create_sequence(so);
+    EXPECT_TRUE(s.has_value()) << s.error().message;
+    return s ? std::move(*s) : nullptr;
+}
+
+// One step of `rows` pending tokens of one sequence, every row's logits returned; the logits.
+std::vector<float> step_all(Engine &e, Sequence &s, int64_t rows, bool sample = true) {
+    StepItem it;
+    it.seq = &s;
+    it.rows = rows;
+    it.logits = LogitRows::kAll;
+    it.sample = sample;
+    it.return_logits = true;
+    auto ok = e.step(std::span(&it, 1));
+    EXPECT_TRUE(ok.has_value()) << ok.error().message;
+    if (!ok) return {};
+    const auto lg = e.logits(0);
+    return std::vector<float>(lg.begin(), lg.end());
+}
+
+// Every live K/V row of a sequence on rank 0, all stored layers, in order: the cache's logical contents.
+std::vector<std::byte> kv_contents(const Engine &e, const Sequence &s) {
+    std::vector<std::byte> out, k, v;
+    const model::Step35Config &cfg = e.config();
+    for (const model::LayerGeometry &g : cfg.layers) {
+        if (e.pool_layout().pool_layer[static_cast<size_t>(g.index)] < 0) continue;
+        const int stream = g.is_mtp ? 1 + g.index - cfg.n_layers : 0;
+        if (stream >= s.n_streams()) continue;
+        const kv::PoolKind kind =
+            e.pool_layout().in_swa[static_cast<size_t>(g.index)] ? kv::PoolKind::kSwa : kv::PoolKind::kFull;
+        for (int64_t p = s.kv().first(stream); p < s.length(stream); ++p) {
+            if (!s.kv().has_page(kind, p)) continue;
+            auto ok = e.kv_row(0, s, g.index, p, k, v);
+            EXPECT_TRUE(ok.has_value()) << ok.error().message;
+            out.insert(out.end(), k.begin(), k.end());
+            out.insert(out.end(), v.begin(), v.end());
+        }
+    }
+    return out;
+}
+
+class EngineTest : public ::testing::TestWithParam<const char *> {
+protected:
+    static void SetUpTestSuite() { dirs_ = new TinyDirs("engine_test", 7, 7); }
+    static void TearDownTestSuite() {
+        delete dirs_;
+        dirs_ = nullptr;
+    }
+    static fs::path dir() { return dirs_->at(GetParam()); }
+
+    static Loaded load(const EngineOptions &o) {
+        Loaded l;
+        auto cfg = model::load_step35_config(dir());
+        EXPECT_TRUE(cfg.has_value()) << cfg.error().message;
+        l.cfg = *cfg;
+        auto ckpt = io::Checkpoint::open(dir());
+        EXPECT_TRUE(ckpt.has_value()) << ckpt.error().message;
+        l.ckpt = std::make_unique<io::Checkpoint>(std::move(*ckpt));
+        auto engine = Engine::create(*l.ckpt, l.cfg, o);
+        EXPECT_TRUE(engine.has_value()) << engine.error().message;
+        if (engine) l.engine = std::move(*engine);
+        return l;
+    }
+
+    static TinyDirs *dirs_;
+};
+
+TinyDirs *EngineTest::dirs_ = nullptr;
+
+TEST_P(EngineTest, RunToRunThreadsAndEnginesGiveTheSameBits) {
+    const std::vector<int32_t> prompt = make_tokens(1, 40, 1024);
+    std::vector<std::vector<float>> runs;
+    for (const int threads : {1, 3, 1}) {
+        Loaded l = load(options(threads));
+        auto s = new_seq(*l.engine);
+        s->tokens = prompt;
+        runs.push_back(step_all(*l.engine, *s, 40));
+        // And one decode step after it.
+        s->tokens.push_back(7);
+        const std::vector<float> d = step_all(*l.engine, *s, 1);
+        runs.back().insert(runs.back().end(), d.begin(), d.end());
+    }
+    ASSERT_EQ(runs[0].size(), 41u * 1024u);
+    for (float v : runs[0]) ASSERT_TRUE(std::isfinite(v));
+    EXPECT_EQ(bit_mismatches(runs[0], runs[1]), 0) << "1 vs 3 threads";
+    EXPECT_EQ(bit_mismatches(runs[0], runs[2]), 0) << "run to run";
+}
+
+TEST_P(EngineTest, ChunkedPrefillEqualsOneShotInLogitsAndKvBytes) {
+    const std::vector<int32_t> prompt = make_tokens(2, 100, 1024);
+    std::vector<float> one_shot;
+    std::vector<std::byte> one_shot_kv;
+    for (const int64_t chunk : {int64_t{128}, int64_t{7}, int64_t{64}, int64_t{1}}) {
+        EngineOptions o = options();
+        o.step_rows = chunk;
+        Loaded l = load(o);
+        auto s = new_seq(*l.engine);
+        s->tokens = prompt;
+        std::vector<float> got;
+        while (s->pending() > 0) {
+            const std::vector<float> part = step_all(*l.engine, *s, std::min(s->pending(), chunk));
+            got.insert(got.end(), part.begin(), part.end());
+        }
+        const std::vector<std::byte> kv = kv_contents(*l.engine, *s);
+        if (chunk == 128) {
+            one_shot = got;
+            one_shot_kv = kv;
+            continue;
+        }
+        EXPECT_EQ(bit_mismatches(one_shot, got), 0) << "chunks of " << chunk;
+        EXPECT_EQ(kv, one_shot_kv) << "chunks of " << chunk;
+    }
+}
+
+// DETERMINISM.md rule 9 / SERVING.md T4: a teacher-forced prefill of a generated sequence reproduces every
+// decode step's logits and the KV bytes of every row.
+TEST_P(EngineTest, TeacherForcedPrefillReproducesEveryDecodeStep) {
+    for (const KvFormat fmt : {KvFormat::kF32, KvFormat::kQ8_0}) {
+        EngineOptions o = options();
+        o.k_format = fmt;
+        o.v_format = fmt == KvFormat::kQ8_0 ? KvFormat::kQ5_1 : fmt;
+        Loaded l = load(o);
+        Engine &e = *l.engine;
+        auto gen = new_seq(e, 0, 0.9f, 1234);
+        gen->tokens = make_tokens(3, 20, 1024);
+        std::vector<float> decode_logits = step_all(e, *gen, 20);
+        for (int i = 0; i < 30; ++i) {
+            gen->tokens.push_back(e.sampled(0).id);
+            const std::vector<float> d = step_all(e, *gen, 1);
+            decode_logits.insert(decode_logits.end(), d.begin(), d.end());
+        }
+        auto forced = new_seq(e);
+        forced->tokens = gen->tokens;
+        const std::vector<float> prefill = step_all(e, *forced, static_cast<int64_t>(forced->tokens.size()));
+        EXPECT_EQ(bit_mismatches(decode_logits, prefill), 0) << kv_format_name(fmt);
+        EXPECT_EQ(kv_contents(e, *gen), kv_contents(e, *forced)) << kv_format_name(fmt);
+    }
+}
+
+TEST_P(EngineTest, BatchCompositionAndSlotDoNotChangeBitsOrLaunches) {
+    Loaded l = load(options());
+    Engine &e = *l.engine;
+    const std::vector<int32_t> probe = make_tokens(4, 9, 1024);
+    std::vector<float> alone_prefill, alone_decode;
+    int64_t decode_launches = -1;
+    for (const int b : {1, 3, 8}) {
+        for (int slot = 0; slot < b; slot += (b > 1 ? b - 1 : 1)) {
+            std::vector<std::unique_ptr<Sequence>> seqs;
+            std::vector<StepItem> items;
+            for (int i = 0; i < b; ++i) {
+                seqs.push_back(new_seq(e));
+                seqs.back()->tokens = i == slot ? probe : make_tokens(100 + static_cast<uint64_t>(i), 1 + 3 * i % 7, 1024);
+                StepItem it;
+                it.seq = seqs.back().get();
+                it.rows = static_cast<int64_t>(seqs.back()->tokens.size());
+                it.logits = i == slot ? LogitRows::kAll : LogitRows::kLast;
+                it.sample = true;
+                it.return_logits = true;
+                items.push_back(it);
+            }
+            ASSERT_TRUE(e.step(items).has_value());
+            const auto p = e.logits(static_cast<size_t>(slot));
+            const std::vector<float> prefill(p.begin(), p.end());
+            for (int i = 0; i < b; ++i) {
+                seqs[static_cast<size_t>(i)]->tokens.push_back(e.sampled(static_cast<size_t>(i)).id);
+                items[static_cast<size_t>(i)].rows = 1;
+                items[static_cast<size_t>(i)].logits = LogitRows::kLast;
+                items[static_cast<size_t>(i)].return_logits = i == slot;
+            }
+            e.reset_counters();
+            ASSERT_TRUE(e.step(items).has_value());
+            const StepCounters c = e.counters(0);
+            const auto dl = e.logits(static_cast<size_t>(slot));
+            const std::vector<float> decode(dl.begin(), dl.end());
+            if (b == 1) {
+                alone_prefill = prefill;
+                alone_decode = decode;
+                decode_launches = c.backend.launches;
+            } else {
+                EXPECT_EQ(bit_mismatches(alone_prefill, prefill), 0) << "batch " << b << " slot " << slot;
+                EXPECT_EQ(bit_mismatches(alone_decode, decode), 0) << "batch " << b << " slot " << slot;
+            }
+            // The launches of a decode step do not depend on how many sequences it holds.
+            EXPECT_EQ(c.backend.launches, decode_launches) << "batch " << b;
+            EXPECT_EQ(c.backend.h2d_copies, 1) << "batch " << b;
+            EXPECT_EQ(c.backend.d2h_copies, 2) << "batch " << b << ": the ids and the returned logits";
+            EXPECT_EQ(c.d2h_before_finish, 0) << "batch " << b << ": both copies are finish()'s";
+        }
+    }
+}
+
+TEST_P(EngineTest, DecodeStepCopiesOnceEachWayAndAllocatesNothing) {
+    Loaded l = load(options());
+    Engine &e = *l.engine;
+    e.set_allocation_counter(test::allocation_count);
+    auto s = new_seq(e, 0, 0.8f, 99);
+    s->tokens = make_tokens(5, 30, 1024);
+    ASSERT_TRUE(feed(e, *s).has_value());
+    for (int i = 0; i < 6; ++i) {
+        s->tokens.push_back(e.sampled(0).id);
+        e.reset_counters();
+        auto next = feed(e, *s);
+        ASSERT_TRUE(next.has_value()) << next.error().message;
+        const StepCounters c = e.counters(0);
+        EXPECT_EQ(c.backend.h2d_copies, 1) << "the packed step tables";
+        EXPECT_EQ(c.backend.d2h_copies, 1) << "the sampled ids";
+        EXPECT_EQ(c.d2h_before_finish, 0) << "plan and run never wait for the backend";
+        if (i > 0) {
+            EXPECT_EQ(e.step_allocations(), 0) << "decode step " << i;
+        }
+    }
+    // The count sees a copy made inside run (here a tap reading one activation back).
+    std::vector<float> host(static_cast<size_t>(e.config().d_model));
+    e.forward(0).set_tap(0, [&](model::Tap t, TensorView v) {
+        if (t == model::Tap::kAttnNorm) e.backend(0).copy_to_host(v.row_slice(0, 1), host.data());
+    });
+    s->tokens.push_back(e.sampled(0).id);
+    e.reset_counters();
+    ASSERT_TRUE(feed(e, *s).has_value());
+    e.forward(0).set_tap(-1, {});
+    EXPECT_EQ(e.counters(0).d2h_before_finish, 1);
+    EXPECT_EQ(e.counters(0).backend.d2h_copies, 2);
+}
+
+TEST_P(EngineTest, PartialCommitEqualsTheShorterPrefill) {
+    Loaded l = load(options());
+    Engine &e = *l.engine;
+    const std::vector<int32_t> tokens = make_tokens(6, 30, 1024);
+    auto a = new_seq(e);
+    a->tokens = tokens;
+    StepItem it;
+    it.seq = a.get();
+    it.rows = 30;
+    it.logits = LogitRows::kAll;
+    ASSERT_TRUE(e.plan(std::span(&it, 1)).has_value());
+    e.run();
+    Keep keep;
+    keep.rows[0] = 12;
+    ASSERT_TRUE(e.finish(std::span(&keep, 1)).has_value());
+    EXPECT_EQ(a->length(), 12);
+    a->tokens.resize(12);
+    auto b = new_seq(e);
+    b->tokens.assign(tokens.begin(), tokens.begin() + 12);
+    ASSERT_TRUE(feed(e, *b).has_value());
+    EXPECT_EQ(kv_contents(e, *a), kv_contents(e, *b));
+    // Both continue identically.
+    a->tokens.push_back(5);
+    b->tokens.push_back(5);
+    EXPECT_EQ(bit_mismatches(step_all(e, *a, 1), step_all(e, *b, 1)), 0);
+    EXPECT_TRUE(e.check_pages().has_value());
+}
+
+// ENGINE.md section 1: a step abandoned after sampling leaves the cache byte-identical to one that never ran:
+// every row's bytes, the lengths, the block tables and the pools' free pages.
+TEST_P(EngineTest, AnAbandonedStepLeavesTheCacheAsItWas) {
+    Loaded l = load(options());
+    Engine &e = *l.engine;
+    auto s = new_seq(e, 1, 0.8f, 5);
+    s->tokens = make_tokens(7, 60, 1024);
+    StepItem first;
+    first.seq = s.get();
+    first.rows = 60;
+    first.mtp_rows[0] = 59;
+    ASSERT_TRUE(e.step(std::span(&first, 1)).has_value());
+    const std::vector<std::byte> before = kv_contents(e, *s);
+    const auto tables_full = std::vector<int32_t>(s->kv().block_table(kv::PoolKind::kFull).begin(),
+                                                  s->kv().block_table(kv::PoolKind::kFull).end());
+    const auto tables_swa = std::vector<int32_t>(s->kv().block_table(kv::PoolKind::kSwa).begin(),
+                                                 s->kv().block_table(kv::PoolKind::kSwa).end());
+    const int32_t free_full = e.page_pool(kv::PoolKind::kFull).n_free();
+    const int32_t free_swa = e.page_pool(kv::PoolKind::kSwa).n_free();
+    // Crosses a page boundary (positions 60 .. 65) so the step takes fresh pages, samples, then is abandoned.
+    const std::vector<int32_t> more = {1, 2, 3, 4, 5, 6};
+    s->tokens.insert(s->tokens.end(), more.begin(), more.end());
+    StepItem it;
+    it.seq = s.get();
+    it.rows = 6;
+    it.sample = true;
+    ASSERT_TRUE(e.plan(std::span(&it, 1)).has_value());
+    EXPECT_LT(e.page_pool(kv::PoolKind::kFull).n_free(), free_full);
+    e.run();
+    e.abandon();
+    EXPECT_EQ(kv_contents(e, *s), before);
+    EXPECT_EQ(s->length(0), 60);
+    EXPECT_EQ(s->length(1), 59);
+    EXPECT_EQ(std::vector<int32_t>(s->kv().block_table(kv::PoolKind::kFull).begin(),
+                                   s->kv().block_table(kv::PoolKind::kFull).end()),
+              tables_full);
+    EXPECT_EQ(std::vector<int32_t>(s->kv().block_table(kv::PoolKind::kSwa).begin(),
+                                   s->kv().block_table(kv::PoolKind::kSwa).end()),
+              tables_swa);
+    EXPECT_EQ(e.page_pool(kv::PoolKind::kFull).n_free(), free_full);
+    EXPECT_EQ(e.page_pool(kv::PoolKind::kSwa).n_free(), free_swa);
+    EXPECT_TRUE(e.check_pages().has_value());
+    // It continues exactly like a sequence that never saw the abandoned step.
+    s->tokens.resize(61);
+    auto fresh = new_seq(e, 1, 0.8f, 5);
+    fresh->tokens = s->tokens;
+    StepItem f;
+    f.seq = fresh.get();
+    f.rows = 60;
+    f.mtp_rows[0] = 59;
+    ASSERT_TRUE(e.step(std::span(&f, 1)).has_value());
+    EXPECT_EQ(bit_mismatches(step_all(e, *s, 1), step_all(e, *fresh, 1)), 0);
+}
+
+// All MTP layers chained in one step (MTP layer k rows k .. n - 2): deterministic, finite, each layer a
+// different function, and a layer's rows do not depend on the trunk rows computed beside them.
+TEST_P(EngineTest, MtpChainIsDeterministicAndRowsAreIndependent) {
+    EngineOptions o = options();
+    Loaded l = load(o);
+    Engine &e = *l.engine;
+    const int n_mtp = e.options().mtp_layers;
+    ASSERT_GE(n_mtp, 1);
+    const std::vector<int32_t> prompt = make_tokens(8, 24, 1024);
+    std::vector<std::vector<float>> runs;
+    for (int r = 0; r < 2; ++r) {
+        auto s = new_seq(e, n_mtp);
+        s->tokens = prompt;
+        StepItem it;
+        it.seq = s.get();
+        it.rows = 24;
+        it.logits = LogitRows::kNone;
+        for (int k = 0; k < n_mtp; ++k) it.mtp_rows[k] = 23 - k;
+        it.mtp_logits = true;
+        it.return_logits = true;
+        ASSERT_TRUE(e.step(std::span(&it, 1)).has_value());
+        std::vector<float> all;
+        for (int k = 0; k < n_mtp; ++k) {
+            const auto lg = e.logits(0, 1 + k);
+            ASSERT_EQ(lg.size(), static_cast<size_t>(23 - k) * 1024u);
+            all.insert(all.end(), lg.begin(), lg.end());
+        }
+        for (float v : all) ASSERT_TRUE(std::isfinite(v));
+        runs.push_back(all);
+        EXPECT_EQ(s->length(1), 23);
+    }
+    EXPECT_EQ(bit_mismatches(runs[0], runs[1]), 0);
+    // Two steps (chunks 16 + 8, MTP rows following the trunk chunk by chunk) give the same MTP bits for the
+    // rows whose hidden sources are in their step.
+    auto s = new_seq(e, n_mtp);
+    s->tokens = prompt;
+    StepItem a;
+    a.seq = s.get();
+    a.rows = 16;
+    a.logits = LogitRows::kNone;
+    a.mtp_rows[0] = 16;
+    a.mtp_logits = true;
+    a.return_logits = true;
+    ASSERT_TRUE(e.step(std::span(&a, 1)).has_value());
+    const auto first = e.logits(0, 1);
+    EXPECT_EQ(bit_mismatches(std::vector<float>(first.begin(), first.end()),
+                             std::vector<float>(runs[0].begin(), runs[0].begin() + 16 * 1024)),
+              0);
+}
+
+TEST_P(EngineTest, SamplingRestrictedSeededAndWithLogprobs) {
+    EngineOptions o = options();
+    o.sample_vocab = 5;
+    Loaded l = load(o);
+    Engine &e = *l.engine;
+    // Only ids [0, 5) are ever sampled, at any temperature.
+    for (uint64_t seed = 0; seed < 20; ++seed) {
+        auto s = new_seq(e, 0, 2.0f, seed);
+        s->tokens = make_tokens(seed, 6, 1024);
+        auto id = feed(e, *s);
+        ASSERT_TRUE(id.has_value());
+        EXPECT_LT(*id, 5);
+    }
+    // The same seed, choice and position give the same token; the sampled stream is a function of them only.
+    Loaded m = load(options());
+    Engine &f = *m.engine;
+    const std::vector<int32_t> prompt = make_tokens(9, 12, 1024);
+    std::vector<int32_t> by_choice[2];
+    for (int rep = 0; rep < 2; ++rep) {
+        for (const uint64_t choice : {uint64_t{0}, uint64_t{1}}) {
+            auto s = new_seq(f, 0, 1.5f, 42, choice);
+            s->tokens = prompt;
+            std::vector<int32_t> out;
+            for (int i = 0; i < 12; ++i) {
+                auto id = feed(f, *s);
+                ASSERT_TRUE(id.has_value());
+                out.push_back(*id);
+                s->tokens.push_back(*id);
+            }
+            if (rep == 0) {
+                by_choice[choice] = out;
+            } else {
+                EXPECT_EQ(out, by_choice[choice]) << "choice " << choice;
+            }
+        }
+    }
+    EXPECT_NE(by_choice[0], by_choice[1]) << "two choices of one seed draw different streams";
+    // Log-probabilities: the chosen token's and the top ones, from the raw logits.
+    auto s = new_seq(f, 0, 1.0f, 3);
+    s->tokens = prompt;
+    StepItem it;
+    it.seq = s.get();
+    it.rows = 12;
+    it.sample = true;
+    it.return_logits = true;
+    it.top_logprobs = 5;
+    ASSERT_TRUE(f.step(std::span(&it, 1)).has_value());
+    const SampledToken &t = f.sampled(0);
+    ASSERT_EQ(t.has_logprobs, 1);
+    TokenLogprobs want;
+    token_logprobs(f.logits(0), t.id, 5, want);
+    EXPECT_EQ(std::bit_cast<uint32_t>(t.logprobs.chosen), std::bit_cast<uint32_t>(want.chosen));
+    ASSERT_EQ(t.logprobs.n_top, 5);
+    for (int j = 0; j < 5; ++j) {
+        EXPECT_EQ(t.logprobs.top_ids[j], want.top_ids[j]);
+        EXPECT_EQ(std::bit_cast<uint32_t>(t.logprobs.top_logprobs[j]), std::bit_cast<uint32_t>(want.top_logprobs[j]));
+    }
+    EXPECT_LE(t.logprobs.chosen, 0.0f);
+}
+
+// Every refusal leaves the engine and the sequences as they were, and the engine usable.
+TEST_P(EngineTest, BadStepsAreRefusedAndChangeNothing) {
+    EngineOptions o = options();
+    o.max_seqs = 2;
+    o.step_rows = 16;
+    o.max_logit_rows = 4;
+    Loaded l = load(o);
+    Engine &e = *l.engine;
+    auto a = new_seq(e, 1);
+    auto b = new_seq(e);
+    a->tokens = make_tokens(10, 40, 1024);
+    b->tokens = make_tokens(11, 8, 1024);
+    const int32_t free_full = e.page_pool(kv::PoolKind::kFull).n_free();
+    const int32_t free_swa = e.page_pool(kv::PoolKind::kSwa).n_free();
+    const auto refused = [&](std::vector<StepItem> items, const std::string &needle) {
+        auto r = e.plan(items);
+        ASSERT_FALSE(r.has_value()) << needle;
+        EXPECT_NE(r.error().message.find(needle), std::string::npos) << r.error().message;
+        EXPECT_EQ(a->length(), 0);
+        EXPECT_EQ(b->length(), 0);
+        EXPECT_FALSE(a->kv().in_txn());
+        EXPECT_EQ(e.page_pool(kv::PoolKind::kFull).n_free(), free_full);
+        EXPECT_EQ(e.page_pool(kv::PoolKind::kSwa).n_free(), free_swa);
+    };
+    const auto item = [](Sequence *s, int64_t rows) {
+        StepItem it;
+        it.seq = s;
+        it.rows = rows;
+        return it;
+    };
+    refused({}, "0 sequences, expected 1 .. 2");
+    refused({item(a.get(), 1), item(b.get(), 1), item(a.get(), 1)}, "3 sequences");
+    refused({item(a.get(), 1), item(a.get(), 1)}, "the same sequence as item 0");
+    refused({item(b.get(), 9)}, "9 trunk rows, the sequence has 8 tokens");
+    refused({item(a.get(), 17)}, "17 rows of the trunk, the engine's step budget is 16 rows");
+    StepItem all = item(b.get(), 8);
+    all.logits = LogitRows::kAll;
+    refused({all}, "8 logit rows, the engine was created for at most 4");
+    StepItem mtp = item(a.get(), 4);
+    mtp.mtp_rows[0] = 5;
+    refused({mtp}, "read trunk rows [0, 5), but this step computes [0, 4)");
+    StepItem wrong = item(b.get(), 0);
+    wrong.mtp_rows[0] = 1;
+    refused({wrong}, "the sequence stages 0 MTP layers");
+    StepItem none = item(b.get(), 4);
+    none.logits = LogitRows::kNone;
+    none.sample = true;
+    refused({none}, "sampling needs the last trunk row's logits");
+    b->tokens[3] = 5000;
+    refused({item(b.get(), 4)}, "token id 5000 at position 3 outside the vocabulary [0, 1024)");
+    b->tokens[3] = 3;
+    Loaded other = load(o);
+    auto foreign = new_seq(*other.engine);
+    foreign->tokens = {1, 2};
+    refused({item(foreign.get(), 1)}, "a sequence of another engine");
+    // Phases: finish before run, plan twice, keep past the staged rows (rolled back).
+    EXPECT_FALSE(e.finish().has_value());
+    ASSERT_TRUE(e.plan(std::vector<StepItem>{item(b.get(), 4)}).has_value());
+    EXPECT_FALSE(e.plan(std::vector<StepItem>{item(a.get(), 4)}).has_value());
+    e.run();
+    Keep too_many;
+    too_many.rows[0] = 5;
+    EXPECT_FALSE(e.finish(std::span(&too_many, 1)).has_value());
+    EXPECT_EQ(b->length(), 0);
+    EXPECT_EQ(e.page_pool(kv::PoolKind::kFull).n_free(), free_full);
+    // Still usable.
+    auto ok = e.step(std::vector<StepItem>{item(b.get(), 8)});
+    EXPECT_TRUE(ok.has_value()) << ok.error().message;
+    EXPECT_EQ(b->length(), 8);
+    EXPECT_TRUE(e.check_pages().has_value());
+}
+
+TEST_P(EngineTest, PoolsRunOutWithAClearErrorAndSequencesGiveTheirPagesBack) {
+    EngineOptions o = options();
+    o.ctx_size = 128;  // 2 full pages + 1 per sequence of max_seqs; the sliding pool: 2 pages for max_seqs 1
+    o.max_seqs = 1;
+    o.step_rows = 64;
+    Loaded l = load(o);
+    Engine &e = *l.engine;
+    EXPECT_EQ(e.page_pool(kv::PoolKind::kFull).n_pages(), 3);
+    EXPECT_EQ(e.page_pool(kv::PoolKind::kSwa).n_pages(), 2);
+    // Each short sequence holds one page of each pool: the third finds the sliding pool empty.
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    for (int i = 0; i < 2; ++i) {
+        seqs.push_back(new_seq(e));
+        seqs.back()->tokens = make_tokens(20 + static_cast<uint64_t>(i), 10, 1024);
+        ASSERT_TRUE(feed(e, *seqs.back()).has_value());
+    }
+    auto extra = new_seq(e);
+    extra->tokens = make_tokens(30, 10, 1024);
+    auto r = feed(e, *extra);
+    ASSERT_FALSE(r.has_value());
+    EXPECT_NE(r.error().message.find("sliding KV pool out of pages: the step needs 1 more, 0 of 2 are free"),
+              std::string::npos)
+        << r.error().message;
+    EXPECT_EQ(e.page_pool(kv::PoolKind::kFull).n_free(), 1) << "the refused step gave its full page back";
+    EXPECT_TRUE(e.check_pages().has_value());
+    seqs.clear();
+    EXPECT_EQ(e.page_pool(kv::PoolKind::kFull).n_free(), 3);
+    EXPECT_EQ(e.page_pool(kv::PoolKind::kSwa).n_free(), 2);
+    EXPECT_TRUE(feed(e, *extra).has_value());
+    EXPECT_TRUE(e.check_pages().has_value());
+}
+
+TEST_P(EngineTest, CreateRefusesBadOptions) {
+    const auto refused = [&](EngineOptions o, const std::string &needle) {
+        auto cfg = model::load_step35_config(dir());
+        auto ckpt = io::Checkpoint::open(dir());
+        ASSERT_TRUE(cfg && ckpt);
+        auto engine = Engine::create(*ckpt, *cfg, o);
+        ASSERT_FALSE(engine.has_value()) << needle;
+        EXPECT_NE(engine.error().message.find(needle), std::string::npos) << engine.error().message;
+    };
+    EngineOptions o = options();
+    o.max_seqs = 0;
+    refused(o, "expected max_seqs, step_rows, ctx_size >= 1");
+    o = options();
+    o.mtp_layers = 2;
+    refused(o, "2 MTP layers requested, the model has 1");
+    o = options();
+    o.sample_vocab = 2000;
+    refused(o, "sample_vocab 2000 outside [0, 1024]");
+    o = options();
+    o.tp = 3;
+    refused(o, "tp=3");
+    o = options();
+    o.make_backend = nullptr;
+    refused(o, "no backend factory");
+    Loaded l = load(options());
+    SequenceOptions so;
+    so.mtp_streams = 2;
+    EXPECT_FALSE(l.engine->create_sequence(so).has_value());
+    so.mtp_streams = 0;
+    so.sampling.top_p = 0.0f;
+    EXPECT_FALSE(l.engine->create_sequence(so).has_value());
+}
+
+// A short scenario on 2 and 4 ranks gives the single rank's logits bit for bit on every rank.
+TEST_P(EngineTest, TensorParallelRanksGiveTheSingleRankBits) {
+    const std::vector<int32_t> prompt = make_tokens(12, 30, 1024);
+    std::vector<float> want;
+    for (const int tp : {1, 2, 4}) {
+        EngineOptions o = options(2);
+        o.tp = tp;
+        Loaded l = load(o);
+        Engine &e = *l.engine;
+        auto s = new_seq(e, 1, 0.7f, 8);
+        s->tokens = prompt;
+        StepItem it;
+        it.seq = s.get();
+        it.rows = 30;
+        it.logits = LogitRows::kAll;
+        it.mtp_rows[0] = 29;
+        it.mtp_logits = true;
+        it.sample = true;
+        ASSERT_TRUE(e.step(std::span(&it, 1)).has_value());
+        for (int r = 0; r < tp; ++r) {
+            const std::vector<float> got = e.rank_logits(r);
+            if (want.empty()) want = got;
+            EXPECT_EQ(bit_mismatches(want, got), 0) << "tp " << tp << " rank " << r;
+        }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, EngineTest, ::testing::Values("bf16", "fp8"));
+
+}  // namespace
+}  // namespace memra::runtime
