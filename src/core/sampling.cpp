@@ -139,10 +139,8 @@ void Sampler::apply_penalties(std::span<const float> logits, std::span<const int
     for (size_t i = 0; i < logits.size(); ++i) work_[i] = logits[i] != logits[i] ? kNegInf : logits[i];
 
     const SamplingParams &p = params_;
-    const bool active = p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
-    if (!active || p.penalty_last_n == 0 || context.empty()) return;
-    size_t window = context.size();
-    if (p.penalty_last_n > 0) window = std::min(window, static_cast<size_t>(p.penalty_last_n));
+    const auto window = static_cast<size_t>(p.penalty_context(static_cast<int64_t>(context.size())));
+    if (window == 0) return;
     const std::span<const int32_t> recent = context.last(window);
     for (const int32_t t : recent) {
         MEMRA_CHECK(t >= 0 && t < vocab_size_, "context token {} outside [0, {})", t, vocab_size_);

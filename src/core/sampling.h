@@ -6,6 +6,7 @@
 // same functions). Every buffer is sized for the vocabulary at create(); sample() allocates nothing.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <span>
@@ -37,6 +38,14 @@ struct SamplingParams {
     float frequency_penalty = 0.0f;  // finite; 0 = off
     int32_t penalty_last_n = 64;     // context tokens the penalties look at; 0 = none, -1 = the whole context
     uint64_t seed = 0;
+
+    // The context tokens the penalties read: 0 when every penalty is off, else penalty_last_n of them (-1:
+    // the whole context) and never more than the context holds.
+    int64_t penalty_context(int64_t context) const {
+        const bool active = repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f;
+        if (!active) return 0;
+        return penalty_last_n < 0 ? context : std::min<int64_t>(context, penalty_last_n);
+    }
 };
 
 // Refuses values outside the ranges above, naming the field, the range and the value found.

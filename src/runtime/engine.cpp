@@ -142,6 +142,11 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
         e->group_.emplace(std::move(*group));
     }
     const int64_t max_sample_rows = o.max_seqs;
+    if (max_sample_rows * max_positions > INT32_MAX) {
+        return make_error("engine: the sampling history of {} sequences of {} positions exceeds 2^31 tokens; lower "
+                          "the context (-c) or the sequences",
+                          max_sample_rows, max_positions);
+    }
     const int64_t capacity = table_capacity(e->cap_, blocks, max_sample_rows, max_positions);
     for (int r = 0; r < o.tp; ++r) {
         auto rk = std::make_unique<Rank>();
@@ -212,8 +217,10 @@ Result<std::unique_ptr<Sequence>> Engine::create_sequence(const SequenceOptions 
 }
 
 void Engine::release(Sequence &seq) {
-    MEMRA_CHECK(phase_ == Phase::kIdle || std::find(step_seqs_.begin(), step_seqs_.end(), &seq) == step_seqs_.end(),
-                "engine: a sequence was destroyed inside a planned step");
+    // The step cannot finish without it (a client unwinding between plan and finish): nothing of it commits.
+    if (phase_ != Phase::kIdle && std::find(step_seqs_.begin(), step_seqs_.end(), &seq) != step_seqs_.end()) {
+        abandon();
+    }
     seq.kv_.release_all(full_, swa_);
     live_.erase(std::remove(live_.begin(), live_.end(), &seq), live_.end());
 }
@@ -392,9 +399,7 @@ void Engine::pack_tables(std::span<const StepItem> items) {
     history_len_ = 0;
     for (const StepItem &it : items) {
         if (!it.sample) continue;
-        const SamplingParams &p = it.seq->sampling_;
-        const int64_t context = it.seq->length(0) + it.rows;
-        history_len_ += p.penalty_last_n < 0 ? context : std::min<int64_t>(context, p.penalty_last_n);
+        history_len_ += it.seq->sampling_.penalty_context(it.seq->length(0) + it.rows);
     }
     history_offset_ = take(history_len_ * 4);
     table_bytes_ = cursor;
@@ -447,7 +452,7 @@ void Engine::pack_tables(std::span<const StepItem> items) {
         if (it.sample) {
             const SamplingParams &p = sq.sampling_;
             const int64_t context = kv.length(0) + it.rows;
-            const int64_t hist = p.penalty_last_n < 0 ? context : std::min<int64_t>(context, p.penalty_last_n);
+            const int64_t hist = p.penalty_context(context);  // none when the penalties are off
             SampleRow sr;
             sr.params = p;
             sr.choice = sq.choice_;
@@ -562,6 +567,14 @@ Result<void> Engine::finish(std::span<const Keep> keep) {
         count(alloc_before_);
         return make_error("step finish: {} keep counts for {} sequences", keep.size(), step_seqs_.size());
     }
+    // Every keep count is checked before any sequence commits, so a refusal leaves the whole step rolled back.
+    for (size_t i = 0; i < step_seqs_.size(); ++i) {
+        if (auto ok = check_keep(*step_seqs_[i], keep.empty() ? Keep{} : keep[i]); !ok) {
+            rollback_all();
+            count(alloc_before_);
+            return wrap_error(fmt::format("step item {} keep", i), ok.error());
+        }
+    }
     Rank &r0 = *ranks_.front();
     if (n_sample_rows_ > 0) {
         r0.backend->copy_to_host(r0.sample_out.row_slice(0, n_sample_rows_ * static_cast<int64_t>(sizeof(SampledToken))),
@@ -582,19 +595,34 @@ Result<void> Engine::finish(std::span<const Keep> keep) {
             rows[st] = want < 0 ? s.kv_.staged(st) : want;
         }
         auto ok = s.kv_.commit(s.txn_, std::span<const int64_t>(rows, static_cast<size_t>(s.n_streams())), full_, swa_);
-        if (!ok) {
-            // Nothing of this sequence changed; the others are rolled back too, so the step is all or nothing.
-            for (size_t j = 0; j < i; ++j) {
-                MEMRA_CHECK(false, "engine: a keep count was refused after sequence {} committed", j);
-            }
-            rollback_all();
-            count(alloc_before_);
-            return wrap_error(fmt::format("step item {} keep", i), ok.error());
-        }
+        MEMRA_CHECK(ok.has_value(), "engine: item {}'s checked keep counts were refused: {}", i,
+                    ok ? "" : ok.error().message);
     }
     step_seqs_.clear();
     phase_ = Phase::kIdle;
     count(alloc_before_);
+    return {};
+}
+
+Result<void> Engine::check_keep(const Sequence &s, const Keep &keep) const {
+    int64_t len[kv::kMaxStreams] = {};
+    for (int st = 0; st < s.n_streams(); ++st) {
+        const int64_t staged = s.kv_.staged(st);
+        const int64_t want = keep.rows[st] < 0 ? staged : keep.rows[st];
+        if (want > staged) return make_error("stream {} keeps {} rows, {} were staged", st, want, staged);
+        len[st] = s.kv_.length(st) + want;
+    }
+    // MTP layer 0's row p was computed from the trunk's row p, MTP layer k's from MTP layer k - 1's row p - 1:
+    // a kept row whose source row is dropped would stay in the cache computed from a state that never was.
+    for (int k = 0; k + 1 < s.n_streams(); ++k) {
+        const int64_t reach = k == 0 ? len[0] : len[k] + 1;
+        if (len[1 + k] > reach) {
+            return make_error("MTP layer {} would keep rows up to position {}, past the {} rows its source keeps "
+                              "(reaching position {})",
+                              k, len[1 + k] - 1, k == 0 ? std::string("trunk") : fmt::format("MTP layer {}", k - 1),
+                              reach - 1);
+        }
+    }
     return {};
 }
 

@@ -12,8 +12,9 @@
 //   finish(keep)  host: one backend -> host copy of the sampled ids (and, when asked, the logits), commit
 //                 the kept rows of each stream per sequence, roll back the rest
 //
-// A planned step can be abandoned instead (every transaction rolled back: the cache is byte-identical to one
-// where the step never ran). Sampling is keyed by (seed, choice index, position), so a token depends on
+// A planned step can be abandoned instead (every transaction rolled back: every committed row, page table
+// and refcount is byte-identical to a cache where the step never ran; the slots past the committed rows that
+// run() wrote hold bytes no attention reads). Sampling is keyed by (seed, choice index, position), so a token depends on
 // nothing else in the batch. Cross-rank bit checks are verify's (runtime/verify.h), outside any timed step.
 #pragma once
 
@@ -70,13 +71,16 @@ enum class LogitRows {
 class Engine;
 
 struct SequenceOptions {
-    int mtp_streams = 0;      // MTP layers this sequence stages rows for (0 .. the engine's mtp_layers)
+    // MTP layers this sequence stages rows for (0 .. the engine's mtp_layers). Sliding pages go back only
+    // once out of every stream's window, so a stream left behind (steps without its rows) holds them.
+    int mtp_streams = 0;
     SamplingParams sampling;  // validated here
     uint64_t choice = 0;      // the choice index of the random stream (OpenAI's n: 0, 1, ...)
 };
 
 // One sequence: its tokens, sampling parameters and KV pages. Created by an engine and used only with it;
-// destroying it gives its pages back. Must not outlive the engine.
+// destroying it gives its pages back (destroyed inside a planned or run step, it abandons that step: every
+// sequence of it rolled back). Must not outlive the engine.
 class Sequence {
 public:
     Sequence(const Sequence &) = delete;
@@ -162,9 +166,10 @@ public:
     // Runs the planned step on every rank. An error here (a rank failing, a communicator abort) is kept and
     // reported by finish(), which then rolls the step back.
     void run();
-    // Reads the results back and commits keep[i] of item i (an empty span keeps every staged row). Refused:
-    // no run step, a keep count past what was staged (the step is then rolled back). After a failed run:
-    // rolls every transaction back and returns the run's error.
+    // Reads the results back and commits keep[i] of item i (an empty span keeps every staged row). Refused,
+    // the whole step then rolled back: no run step, a keep count past what was staged, an MTP row kept whose
+    // source row (the trunk's, or the previous MTP layer's) is dropped. After a failed run: rolls every
+    // transaction back and returns the run's error.
     Result<void> finish(std::span<const Keep> keep = {});
     // Rolls a planned (or run) step back without committing anything.
     void abandon();
@@ -223,6 +228,8 @@ private:
     void pack_tables(std::span<const StepItem> items);
     void rollback_all();
     Result<void> run_rank(int rank);
+    // keep against what s staged, and the MTP chain: no stream keeps a row whose source row is dropped.
+    Result<void> check_keep(const Sequence &s, const Keep &keep) const;
     void release(Sequence &seq);
     void count(int64_t before);
 

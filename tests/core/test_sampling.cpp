@@ -224,6 +224,24 @@ TEST(Sampler, FrequencyAndPresencePenaltiesAndWindow) {
     EXPECT_EQ(std::vector<float>(out.begin(), out.end()), logits);
 }
 
+TEST(SamplingParams, PenaltyContextIsWhatThePenaltiesRead) {
+    SamplingParams p = plain(0.8f);
+    EXPECT_EQ(p.penalty_context(100), 0) << "every penalty off: no context is read";
+    p.presence_penalty = 0.5f;
+    EXPECT_EQ(p.penalty_context(100), 64);
+    EXPECT_EQ(p.penalty_context(10), 10);
+    p.penalty_last_n = -1;
+    EXPECT_EQ(p.penalty_context(100), 100);
+    p.penalty_last_n = 0;
+    EXPECT_EQ(p.penalty_context(100), 0);
+    p = plain(0.8f);
+    p.repetition_penalty = 1.1f;
+    EXPECT_EQ(p.penalty_context(3), 3);
+    p = plain(0.8f);
+    p.frequency_penalty = -0.5f;
+    EXPECT_EQ(p.penalty_context(300), 64);
+}
+
 TEST(Sampler, SeededAndIndependentOfOtherCalls) {
     const std::vector<float> logits = {0.0f, 0.3f, -0.2f, 0.1f, 0.25f, -0.1f, 0.05f, 0.2f};
     const std::vector<float> other = {2.0f, -1.0f, 0.0f, 0.5f, 0.0f, 1.0f, 0.0f, -3.0f};

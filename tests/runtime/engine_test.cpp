@@ -550,6 +550,94 @@ TEST_P(EngineTest, BadStepsAreRefusedAndChangeNothing) {
     EXPECT_TRUE(e.check_pages().has_value());
 }
 
+TEST_P(EngineTest, BadKeepCountsRollTheWholeStepBack) {
+    EngineOptions o = options();
+    o.max_seqs = 2;
+    Loaded l = load(o);
+    Engine &e = *l.engine;
+    auto a = new_seq(e, 1);
+    auto b = new_seq(e);
+    a->tokens = make_tokens(40, 12, 1024);
+    b->tokens = make_tokens(41, 6, 1024);
+    const int32_t free_full = e.page_pool(kv::PoolKind::kFull).n_free();
+    const int32_t free_swa = e.page_pool(kv::PoolKind::kSwa).n_free();
+    std::vector<StepItem> items(2);
+    items[0].seq = a.get();
+    items[0].rows = 12;
+    items[0].mtp_rows[0] = 11;  // MTP layer 0 rows 0 .. 10 read trunk rows 0 .. 10 of this step
+    items[1].seq = b.get();
+    items[1].rows = 6;
+    const auto refused = [&](std::vector<Keep> keep, const std::string &needle) {
+        ASSERT_TRUE(e.plan(items).has_value());
+        e.run();
+        auto r = e.finish(keep);
+        ASSERT_FALSE(r.has_value()) << needle;
+        EXPECT_NE(r.error().message.find(needle), std::string::npos) << r.error().message;
+        EXPECT_EQ(a->length(0), 0);
+        EXPECT_EQ(a->length(1), 0);
+        EXPECT_EQ(b->length(), 0) << "item 0 was fine; it is rolled back with the rest";
+        EXPECT_FALSE(a->kv().in_txn() || b->kv().in_txn());
+        EXPECT_EQ(e.page_pool(kv::PoolKind::kFull).n_free(), free_full);
+        EXPECT_EQ(e.page_pool(kv::PoolKind::kSwa).n_free(), free_swa);
+        EXPECT_TRUE(e.check_pages().has_value());
+    };
+    // A later item's count past what it staged (the first item's is fine).
+    std::vector<Keep> keep(2);
+    keep[1].rows[0] = 7;
+    refused(keep, "step item 1 keep: stream 0 keeps 7 rows, 6 were staged");
+    // MTP layer 0 keeping rows whose trunk rows are dropped.
+    keep = std::vector<Keep>(2);
+    keep[0].rows[0] = 3;
+    keep[0].rows[1] = 5;
+    refused(keep, "step item 0 keep: MTP layer 0 would keep rows up to position 4, past the trunk rows its source "
+                  "keeps (reaching position 2)");
+    // Speculation's shape is accepted: the trunk keeps 4, MTP layer 0 the 3 rows those reach.
+    keep[0].rows[1] = 3;
+    ASSERT_TRUE(e.plan(items).has_value());
+    e.run();
+    auto ok = e.finish(keep);
+    ASSERT_TRUE(ok.has_value()) << ok.error().message;
+    EXPECT_EQ(a->length(0), 3);
+    EXPECT_EQ(a->length(1), 3);
+    EXPECT_EQ(b->length(), 6);
+    EXPECT_TRUE(e.check_pages().has_value());
+}
+
+TEST_P(EngineTest, DestroyingASequenceInsideAStepAbandonsTheStep) {
+    Loaded l = load(options());
+    Engine &e = *l.engine;
+    auto a = new_seq(e);
+    auto b = new_seq(e);
+    a->tokens = make_tokens(50, 9, 1024);
+    b->tokens = make_tokens(51, 70, 1024);
+    const int32_t free_full = e.page_pool(kv::PoolKind::kFull).n_free();
+    const int32_t free_swa = e.page_pool(kv::PoolKind::kSwa).n_free();
+    for (const bool after_run : {false, true}) {
+        std::vector<StepItem> items(2);
+        items[0].seq = a.get();
+        items[0].rows = 9;
+        items[1].seq = b.get();
+        items[1].rows = 70;
+        ASSERT_TRUE(e.plan(items).has_value());
+        if (after_run) e.run();
+        b.reset();  // a client unwinding between plan and finish
+        EXPECT_FALSE(e.finish().has_value()) << "nothing left to finish";
+        EXPECT_EQ(a->length(), 0);
+        EXPECT_FALSE(a->kv().in_txn());
+        EXPECT_EQ(e.page_pool(kv::PoolKind::kFull).n_free(), free_full);
+        EXPECT_EQ(e.page_pool(kv::PoolKind::kSwa).n_free(), free_swa);
+        EXPECT_TRUE(e.check_pages().has_value());
+        b = new_seq(e);
+        b->tokens = make_tokens(51, 70, 1024);
+    }
+    // The engine goes on.
+    StepItem it;
+    it.seq = a.get();
+    it.rows = 9;
+    ASSERT_TRUE(e.step(std::span(&it, 1)).has_value());
+    EXPECT_EQ(a->length(), 9);
+}
+
 TEST_P(EngineTest, PoolsRunOutWithAClearErrorAndSequencesGiveTheirPagesBack) {
     EngineOptions o = options();
     o.ctx_size = 128;  // 2 full pages + 1 per sequence of max_seqs; the sliding pool: 2 pages for max_seqs 1
@@ -606,6 +694,9 @@ TEST_P(EngineTest, CreateRefusesBadOptions) {
     o = options();
     o.make_backend = nullptr;
     refused(o, "no backend factory");
+    o = options();
+    o.max_seqs = 1 << 21;  // 2^21 sequences of 1024 positions: sampling history offsets past int32
+    refused(o, "the sampling history of 2097152 sequences of 1024 positions exceeds 2^31 tokens");
     Loaded l = load(options());
     SequenceOptions so;
     so.mtp_streams = 2;
