@@ -57,7 +57,8 @@ set(MEMRA_PYTHON ${PROJECT_SOURCE_DIR}/.venv/bin/python CACHE FILEPATH "Python w
 # MEMRA_REQUIRE_ORACLES (CI). The probe imports transformers.models.step3p7 itself: an older transformers
 # imports fine but lacks the model, and its suites would only skip.
 option(MEMRA_REQUIRE_ORACLES "Fail configuration without the model oracles, and fail an oracle test that skips" OFF)
-set(memra_heavy_oracle_tests test_hf_oracle test_engine_oracle test_bench_vs_llamacpp)
+set(memra_heavy_oracle_tests test_hf_oracle test_engine_oracle test_bench_vs_llamacpp test_perplexity test_default_model
+    test_train_export)
 set(memra_heavy_oracles "torch / transformers with transformers.models.step3p7 / llama_cpp")
 execute_process(COMMAND ${MEMRA_PYTHON} -c "import torch, transformers, transformers.models.step3p7, llama_cpp"
                 RESULT_VARIABLE memra_heavy_oracles_missing OUTPUT_QUIET ERROR_VARIABLE memra_heavy_oracles_error)

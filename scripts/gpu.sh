@@ -25,9 +25,14 @@ ctest_rc=$?
 gpu_tests=$(build-gpu/memra_cuda_tests --gtest_brief=1 2>&1 | tee "$out/cuda_tests.log" | tail -3)
 skipped=$(grep -c "SKIPPED" "$out/cuda_tests.log")
 
-# The engine on this host's cores: the determinism gates with every thread, and llama-bench-style speed.
+# The engine on this host's cores: the determinism gates with every thread (on the default model, whose heads
+# plan at TP 1 and 2, and on make-tiny's tiny preset, which plans at TP 1, 2, 4 and 8), and llama-bench speed.
 build-gpu/memra verify >"$out/verify.log" 2>&1
 verify_rc=$?
+build-gpu/memra make-tiny "$out/tiny-model" --force >/dev/null &&
+    build-gpu/memra verify "$out/tiny-model" >"$out/verify_tiny.log" 2>&1
+verify_tiny_rc=$?
+rm -rf "$out/tiny-model"
 build-gpu/memra bench -p 512 -n 64 -r 3 >"$out/engine_bench.log" 2>&1
 
 for b in build-gpu/memra_bench_*; do
@@ -41,8 +46,9 @@ echo "| build (s) | $((t1 - t0)) |"
 echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
 echo "| cuda tests | $(echo "$gpu_tests" | grep -E 'PASSED|FAILED' | tr '\n' ' ') skipped lines: $skipped |"
 echo "| memra verify (rc $verify_rc) | $(tail -1 "$out/verify.log") |"
+echo "| memra verify tiny (rc $verify_tiny_rc) | $(tail -1 "$out/verify_tiny.log") |"
 grep -E '\| (pp|tg)[0-9]+ ' "$out/engine_bench.log" | awk -F'|' '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i); printf "| memra bench %s, -t %s | %s t/s, peak %s MiB |\n", $8, $6, $9, $10}'
 grep -iE '^bm_' "$out/bench.log" |
     awk '{x=""; for (i = 4; i <= NF; i++) if ($i ~ /bytes_per_second|vs_memcpy/) x = x " " $i;
           printf "| %s | %s %s%s |\n", $1, $2, $3, x}'
-[ $ctest_rc -eq 0 ] && [ $verify_rc -eq 0 ]
+[ $ctest_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $verify_tiny_rc -eq 0 ]

@@ -19,6 +19,7 @@ install_debian_packages() {
         build-essential cmake ninja-build clang libclang-rt-14-dev python3-venv
         libgtest-dev libgmock-dev libbenchmark-dev
         nlohmann-json3-dev libcli11-dev libfmt-dev libexpected-dev libpcre2-dev libutf8proc-dev
+        python3.11-doc  # the default model's corpus (tools/train/corpus.py): its held-out split for the tests
     )
     local missing=() p
     for p in "${apt_packages[@]}"; do
@@ -79,5 +80,6 @@ install_oracles
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMRA_WERROR=ON >/dev/null
 cmake --build build -j"$(nproc)"
-# The main job: generate from the embedded default model on the CPU engine (greedy, so repeatable).
-build/memra run --prompt "The quick brown fox" -n 32 --temp 0
+# The main job: continue a prompt with the embedded default model (trained on the Python documentation) on the
+# CPU engine, greedy, so repeatable.
+build/memra run --prompt "A list is a mutable sequence" -n 48 --temp 0

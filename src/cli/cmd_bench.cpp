@@ -496,25 +496,21 @@ int run_bench(const BenchOptions &opt) {
         std::fputs("error: nothing to measure: -p and -n are both 0\n", stderr);
         return kExitUsage;
     }
-    auto kv_formats = parse_kv_format_options(opt.kv_k, opt.kv_v);
-    if (!kv_formats) return report_error(kv_formats.error().message);
-    const auto [k_format, v_format] = *kv_formats;
-
-    const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
-    if (dir.empty()) return kExitInvalidInput;
-    auto cfg = model::load_step35_config(dir);
-    if (!cfg) return report_error(cfg.error().message);
+    auto in = load_engine_inputs(opt.model_dir, opt.kv_k, opt.kv_v);
+    if (!in) return kExitInvalidInput;
+    const std::filesystem::path &dir = in->dir;
+    const model::Step35Config &cfg = in->cfg;
     for (const auto &[flag, n] : {std::pair{"-p", opt.n_prompt}, std::pair{"-n", opt.n_gen}}) {
-        if (n > cfg->context_length) {
+        if (n > cfg.context_length) {
             return report_error(fmt::format("{} {}: the test needs {} positions, more than the model's context "
                                             "length {}",
-                                            flag, n, n, cfg->context_length));
+                                            flag, n, n, cfg.context_length));
         }
     }
     // Prompt ids come from the tokenizer's real tokens: the embedding's padding rows past it are never fed.
     auto tok = text::Tokenizer::load(dir);
     if (!tok) return report_error(tok.error().message);
-    const int32_t n_real = std::min(cfg->vocab_size, tok->n_tokens());
+    const int32_t n_real = std::min(cfg.vocab_size, tok->n_tokens());
     if (n_real < 1) return report_error(fmt::format("{}: the tokenizer has no tokens", dir.string()));
     const BenchTokens tokens = bench_tokens(opt.seed, opt.n_prompt, n_real);
     if (opt.print_tokens) {
@@ -524,22 +520,22 @@ int run_bench(const BenchOptions &opt) {
 
     BenchFacts facts;
     facts.model = dir.string();
-    facts.n_params = model::compute_model_stats(*cfg).total_params;
-    facts.dtype = cfg->is_fp8() ? "fp8" : "bf16";
+    facts.n_params = model::compute_model_stats(cfg).total_params;
+    facts.dtype = cfg.is_fp8() ? "fp8" : "bf16";
     facts.tp = opt.tp;
     facts.threads = std::max(1, opt.threads / opt.tp);
-    facts.type_k = kv_format_name(k_format);
-    facts.type_v = kv_format_name(v_format);
+    facts.type_k = kv_format_name(in->k_format);
+    facts.type_v = kv_format_name(in->v_format);
     runtime::EngineOptions eo;
     eo.tp = opt.tp;
-    eo.k_format = k_format;
-    eo.v_format = v_format;
+    eo.k_format = in->k_format;
+    eo.v_format = in->v_format;
     eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size : std::max({opt.n_prompt, opt.n_gen, 1});
     eo.step_rows = opt.step_rows;
     eo.sample_vocab = n_real;
     std::fprintf(stderr, "memra bench: loading %s, tp %d, threads %d per rank\n", dir.string().c_str(), opt.tp,
                  facts.threads);
-    auto loaded = load_cpu_engine(dir, *cfg, eo, opt.threads);
+    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads);
     if (!loaded) return report_error(fmt::format("--tp {}: {}", opt.tp, loaded.error().message));
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;
@@ -631,12 +627,7 @@ Command add_bench_command(CLI::App &app) {
                       "seeded hidden rows; reports mean/min/p50/p90/p95/p99/max ms, routes/s and the output "
                       "checksum, which must not change between runs. -t threads are split over the ranks")
             ->envname("MEMRA_EXPERTS");
-        sub->add_option("--tp,--tensor-parallel-size", opt->tp,
-                        "CPU ranks (threads of one process) as `memra plan` splits the model; -t is divided among "
-                        "them; routed experts are whole, each computed by its owner rank")
-            ->envname("MEMRA_TP")
-            ->check(positive_int_validator())
-            ->capture_default_str();
+    add_tp_option(*sub, opt->tp);
     const std::vector<CLI::Option *> needs_experts = {
         sub->add_option("--layer", opt->layer, "--experts: the MoE layer (default: the first MoE layer)")
             ->envname("MEMRA_LAYER")

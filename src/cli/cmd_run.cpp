@@ -13,7 +13,6 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
-#include "core/kv_format.h"
 #include "core/sampling.h"
 #include "model/step35_config.h"
 #include "runtime/engine.h"
@@ -57,13 +56,10 @@ void write_out(const std::string &text) {
 int run_generate(const RunOptions &opt) {
     auto sampler_check = validate_sampling_params(opt.sampling);
     if (!sampler_check) return report_error(sampler_check.error().message);
-    auto kv_formats = parse_kv_format_options(opt.kv_k, opt.kv_v);
-    if (!kv_formats) return report_error(kv_formats.error().message);
-
-    const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
-    if (dir.empty()) return kExitInvalidInput;
-    auto cfg = model::load_step35_config(dir);
-    if (!cfg) return report_error(cfg.error().message);
+    auto in = load_engine_inputs(opt.model_dir, opt.kv_k, opt.kv_v);
+    if (!in) return kExitInvalidInput;
+    const std::filesystem::path &dir = in->dir;
+    const model::Step35Config &cfg = in->cfg;
     auto tok = text::Tokenizer::load(dir);
     if (!tok) return report_error(tok.error().message);
 
@@ -76,32 +72,32 @@ int run_generate(const RunOptions &opt) {
     const auto n_prompt = static_cast<int64_t>(prompt.size());
     if (n_prompt == 0) return report_error("prompt: no tokens to evaluate (empty prompt and no BOS token)");
     for (const int32_t id : prompt) {
-        if (id >= cfg->vocab_size) {
+        if (id >= cfg.vocab_size) {
             return report_error(fmt::format("prompt: token id {} is outside the model's vocabulary of {}", id,
-                                            cfg->vocab_size));
+                                            cfg.vocab_size));
         }
     }
     // Positions: the context (-c, at most the model's), which the prompt and the tokens to feed must fit.
-    const int64_t context = std::min<int64_t>(opt.ctx_size, cfg->context_length);
+    const int64_t context = std::min<int64_t>(opt.ctx_size, cfg.context_length);
     if (n_prompt + std::max(opt.n_predict, 0) > context) {
         return report_error(fmt::format("prompt too long: {} prompt tokens + {} to generate exceed the context of {} "
                                         "positions (-c {}, model context length {}); raise -c or lower -n",
-                                        n_prompt, opt.n_predict, context, opt.ctx_size, cfg->context_length));
+                                        n_prompt, opt.n_predict, context, opt.ctx_size, cfg.context_length));
     }
     const int64_t n_predict = opt.n_predict >= 0 ? opt.n_predict : context - n_prompt;
 
-    std::vector<int64_t> eos(cfg->eos_token_ids.begin(), cfg->eos_token_ids.end());
+    std::vector<int64_t> eos(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end());
     if (eos.empty()) eos.assign(tok->eos_ids().begin(), tok->eos_ids().end());
     const auto is_eos = [&eos](int32_t id) { return std::find(eos.begin(), eos.end(), id) != eos.end(); };
 
     runtime::EngineOptions eo;
-    eo.k_format = kv_formats->first;
-    eo.v_format = kv_formats->second;
+    eo.k_format = in->k_format;
+    eo.v_format = in->v_format;
     eo.ctx_size = context;
     eo.step_rows = opt.step_rows;
     // Only the tokenizer's ids are sampled: the embedding's padding rows past them have no text.
-    eo.sample_vocab = std::min(cfg->vocab_size, tok->n_tokens());
-    auto loaded = load_cpu_engine(dir, *cfg, eo, opt.threads);
+    eo.sample_vocab = std::min(cfg.vocab_size, tok->n_tokens());
+    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads);
     if (!loaded) return report_error(loaded.error().message);
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;

@@ -8,6 +8,7 @@
 #include <exception>
 #include <limits>
 #include <new>
+#include <optional>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -28,7 +29,7 @@ std::filesystem::path default_model_dir() {
 
 void add_model_dir_option(CLI::App &sub, std::string &model_dir) {
     sub.add_option("MODEL_DIR", model_dir,
-                   "Checkpoint directory (config.json + safetensors); default: the embedded tiny model")
+                   "Checkpoint directory (config.json + safetensors); default: the embedded default model")
         ->envname("MEMRA_MODEL");
 }
 
@@ -104,6 +105,15 @@ void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v) 
         ->capture_default_str();
 }
 
+void add_tp_option(CLI::App &sub, int &tp) {
+    sub.add_option("--tp,--tensor-parallel-size", tp,
+                   "CPU ranks (threads of one process) as `memra plan` splits the model; -t is divided among them; "
+                   "routed experts are whole, each computed by its owner rank")
+        ->envname("MEMRA_TP")
+        ->check(positive_int_validator())
+        ->capture_default_str();
+}
+
 Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string &kv_k,
                                                                        const std::string &kv_v) {
     auto k = parse_kv_format(kv_k);
@@ -111,6 +121,23 @@ Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string 
     auto v = parse_kv_format(kv_v);
     if (!v) return make_error("--kv-v: {}", v.error().message);
     return std::pair{*k, *v};
+}
+
+std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, const std::string &kv_k,
+                                               const std::string &kv_v) {
+    auto kv_formats = parse_kv_format_options(kv_k, kv_v);
+    if (!kv_formats) {
+        report_error(kv_formats.error().message);
+        return std::nullopt;
+    }
+    std::filesystem::path dir = resolve_model_dir(model_dir);
+    if (dir.empty()) return std::nullopt;
+    auto cfg = model::load_step35_config(dir);
+    if (!cfg) {
+        report_error(cfg.error().message);
+        return std::nullopt;
+    }
+    return EngineInputs{kv_formats->first, kv_formats->second, std::move(dir), std::move(*cfg)};
 }
 
 Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,

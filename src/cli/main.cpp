@@ -32,8 +32,9 @@ int main(int argc, char **argv) {
     app.fallthrough(false);
 
     const std::vector<Command> commands = {add_inspect_command(app), add_plan_command(app),
-                                           add_make_tiny_command(app), add_run_command(app),
-                                           add_bench_command(app), add_verify_command(app)};
+                                           add_make_tiny_command(app), add_make_tokenizer_command(app), add_run_command(app),
+                                           add_bench_command(app), add_perplexity_command(app),
+                                           add_verify_command(app)};
 
     try {
         app.parse(argc, args.data());

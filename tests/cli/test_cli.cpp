@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -176,6 +177,54 @@ void write_text(const fs::path &path, const std::string &text) {
 
 fs::path default_model() { return fs::path(MEMRA_EXE).parent_path() / "models" / "default"; }
 
+// Runs `memra COMMAND --help`, expects exit 0 and every word in the text; returns the run for further checks.
+RunResult expect_help_lists(const std::string &command, std::initializer_list<const char *> words) {
+    const RunResult r = run_memra({command, "--help"});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    for (const char *word : words) {
+        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
+    }
+    return r;
+}
+
+// One refused command line: its arguments, the exit code and a fragment of stderr.
+struct Case {
+    std::vector<std::string> args;
+    int exit_code;
+    std::string fragment;
+};
+
+// make-tiny's seed-0 `tiny` preset (the embedded default before the trained model), generated once per process
+// and removed at exit: the tests whose expectations are its shapes (8 and 16 query heads, 16 experts, plans at
+// TP 1, 2, 4 and 8, 5 shards, 739 tokenizer tokens) run on it through MEMRA_MODEL.
+class TinyModel {
+public:
+    TinyModel() : dir_(fs::temp_directory_path() / fmt::format("memra_cli_tiny_{}", ::getpid())) {}
+    ~TinyModel() {
+        std::error_code ec;
+        fs::remove_all(dir_, ec);
+    }
+    const fs::path &dir() {
+        if (!made_) {
+            const RunResult r = run_memra({"make-tiny", dir_.string(), "--force"});
+            EXPECT_EQ(r.exit_code, 0) << describe(r);
+            made_ = true;
+        }
+        return dir_;
+    }
+
+private:
+    fs::path dir_;
+    bool made_ = false;
+};
+
+fs::path tiny_model() {
+    static TinyModel model;
+    return model.dir();
+}
+
+EnvVars tiny_env() { return {{"MEMRA_MODEL", tiny_model().string()}}; }
+
 // Every file of a directory (name -> bytes).
 std::map<std::string, std::string> directory_contents(const fs::path &dir) {
     std::map<std::string, std::string> files;
@@ -259,33 +308,22 @@ TEST_F(CliTest, AppHelpListsEverySubcommand) {
 }
 
 TEST_F(CliTest, InspectHelpMentionsEveryOption) {
-    const RunResult r = run_memra({"inspect", "--help"});
-    EXPECT_EQ(r.exit_code, 0) << describe(r);
-    for (const char *word : {"Usage: memra inspect", "MODEL_DIR", "MEMRA_MODEL", "--help"}) {
-        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
-    }
+    expect_help_lists("inspect", {"Usage: memra inspect", "MODEL_DIR", "MEMRA_MODEL", "--help"});
 }
 
 TEST_F(CliTest, PlanHelpMentionsEveryOption) {
-    const RunResult r = run_memra({"plan", "--help"});
-    EXPECT_EQ(r.exit_code, 0) << describe(r);
-    for (const char *word : {"Usage: memra plan", "MODEL_DIR", "MEMRA_MODEL", "--help",
-                             "-t,--tp,--tensor-parallel-size", "--pp,--pipeline-parallel-size", "--devices",
-                             "MEMRA_TP", "MEMRA_PP", "MEMRA_DEVICES"}) {
-        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
-    }
+    const RunResult r = expect_help_lists(
+        "plan", {"Usage: memra plan", "MODEL_DIR", "MEMRA_MODEL", "--help", "-t,--tp,--tensor-parallel-size",
+                 "--pp,--pipeline-parallel-size", "--devices", "MEMRA_TP", "MEMRA_PP", "MEMRA_DEVICES"});
     // Expert parallelism is not a switch: routed experts are always whole on their owners.
     EXPECT_FALSE(contains(r.out, "--ep")) << describe(r);
     EXPECT_EQ(run_memra({"plan", "--tp", "2", "--ep"}).exit_code, 2);
 }
 
 TEST_F(CliTest, MakeTinyHelpMentionsEveryOptionAndPreset) {
-    const RunResult r = run_memra({"make-tiny", "--help"});
-    EXPECT_EQ(r.exit_code, 0) << describe(r);
-    for (const char *word : {"Usage: memra make-tiny", "OUT_DIR", "--help", "-s,--seed", "--preset", "--dtype",
-                             "--moe-intermediate-size", "-f,--force", "tiny", "small", "bf16", "fp8"}) {
-        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
-    }
+    expect_help_lists(
+        "make-tiny", {"Usage: memra make-tiny", "OUT_DIR", "--help", "-s,--seed", "--preset", "--dtype",
+                      "--moe-intermediate-size", "-f,--force", "tiny", "small", "bf16", "fp8"});
 }
 
 TEST_F(CliTest, VersionPrintsTheVersion) {
@@ -343,16 +381,18 @@ TEST_F(CliTest, InspectWithoutModelDirUsesTheDefaultModel) {
     const RunResult r = run_memra({"inspect"});
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     EXPECT_TRUE(contains(r.out, "model        " + default_model().string() + "\n")) << describe(r);
-    EXPECT_TRUE(contains(r.out, "architecture Step3p5ForCausalLM (model_type step3p5)\n")) << describe(r);
-    EXPECT_TRUE(contains(r.out, "6 layers + 1 MTP")) << describe(r);
-    // The layer table: its header and one row per trunk layer plus the starred MTP layer.
+    EXPECT_TRUE(
+        contains(r.out, "architecture Step3p5ForCausalLM (model_type step3p5), FP8 e4m3 128x128 block scales\n"))
+        << describe(r);
+    EXPECT_TRUE(contains(r.out, "4 layers + 3 MTP")) << describe(r);
+    // The layer table: its header and one row per trunk layer plus the starred MTP layers.
     EXPECT_TRUE(contains(r.out, "layer attn     heads q/kv")) << describe(r);
-    for (const char *row : {"\n0     full     8/2 ", "\n1     sliding  16/2 ", "\n4     full ", "\n6*    sliding "}) {
+    for (const char *row : {"\n0     full     4/1       128  64 ", "\n1     sliding  2/1       128  128 ",
+                            "\n3     sliding ", "\n6*    sliding "}) {
         EXPECT_TRUE(contains(r.out, row)) << row << "\n" << describe(r);
     }
     EXPECT_TRUE(contains(r.out, "(* = MTP layer)")) << describe(r);
-    EXPECT_TRUE(contains(r.out, "validation   OK: 112 tensors match the config (")) << describe(r);
-    EXPECT_FALSE(contains(r.out, "FP8")) << describe(r);
+    EXPECT_TRUE(contains(r.out, "validation   OK: 126 tensors match the config, 9 FP8 (")) << describe(r);
 }
 
 TEST_F(CliTest, InspectTinyBf16Checkpoint) {
@@ -432,18 +472,18 @@ TEST_F(CliTest, InspectConfigWithInvalidJson) {
 TEST_F(CliTest, InspectConfigWithWrongTypes) {
     const fs::path ckpt = make_tiny("ckpt");
     const Json original = Json::parse(read_text(ckpt / "config.json"));
-    struct Case {
+    struct ConfigCase {
         const char *key;
         Json value;
         const char *message;
     };
-    const std::vector<Case> cases = {
+    const std::vector<ConfigCase> cases = {
         {"hidden_size", "256", "hidden_size: expected a positive integer, found \"256\""},
         {"num_hidden_layers", -6, "num_hidden_layers: expected a positive integer, found -6"},
         {"tie_word_embeddings", 0, "tie_word_embeddings: expected true or false, found 0"},
         {"model_type", "llama", "model_type: expected \"step3p5\" (Step-3.5), found \"llama\""},
     };
-    for (const Case &c : cases) {
+    for (const ConfigCase &c : cases) {
         Json cfg = original;
         cfg[c.key] = c.value;
         write_text(ckpt / "config.json", cfg.dump(2));
@@ -537,7 +577,7 @@ TEST_F(CliTest, InspectCheckpointWithAWrongShapeTensor) {
 }
 
 TEST_F(CliTest, InspectPrintsOneProgressLinePerShardOnANonTerminalStderr) {
-    const RunResult r = run_memra({"inspect", default_model().string()});
+    const RunResult r = run_memra({"inspect", tiny_model().string()});
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     std::string expected;
     for (int i = 1; i <= 5; ++i) {
@@ -551,7 +591,7 @@ TEST_F(CliTest, InspectPrintsOneProgressLinePerShardOnANonTerminalStderr) {
 
 TEST_F(CliTest, PlanDefaultModelAtEveryDegree) {
     for (int tp : {1, 2, 4, 8}) {
-        const RunResult r = run_memra({"plan", "--tp", std::to_string(tp)});
+        const RunResult r = run_memra({"plan", "--tp", std::to_string(tp)}, tiny_env());
         const std::string what = fmt::format("tp {}\n{}", tp, describe(r));
         ASSERT_EQ(r.exit_code, 0) << what;
         const char *s = tp == 1 ? "" : "s";
@@ -578,13 +618,13 @@ TEST_F(CliTest, PlanDefaultModelAtEveryDegree) {
 }
 
 TEST_F(CliTest, PlanWithPipelineStages) {
-    const RunResult r = run_memra({"plan", "--tp", "2", "--pp", "2"});
+    const RunResult r = run_memra({"plan", "--tp", "2", "--pp", "2"}, tiny_env());
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     EXPECT_TRUE(contains(r.out, "parallel plan: 4 ranks = 2 pipeline stages x tp 2")) << describe(r);
     EXPECT_TRUE(contains(r.out, "\nrank 3 (stage 1, tp rank 1)")) << describe(r);
     EXPECT_FALSE(contains(r.out, "\nrank 4 (")) << describe(r);
 
-    const RunResult too_many = run_memra({"plan", "--pp", "7"});
+    const RunResult too_many = run_memra({"plan", "--pp", "7"}, tiny_env());
     EXPECT_EQ(too_many.exit_code, 1) << describe(too_many);
     EXPECT_TRUE(contains(too_many.err, "pipeline_stages=7: more stages than the 6 trunk layers")) << describe(too_many);
 }
@@ -624,26 +664,26 @@ TEST_F(CliTest, PlanReleaseConfigRefusesTp16AndPlansFp8AtEveryDegree) {
 
 TEST_F(CliTest, PlanRefusesDegreesTheHeadsCannotSplit) {
     for (int tp : {3, 5, 16}) {
-        const RunResult r = run_memra({"plan", "--tp", std::to_string(tp)});
+        const RunResult r = run_memra({"plan", "--tp", std::to_string(tp)}, tiny_env());
         EXPECT_EQ(r.exit_code, 1) << tp << "\n" << describe(r);
         EXPECT_EQ(r.err, fmt::format("error: cannot plan {}: tp={}: query heads 8 on layer 0 are not divisible by {}\n",
-                                     default_model().string(), tp, tp))
+                                     tiny_model().string(), tp, tp))
             << describe(r);
         EXPECT_EQ(r.out, "") << describe(r);
     }
 }
 
 TEST_F(CliTest, PlanRefusesTooFewDevicesAndTpZero) {
-    RunResult r = run_memra({"plan", "--tp", "4", "--devices", "2"});
+    RunResult r = run_memra({"plan", "--tp", "4", "--devices", "2"}, tiny_env());
     EXPECT_EQ(r.exit_code, 1) << describe(r);
     EXPECT_TRUE(contains(r.err, "pipeline_stages=1 x tp=4 needs 4 devices, 2 available")) << describe(r);
 
-    r = run_memra({"plan", "--tp", "0"});
+    r = run_memra({"plan", "--tp", "0"}, tiny_env());
     EXPECT_EQ(r.exit_code, 1) << describe(r);
     EXPECT_TRUE(contains(r.err, "tp=0: must be at least 1")) << describe(r);
 
     // Enough devices is fine, more than needed too.
-    r = run_memra({"plan", "--tp", "4", "--devices", "8"});
+    r = run_memra({"plan", "--tp", "4", "--devices", "8"}, tiny_env());
     EXPECT_EQ(r.exit_code, 0) << describe(r);
     EXPECT_TRUE(contains(r.out, "tp 4 (routed experts: ep 4), 8 devices available")) << describe(r);
 }
@@ -663,7 +703,7 @@ TEST_F(CliTest, PlanRefusesANonPositiveDeviceCount) {
 TEST_F(CliTest, PlanReadsTheTpEnvironmentMirror) {
     const RunResult r = run_memra({"plan"}, {{"MEMRA_TP", "3"}});
     EXPECT_EQ(r.exit_code, 1) << describe(r);
-    EXPECT_TRUE(contains(r.err, "tp=3: query heads 8")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "tp=3: query heads 4 on layer 0")) << describe(r);
 }
 
 TEST_F(CliTest, PlanMissingDirectory) {
@@ -671,6 +711,63 @@ TEST_F(CliTest, PlanMissingDirectory) {
     const RunResult r = run_memra({"plan", missing.string(), "--tp", "2"});
     EXPECT_EQ(r.exit_code, 1) << describe(r);
     EXPECT_EQ(r.err, "error: " + (missing / "config.json").string() + ": not found\n") << describe(r);
+}
+
+// ---- make-tokenizer ----------------------------------------------------------------------------------
+
+TEST_F(CliTest, MakeTokenizerTrainsTheRequestedVocabularyDeterministically) {
+    std::string corpus;
+    for (int i = 0; i < 200; ++i) {
+        corpus += fmt::format("The sequence {} holds items; a list of {} strings is mutable.\n", i, i * 7);
+    }
+    write_text(dir_ / "corpus.txt", corpus);
+    const RunResult r =
+        run_memra({"make-tokenizer", (dir_ / "a").string(), "-f", (dir_ / "corpus.txt").string(), "--vocab-size",
+                   "300"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r.out, "300 tokens (34 merges learned from")) << describe(r);
+    const Json tok = Json::parse(read_text(dir_ / "a" / "tokenizer.json"));
+    EXPECT_EQ(tok.at("model").at("vocab").size(), 300u);
+    EXPECT_EQ(tok.at("model").at("merges").size(), 34u);
+    EXPECT_EQ(tok.at("model").at("vocab").at("<|im_end|>"), 293);
+    EXPECT_TRUE(tok.at("model").at("vocab").contains("\u0120list"));  // " list": a merge the corpus repeats
+    const Json cfg = Json::parse(read_text(dir_ / "a" / "tokenizer_config.json"));
+    EXPECT_EQ(cfg.at("model_max_length"), 4096);
+
+    // Same corpus, same bytes; an existing tokenizer is replaced only with --force.
+    const RunResult again = run_memra({"make-tokenizer", (dir_ / "a").string(), "-f", (dir_ / "corpus.txt").string(),
+                                       "--vocab-size", "300"});
+    EXPECT_EQ(again.exit_code, 1) << describe(again);
+    EXPECT_TRUE(contains(again.err, "tokenizer.json exists; pass --force to replace it")) << describe(again);
+    const RunResult forced = run_memra({"make-tokenizer", (dir_ / "b").string(), "-f",
+                                        (dir_ / "corpus.txt").string(), "--vocab-size", "300", "--force"});
+    ASSERT_EQ(forced.exit_code, 0) << describe(forced);
+    EXPECT_EQ(directory_contents(dir_ / "a"), directory_contents(dir_ / "b"));
+}
+
+TEST_F(CliTest, MakeTokenizerHelpMentionsEveryOption) {
+    expect_help_lists("make-tokenizer", {"Usage: memra make-tokenizer", "OUT_DIR", "-f,--file", "--vocab-size", "=1024",
+                                         "--model-max-length", "=4096", "--force"});
+}
+
+TEST_F(CliTest, MakeTokenizerRefusesBadInput) {
+    write_text(dir_ / "empty.txt", "");
+    const std::string out = (dir_ / "out").string();
+    const std::vector<Case> cases = {
+        {{"-f", (dir_ / "missing.txt").string()}, 1, "make-tokenizer: cannot read the corpus"},
+        {{"-f", (dir_ / "empty.txt").string()}, 1, "is empty"},
+        {{"-f", dir_.string()}, 1, "make-tokenizer: cannot read the corpus"},
+        {{"-f", (dir_ / "empty.txt").string(), "--vocab-size", "266"}, 2, "--vocab-size"},
+        {{}, 2, "--file is required"},
+    };
+    for (const Case &c : cases) {
+        std::vector<std::string> args = {"make-tokenizer", out};
+        args.insert(args.end(), c.args.begin(), c.args.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, c.exit_code) << describe(r);
+        EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
+        EXPECT_FALSE(fs::exists(dir_ / "out" / "tokenizer.json")) << describe(r);
+    }
 }
 
 // ---- make-tiny ---------------------------------------------------------------------------------------
@@ -764,14 +861,13 @@ TEST_F(CliTest, MakeTinySameSeedGivesByteIdenticalFiles) {
     EXPECT_FALSE(files_a.at("model-00001-of-00005.safetensors") == files_c.at("model-00001-of-00005.safetensors"));
 }
 
-TEST_F(CliTest, DefaultModelIsTheSeedZeroTinyCheckpoint) {
-    const fs::path made = make_tiny("seed0");
-    const auto ours = directory_contents(made);
+TEST_F(CliTest, DefaultModelIsTheCommittedCheckpoint) {
+    const fs::path committed = fs::path(MEMRA_SOURCE_DIR) / "models" / "default";
     const auto embedded = directory_contents(default_model());
-    ASSERT_EQ(ours.size(), embedded.size());
-    for (const auto &[name, bytes] : ours) {
-        ASSERT_TRUE(embedded.count(name)) << name;
-        EXPECT_TRUE(bytes == embedded.at(name)) << name;
+    ASSERT_EQ(embedded.size(), 5u);
+    for (const auto &[name, bytes] : embedded) {
+        ASSERT_TRUE(fs::exists(committed / name)) << name;
+        EXPECT_TRUE(bytes == read_text(committed / name)) << name;
     }
 }
 
@@ -857,11 +953,6 @@ TEST_F(CliTest, RunZeroTokensOnlyEvaluatesThePrompt) {
 }
 
 TEST_F(CliTest, RunRefusesBadFlagValues) {
-    struct Case {
-        std::vector<std::string> args;
-        int exit_code;
-        std::string fragment;
-    };
     const std::vector<Case> cases = {
         {{"--kv-k", "q4_0"}, 2, "--kv-k"},
         {{"-ctv", "fp16"}, 2, "--kv-v"},
@@ -896,19 +987,16 @@ TEST_F(CliTest, RunRefusesBadFlagValues) {
 }
 
 TEST_F(CliTest, RunHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
-    const RunResult r = run_memra({"run", "--help"});
-    EXPECT_EQ(r.exit_code, 0) << describe(r);
-    for (const char *word :
-         {"Usage: memra run", "MODEL_DIR", "MEMRA_MODEL", "-p,--prompt", "MEMRA_PROMPT", "-n,--n-predict,--predict",
-          "MEMRA_N_PREDICT", "--temp,--temperature", "MEMRA_TEMP", "--top-k", "MEMRA_TOP_K", "--top-p", "MEMRA_TOP_P",
-          "--min-p", "MEMRA_MIN_P", "--repeat-penalty", "MEMRA_REPEAT_PENALTY", "--repeat-last-n",
-          "MEMRA_REPEAT_LAST_N", "--presence-penalty", "MEMRA_PRESENCE_PENALTY", "--frequency-penalty",
-          "MEMRA_FREQUENCY_PENALTY", "-s,--seed", "MEMRA_SEED", "--kv-k,--cache-type-k", "MEMRA_KV_K",
-          "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv", "-t,--threads", "MEMRA_THREADS", "--ignore-eos",
-          "MEMRA_IGNORE_EOS", "-c,--ctx-size", "MEMRA_CTX_SIZE", "--ubatch-size", "-ub", "MEMRA_UBATCH", "=4096",
-          "=512", "=64", "=0.8", "=40", "=0.95", "=0.05", "=bf16"}) {
-        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
-    }
+    expect_help_lists(
+        "run", {"Usage: memra run", "MODEL_DIR", "MEMRA_MODEL", "-p,--prompt", "MEMRA_PROMPT",
+                "-n,--n-predict,--predict", "MEMRA_N_PREDICT", "--temp,--temperature", "MEMRA_TEMP", "--top-k",
+                "MEMRA_TOP_K", "--top-p", "MEMRA_TOP_P", "--min-p", "MEMRA_MIN_P", "--repeat-penalty",
+                "MEMRA_REPEAT_PENALTY", "--repeat-last-n", "MEMRA_REPEAT_LAST_N", "--presence-penalty",
+                "MEMRA_PRESENCE_PENALTY", "--frequency-penalty", "MEMRA_FREQUENCY_PENALTY", "-s,--seed", "MEMRA_SEED",
+                "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv",
+                "-t,--threads", "MEMRA_THREADS", "--ignore-eos", "MEMRA_IGNORE_EOS", "-c,--ctx-size", "MEMRA_CTX_SIZE",
+                "--ubatch-size", "-ub", "MEMRA_UBATCH", "=4096", "=512", "=64", "=0.8", "=40", "=0.95", "=0.05",
+                "=bf16"});
 }
 
 // ---- bench -------------------------------------------------------------------------------------------
@@ -941,7 +1029,7 @@ std::vector<std::string> lines_of(const std::string &text) {
 }  // namespace
 
 TEST_F(CliTest, BenchPrintsALlamaBenchMarkdownTable) {
-    const RunResult r = run_memra({"bench", "-p", "8", "-n", "4", "-r", "2", "-t", "1"});
+    const RunResult r = run_memra({"bench", "-p", "8", "-n", "4", "-r", "2", "-t", "1"}, tiny_env());
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     const std::vector<std::string> lines = lines_of(r.out);
     ASSERT_EQ(lines.size(), 4u) << describe(r);
@@ -954,7 +1042,7 @@ TEST_F(CliTest, BenchPrintsALlamaBenchMarkdownTable) {
     for (size_t i = 0; i < tests.size(); ++i) {
         const std::vector<std::string> cells = table_cells(lines[2 + i]);
         ASSERT_EQ(cells.size(), 9u) << lines[2 + i];
-        EXPECT_EQ(cells[0], default_model().string());
+        EXPECT_EQ(cells[0], tiny_model().string());
         EXPECT_EQ(cells[1], "8.86 M");  // the 8860672 parameters make-tiny reports
         EXPECT_EQ(cells[2], "bf16");
         EXPECT_EQ(cells[3], "1");
@@ -977,7 +1065,8 @@ TEST_F(CliTest, BenchPrintsALlamaBenchMarkdownTable) {
 
 TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
     const RunResult r =
-        run_memra({"bench", "-p", "8", "-n", "4", "-r", "3", "-t", "2", "--kv-k", "f32", "-ctv", "q8_0", "-o", "json"});
+        run_memra({"bench", "-p", "8", "-n", "4", "-r", "3", "-t", "2", "--kv-k", "f32", "-ctv", "q8_0", "-o", "json"},
+                  tiny_env());
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     const Json report = Json::parse(r.out);
     ASSERT_TRUE(report.is_array());
@@ -989,7 +1078,7 @@ TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
         EXPECT_EQ(t.size(), 15u) << t.dump();
         EXPECT_EQ(t.at("tp"), 1);
         EXPECT_GT(t.at("peak_rss_bytes").get<int64_t>(), int64_t{10} << 20);
-        EXPECT_EQ(t.at("model"), default_model().string());
+        EXPECT_EQ(t.at("model"), tiny_model().string());
         EXPECT_EQ(t.at("n_params"), 8860672);
         EXPECT_EQ(t.at("dtype"), "bf16");
         EXPECT_EQ(t.at("threads"), 2);
@@ -1020,7 +1109,7 @@ TEST_F(CliTest, BenchRunsOnTensorParallelCpuRanks) {
                                                    std::vector<std::string>{"--tp", "4"}}) {
         std::vector<std::string> args = {"bench", "-p", "8", "-n", "3", "-r", "1", "-t", "4", "-o", "json"};
         args.insert(args.end(), extra.begin(), extra.end());
-        const RunResult r = run_memra(args);
+        const RunResult r = run_memra(args, tiny_env());
         ASSERT_EQ(r.exit_code, 0) << describe(r);
         const Json report = Json::parse(r.out);
         ASSERT_EQ(report.size(), 2u) << r.out;
@@ -1031,7 +1120,7 @@ TEST_F(CliTest, BenchRunsOnTensorParallelCpuRanks) {
         }
     }
     // A split the plan refuses is an input error that gives the plan's reason.
-    const RunResult bad = run_memra({"bench", "-p", "8", "-n", "2", "-r", "1", "--tp", "3"});
+    const RunResult bad = run_memra({"bench", "-p", "8", "-n", "2", "-r", "1", "--tp", "3"}, tiny_env());
     EXPECT_EQ(bad.exit_code, 1) << describe(bad);
     EXPECT_TRUE(contains(bad.err, "error: --tp 3: ")) << describe(bad);
 }
@@ -1053,7 +1142,9 @@ TEST_F(CliTest, BenchPrintTokensIsSeededAndDrawsOnlyRealTokens) {
     auto tokens = [&](const std::vector<std::string> &args, const EnvVars &env = {}) {
         std::vector<std::string> a = {"bench", "--print-tokens"};
         a.insert(a.end(), args.begin(), args.end());
-        const RunResult r = run_memra(a, env);
+        EnvVars with_tiny = tiny_env();  // a tokenizer smaller than the embedding: padding rows exist
+        with_tiny.insert(with_tiny.end(), env.begin(), env.end());
+        const RunResult r = run_memra(a, with_tiny);
         EXPECT_EQ(r.exit_code, 0) << describe(r);
         EXPECT_EQ(r.err, "") << describe(r);  // nothing is loaded or run
         return Json::parse(r.out);
@@ -1069,7 +1160,7 @@ TEST_F(CliTest, BenchPrintTokensIsSeededAndDrawsOnlyRealTokens) {
     EXPECT_EQ(a.at("gen_first"), ids[0]);
     EXPECT_EQ(d.at("prompt").size(), 0u);
     EXPECT_EQ(d.at("gen_first"), ids[0]);
-    // The default model's tokenizer has 739 tokens; its embedding's 1024 rows include padding never drawn.
+    // The tiny model's tokenizer has 739 tokens; its embedding's 1024 rows include padding never drawn.
     int32_t lo = ids[0], hi = ids[0];
     for (const int32_t id : ids) {
         lo = std::min(lo, id);
@@ -1081,11 +1172,6 @@ TEST_F(CliTest, BenchPrintTokensIsSeededAndDrawsOnlyRealTokens) {
 }
 
 TEST_F(CliTest, BenchRefusesBadFlagValues) {
-    struct Case {
-        std::vector<std::string> args;
-        int exit_code;
-        std::string fragment;
-    };
     const std::vector<Case> cases = {
         {{"-p", "-1"}, 2, "--n-prompt"},
         {{"-n", "x"}, 2, "--n-gen"},
@@ -1114,7 +1200,7 @@ TEST_F(CliTest, BenchRefusesBadFlagValues) {
 
 TEST_F(CliTest, BenchExpertsPrintsOneRowWithOrderedPercentiles) {
     const RunResult r = run_memra({"bench", "--experts", "--tokens", "8", "--warmup", "1", "--iterations", "4",
-                                   "-t", "1"});
+                                   "-t", "1"}, tiny_env());
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     const std::vector<std::string> lines = lines_of(r.out);
     ASSERT_EQ(lines.size(), 3u) << describe(r);
@@ -1124,7 +1210,7 @@ TEST_F(CliTest, BenchExpertsPrintsOneRowWithOrderedPercentiles) {
                                         "max ms", "routes/s", "checksum"}));
     const std::vector<std::string> cells = table_cells(lines[2]);
     ASSERT_EQ(cells.size(), 18u) << lines[2];
-    EXPECT_EQ(cells[0], default_model().string());
+    EXPECT_EQ(cells[0], tiny_model().string());
     EXPECT_EQ(cells[1], "bf16");
     const std::vector<std::string> facts = {"2", "8", "8", "1", "1", "1", "4"};
     for (size_t i = 0; i < facts.size(); ++i) EXPECT_EQ(cells[2 + i], facts[i]) << "column " << 2 + i;
@@ -1150,7 +1236,7 @@ TEST_F(CliTest, BenchExpertsChecksumIsTheSameAtEveryDegreeAndStatisticsAreConsis
         std::vector<std::string> args = {"bench", "--experts", "--tokens", tokens, "--warmup", "0", "--iterations",
                                          "3", "-t", "1", "-o", "json"};
         args.insert(args.end(), extra.begin(), extra.end());
-        const RunResult r = run_memra(args);
+        const RunResult r = run_memra(args, tiny_env());
         EXPECT_EQ(r.exit_code, 0) << describe(r);
         const Json report = Json::parse(r.out);
         EXPECT_TRUE(report.is_array() && report.size() == 1u) << r.out;
@@ -1196,11 +1282,6 @@ TEST_F(CliTest, BenchExpertsChecksumIsTheSameAtEveryDegreeAndStatisticsAreConsis
 
 TEST_F(CliTest, BenchExpertsRefusesBadRequests) {
     const fs::path fp8 = make_tiny("fp8", {"--dtype", "fp8"});
-    struct Case {
-        std::vector<std::string> args;
-        int exit_code;
-        std::string fragment;
-    };
     const std::vector<Case> cases = {
         {{"--experts", "--layer", "0"}, 1,
          "error: --layer 0: layer 0 is a dense layer; the MoE layers are 2, 3, 4, 5\n"},
@@ -1217,7 +1298,7 @@ TEST_F(CliTest, BenchExpertsRefusesBadRequests) {
     for (const Case &c : cases) {
         std::vector<std::string> args = {"bench"};
         args.insert(args.end(), c.args.begin(), c.args.end());
-        const RunResult r = run_memra(args);
+        const RunResult r = run_memra(args, tiny_env());
         EXPECT_EQ(r.exit_code, c.exit_code) << c.args.back() << "\n" << describe(r);
         EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
         EXPECT_EQ(r.out, "") << describe(r);
@@ -1227,7 +1308,7 @@ TEST_F(CliTest, BenchExpertsRefusesBadRequests) {
         std::vector<std::string> args = {"bench", fp8.string(), "--experts", "--tokens", "4", "--warmup", "0",
                                          "--iterations", "2", "-t", "1", "-o", "json"};
         args.insert(args.end(), extra.begin(), extra.end());
-        const RunResult r = run_memra(args);
+        const RunResult r = run_memra(args, tiny_env());
         EXPECT_EQ(r.exit_code, 0) << describe(r);
         return Json::parse(r.out).at(0).at("checksum").get<std::string>();
     };
@@ -1236,18 +1317,15 @@ TEST_F(CliTest, BenchExpertsRefusesBadRequests) {
 }
 
 TEST_F(CliTest, BenchHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
-    const RunResult r = run_memra({"bench", "--help"});
-    EXPECT_EQ(r.exit_code, 0) << describe(r);
-    for (const char *word :
-         {"Usage: memra bench", "MODEL_DIR", "MEMRA_MODEL", "-p,--n-prompt", "MEMRA_N_PROMPT", "=512", "-n,--n-gen",
-          "MEMRA_N_GEN", "=128", "-r,--repetitions", "MEMRA_REPETITIONS", "=5", "-t,--threads", "MEMRA_THREADS",
-          "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv", "=bf16",
-          "-s,--seed", "MEMRA_SEED", "-o,--output", "MEMRA_OUTPUT", "=md", "--print-tokens", "MEMRA_PRINT_TOKENS",
-          "--experts", "MEMRA_EXPERTS", "--layer", "MEMRA_LAYER", "--tokens", "MEMRA_TOKENS", "=64",
-          "--tp,--tensor-parallel-size", "MEMRA_TP", "--warmup", "MEMRA_WARMUP", "=3", "--iterations",
-          "MEMRA_ITERATIONS", "=20", "-c,--ctx-size", "MEMRA_CTX_SIZE", "--ubatch-size", "-ub", "MEMRA_UBATCH"}) {
-        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
-    }
+    const RunResult r = expect_help_lists(
+        "bench", {"Usage: memra bench", "MODEL_DIR", "MEMRA_MODEL", "-p,--n-prompt", "MEMRA_N_PROMPT", "=512",
+                  "-n,--n-gen", "MEMRA_N_GEN", "=128", "-r,--repetitions", "MEMRA_REPETITIONS", "=5", "-t,--threads",
+                  "MEMRA_THREADS", "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk",
+                  "-ctv", "=bf16", "-s,--seed", "MEMRA_SEED", "-o,--output", "MEMRA_OUTPUT", "=md", "--print-tokens",
+                  "MEMRA_PRINT_TOKENS", "--experts", "MEMRA_EXPERTS", "--layer", "MEMRA_LAYER", "--tokens",
+                  "MEMRA_TOKENS", "=64", "--tp,--tensor-parallel-size", "MEMRA_TP", "--warmup", "MEMRA_WARMUP", "=3",
+                  "--iterations", "MEMRA_ITERATIONS", "=20", "-c,--ctx-size", "MEMRA_CTX_SIZE", "--ubatch-size", "-ub",
+                  "MEMRA_UBATCH"});
     EXPECT_FALSE(contains(r.out, "--ep")) << describe(r);
 }
 
@@ -1360,9 +1438,9 @@ TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegree) {
 
 TEST_F(CliTest, VerifyDefaultModelQuantizedKvCache) {
     const RunResult r = run_memra({"verify", "--tp", "8", "-ctk", "q8_0", "-ctv", "q5_1", "--tokens", "17",
-                                   "--decode", "1", "--batch", "1"});
+                                   "--decode", "1", "--batch", "1"}, tiny_env());
     EXPECT_EQ(r.exit_code, 0) << describe(r);
-    EXPECT_TRUE(contains(r.out, "memra verify " + default_model().string() + ": tp 8 (routed experts expert-parallel);"))
+    EXPECT_TRUE(contains(r.out, "memra verify " + tiny_model().string() + ": tp 8 (routed experts expert-parallel);"))
         << describe(r);
     EXPECT_TRUE(contains(r.out, "kv q8_0/q5_1;")) << describe(r);
     EXPECT_TRUE(contains(r.out, "VERIFY PASS: 1 native run, 0 skipped by the plan, 0 mismatches\n")) << describe(r);
@@ -1374,24 +1452,19 @@ TEST_F(CliTest, VerifyDefaultModelQuantizedKvCache) {
 }
 
 TEST_F(CliTest, VerifyADegreeThePlanRefusesIsSkippedAndNothingVerifiedIsAnError) {
-    const RunResult r = run_memra({"verify", "--tp", "3"});
+    const RunResult r = run_memra({"verify", "--tp", "3"}, tiny_env());
     EXPECT_EQ(r.exit_code, 1) << describe(r);
     EXPECT_TRUE(contains(r.out, "tp=3         SKIP             the plan refuses it: tp=3: query heads 8 on layer 0 are "
                                 "not divisible by 3\n"))
         << describe(r);
     EXPECT_TRUE(contains(r.out, "VERIFY NOTHING VERIFIED: 0 native runs, 1 skipped by the plan, 0 mismatches\n"))
         << describe(r);
-    EXPECT_EQ(r.err, "error: nothing verified: the plan refuses every requested tp on " + default_model().string() +
+    EXPECT_EQ(r.err, "error: nothing verified: the plan refuses every requested tp on " + tiny_model().string() +
                          "\n")
         << describe(r);
 }
 
 TEST_F(CliTest, VerifyRefusesBadFlagValues) {
-    struct Case {
-        std::vector<std::string> args;
-        int exit_code;
-        std::string fragment;
-    };
     const std::vector<Case> cases = {
         {{"--tp", "0"}, 2, "--tp: expected a comma-separated list of positive integers (e.g. 1,2,4,8), found 0\n"},
         {{"--tp", "1,x"}, 2, "--tp: expected a comma-separated list of positive integers (e.g. 1,2,4,8), found 1,x\n"},
@@ -1411,7 +1484,7 @@ TEST_F(CliTest, VerifyRefusesBadFlagValues) {
     for (const Case &c : cases) {
         std::vector<std::string> args = {"verify"};
         args.insert(args.end(), c.args.begin(), c.args.end());
-        const RunResult r = run_memra(args);
+        const RunResult r = run_memra(args, tiny_env());
         EXPECT_EQ(r.exit_code, c.exit_code) << c.args.front() << "\n" << describe(r);
         EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
         EXPECT_FALSE(contains(r.out, "VERIFY")) << describe(r);
@@ -1419,16 +1492,275 @@ TEST_F(CliTest, VerifyRefusesBadFlagValues) {
 }
 
 TEST_F(CliTest, VerifyHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
-    const RunResult r = run_memra({"verify", "--help"});
-    EXPECT_EQ(r.exit_code, 0) << describe(r);
-    for (const char *word :
-         {"Usage: memra verify", "MODEL_DIR", "MEMRA_MODEL", "--tp,--tensor-parallel-size", "=1,2,4,8", "MEMRA_TP",
-          "--tokens", "=40",
-          "MEMRA_VERIFY_TOKENS", "--decode", "=16", "MEMRA_VERIFY_DECODE", "--batch", "=8", "MEMRA_VERIFY_BATCH",
-          "--layer", "MEMRA_VERIFY_LAYER", "first MoE layer", "-t,--threads", "MEMRA_THREADS", "--kv-k,--cache-type-k",
-          "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "=f32", "-ctk", "-ctv"}) {
-        EXPECT_TRUE(contains(r.out, word)) << word << "\n" << describe(r);
-    }
+    expect_help_lists(
+        "verify", {"Usage: memra verify", "MODEL_DIR", "MEMRA_MODEL", "--tp,--tensor-parallel-size", "=1,2,4,8",
+                   "MEMRA_TP", "--tokens", "=40", "MEMRA_VERIFY_TOKENS", "--decode", "=16", "MEMRA_VERIFY_DECODE",
+                   "--batch", "=8", "MEMRA_VERIFY_BATCH", "--layer", "MEMRA_VERIFY_LAYER", "first MoE layer",
+                   "-t,--threads", "MEMRA_THREADS", "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v",
+                   "MEMRA_KV_V", "=f32", "-ctk", "-ctv"});
     const RunResult app = run_memra({"--help"});
     EXPECT_TRUE(contains(app.out, "  verify ")) << describe(app);
+}
+
+// ---- perplexity --------------------------------------------------------------------------------------
+
+namespace {
+
+// Deterministic English-like text: numbered sentences from fixed word lists (about 20 tokens each on the
+// default model's tokenizer).
+std::string english_text(int sentences) {
+    static const char *const kWho[] = {"the keeper", "a sailor", "the old captain", "her brother", "the harbour cat"};
+    static const char *const kDid[] = {"counted", "painted", "watched", "remembered", "carried"};
+    static const char *const kWhat[] = {"the ships", "seven lanterns", "the grey gulls", "a wooden boat",
+                                        "the evening tide"};
+    static const char *const kWhere[] = {"near the rocks", "before dawn", "at the far pier", "in the storm",
+                                         "along the coast"};
+    std::string text;
+    for (int i = 0; i < sentences; ++i) {
+        text += fmt::format("In year {} {} {} {} {}. ", 1900 + (i * 37) % 120, kWho[i % 5], kDid[(i * 3) % 5],
+                            kWhat[(i * 7 + 1) % 5], kWhere[(i * 2 + i / 5) % 5]);
+        if (i % 6 == 5) text += "\n";
+    }
+    return text;
+}
+
+// The fields of a perplexity report that must not depend on tp, threads or the row budget (all but seconds).
+Json perplexity_result(const Json &report) {
+    Json out = report;
+    out.erase("seconds");
+    out.erase("tp");
+    return out;
+}
+
+// Makes a tiny checkpoint's MTP layers disappear: num_nextn_predict_layers 0, the per-layer lists cut to the
+// trunk layers and the MTP layers' tensors removed from their shards and from the index.
+void strip_mtp_layers(const fs::path &ckpt) {
+    Json cfg = Json::parse(read_text(ckpt / "config.json"));
+    const int n_layers = cfg.at("num_hidden_layers").get<int>();
+    const size_t n_total = static_cast<size_t>(n_layers + cfg.at("num_nextn_predict_layers").get<int>());
+    for (auto &[key, value] : cfg.items()) {
+        if (value.is_array() && value.size() == n_total) value.erase(value.begin() + n_layers, value.end());
+    }
+    cfg["num_nextn_predict_layers"] = 0;
+    write_text(ckpt / "config.json", cfg.dump(2));
+    const std::string mtp_prefix = fmt::format("model.layers.{}.", n_layers);
+    Json index = Json::parse(read_text(ckpt / memra::io::kIndexFileName));
+    Json &weights = index.at("weight_map");
+    std::map<std::string, bool> shards;  // shard -> keeps a tensor
+    for (auto it = weights.begin(); it != weights.end();) {
+        const bool mtp = it.key().rfind(mtp_prefix, 0) == 0;
+        shards[it.value().get<std::string>()] |= !mtp;
+        it = mtp ? weights.erase(it) : std::next(it);
+    }
+    write_text(ckpt / memra::io::kIndexFileName, index.dump(2));
+    for (const auto &[shard, keeps] : shards) {
+        if (!keeps) {
+            fs::remove(ckpt / shard);
+            continue;
+        }
+        rewrite_shard(ckpt / shard, [&](std::vector<memra::io::TensorData> &tensors) {
+            std::erase_if(tensors, [&](const memra::io::TensorData &t) { return t.name.rfind(mtp_prefix, 0) == 0; });
+        });
+    }
+}
+
+}  // namespace
+
+TEST_F(CliTest, PerplexityPrintsTheRunningEstimateAndTheFinalOneLikeLlamaCpp) {
+    const fs::path text = dir_ / "text.txt";
+    write_text(text, english_text(40));
+    const RunResult r = run_memra({"perplexity", "-f", text.string(), "-c", "64", "--chunks", "3", "-t", "1"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    // "[1]x.xxxx,[2]x.xxxx,[3]x.xxxx," then the final estimate, which is the last running value.
+    const std::vector<std::string> lines = lines_of(r.out);
+    ASSERT_EQ(lines.size(), 2u) << describe(r);
+    std::vector<std::string> running;
+    for (size_t at = 0; at < lines[0].size();) {
+        const size_t comma = lines[0].find(',', at);
+        ASSERT_NE(comma, std::string::npos) << lines[0];
+        const std::string item = lines[0].substr(at, comma - at);
+        const std::string label = fmt::format("[{}]", running.size() + 1);
+        ASSERT_EQ(item.rfind(label, 0), 0u) << lines[0];
+        running.push_back(item.substr(label.size()));
+        EXPECT_EQ(running.back()[running.back().size() - 5], '.') << item;  // 4 decimals
+        at = comma + 1;
+    }
+    ASSERT_EQ(running.size(), 3u) << lines[0];
+    const std::string prefix = "Final estimate: PPL = " + running.back() + " +/- ";
+    ASSERT_EQ(lines[1].rfind(prefix, 0), 0u) << describe(r);
+    const std::string err = lines[1].substr(prefix.size());
+    EXPECT_EQ(err[err.size() - 6], '.') << lines[1];  // 5 decimals
+    EXPECT_GT(std::stod(err), 0.0) << lines[1];
+    EXPECT_GT(std::stod(running.back()), 1.0) << lines[1];
+    // The header and the elapsed time go to stderr, as llama.cpp's logs.
+    EXPECT_TRUE(contains(r.err, "memra perplexity: " + default_model().string() + ": ")) << describe(r);
+    EXPECT_TRUE(contains(r.err, " tokens, 3 chunks of 64 (scoring the tokens at positions 33 .. 63 of each), KV "
+                                "bf16/bf16, tp 1, threads 1 per rank\n"))
+        << describe(r);
+    EXPECT_TRUE(contains(r.err, "memra perplexity: 3 chunks in ")) << describe(r);
+    // The same values through JSON, rounded as the text prints them.
+    const RunResult j =
+        run_memra({"perplexity", "-f", text.string(), "-c", "64", "--chunks", "3", "-t", "1", "-o", "json"});
+    ASSERT_EQ(j.exit_code, 0) << describe(j);
+    const Json report = Json::parse(j.out);
+    for (size_t i = 0; i < running.size(); ++i) {
+        EXPECT_EQ(fmt::format("{:.4f}", report.at("chunk_ppl").at(i).get<double>()), running[i]);
+    }
+    EXPECT_EQ(fmt::format("{:.5f}", report.at("ppl_stderr").get<double>()), err);
+}
+
+TEST_F(CliTest, PerplexityJsonReportsEveryField) {
+    const fs::path text = dir_ / "text.txt";
+    write_text(text, english_text(40));
+    const RunResult r = run_memra({"perplexity", "-f", text.string(), "-c", "64", "-ctk", "f32", "--kv-v", "q8_0",
+                                   "-o", "json", "--chunks", "1000"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const Json report = Json::parse(r.out);
+    EXPECT_EQ(report.at("model"), default_model().string());
+    EXPECT_EQ(report.at("file"), text.string());
+    EXPECT_EQ(report.at("ctx"), 64);
+    const int64_t file_tokens = report.at("file_tokens").get<int64_t>();
+    EXPECT_GE(file_tokens, 4 * 64) << "the text should give a few chunks";
+    // Every full chunk (--chunks above the file's), each scoring its positions 32 .. 62 (31 tokens).
+    const int64_t n_chunks = file_tokens / 64;
+    EXPECT_EQ(report.at("n_chunks"), n_chunks);
+    EXPECT_EQ(report.at("n_tokens"), n_chunks * 31);
+    EXPECT_EQ(report.at("type_k"), "f32");
+    EXPECT_EQ(report.at("type_v"), "q8_0");
+    EXPECT_EQ(report.at("tp"), 1);
+    const double ppl = report.at("ppl").get<double>();
+    EXPECT_GT(ppl, 1.0);
+    EXPECT_GT(report.at("ppl_stderr").get<double>(), 0.0);
+    EXPECT_LT(report.at("ppl_stderr").get<double>(), ppl);
+    const double top1 = report.at("top1").get<double>();
+    EXPECT_GE(top1, 0.0);
+    EXPECT_LE(top1, 1.0);
+    const Json &running = report.at("chunk_ppl");
+    ASSERT_EQ(running.size(), static_cast<size_t>(n_chunks));
+    EXPECT_EQ(running.back().get<double>(), ppl);
+    EXPECT_GT(report.at("seconds").get<double>(), 0.0);
+    EXPECT_FALSE(report.contains("mtp"));
+    EXPECT_TRUE(contains(r.err, "KV f32/q8_0")) << describe(r);
+
+    // --mtp: one entry per MTP layer of the default model, each over the rows whose target (two ahead) is in the
+    // scored half: the same count as the trunk's.
+    const RunResult m =
+        run_memra({"perplexity", "-f", text.string(), "-c", "64", "-ctk", "f32", "--kv-v", "q8_0", "--chunks", "2",
+                   "--mtp", "-o", "json"});
+    ASSERT_EQ(m.exit_code, 0) << describe(m);
+    const Json mtp = Json::parse(m.out).at("mtp");
+    const int n_mtp = Json::parse(read_text(default_model() / "config.json")).at("num_nextn_predict_layers");
+    ASSERT_GE(n_mtp, 1);
+    ASSERT_EQ(mtp.size(), static_cast<size_t>(std::min(n_mtp, 3))) << m.out;
+    for (size_t k = 0; k < mtp.size(); ++k) {
+        EXPECT_EQ(mtp[k].size(), 4u) << m.out;
+        EXPECT_EQ(mtp[k].at("layer"), k);
+        EXPECT_EQ(mtp[k].at("n"), 2 * 31);
+        EXPECT_GT(mtp[k].at("ppl").get<double>(), 1.0);
+        EXPECT_GE(mtp[k].at("top1").get<double>(), 0.0);
+        EXPECT_LE(mtp[k].at("top1").get<double>(), 1.0);
+    }
+    EXPECT_EQ(Json::parse(m.out).at("chunk_ppl"), Json(std::vector<Json>(running.begin(), running.begin() + 2)))
+        << "the MTP layers do not change the trunk's bits";
+}
+
+TEST_F(CliTest, PerplexityIsBitIdenticalAtEveryDegreeThreadCountAndRowBudget) {
+    const fs::path text = dir_ / "text.txt";
+    write_text(text, english_text(30));
+    auto report = [&](const std::vector<std::string> &extra) {
+        std::vector<std::string> args = {"perplexity", "-f", text.string(), "-c", "96", "--chunks", "3", "--mtp",
+                                         "-o", "json"};
+        args.insert(args.end(), extra.begin(), extra.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, 0) << describe(r);
+        return r.exit_code == 0 ? Json::parse(r.out) : Json::object();
+    };
+    const Json base = report({"--tp", "1", "-t", "1"});
+    ASSERT_TRUE(base.contains("ppl"));
+    ASSERT_GE(base.at("n_chunks").get<int>(), 2);
+    // -ub 7: chunks prefilled in 14 steps, the scored half starting inside a step; -ub 48: at a step boundary.
+    for (const std::vector<std::string> &extra :
+         {std::vector<std::string>{"--tp", "2", "-t", "2"}, std::vector<std::string>{"-t", "2"},
+          std::vector<std::string>{"-ub", "7"}, std::vector<std::string>{"-ub", "48", "--tp", "2"},
+          std::vector<std::string>{"--tp", "2", "-ub", "33"}}) {
+        const Json other = report(extra);
+        EXPECT_EQ(perplexity_result(other), perplexity_result(base)) << fmt::format("{}", fmt::join(extra, " "));
+        const auto tp = std::find(extra.begin(), extra.end(), "--tp");
+        EXPECT_EQ(other.value("tp", 0), tp == extra.end() ? 1 : std::stoi(*std::next(tp)));
+    }
+}
+
+TEST_F(CliTest, PerplexityRefusesMtpOnAModelWithoutMtpLayers) {
+    const fs::path ckpt = make_tiny("no_mtp");
+    strip_mtp_layers(ckpt);
+    const fs::path text = dir_ / "text.txt";
+    write_text(text, english_text(10));
+    // The model itself is whole: it evaluates without --mtp.
+    const RunResult plain = run_memra({"perplexity", ckpt.string(), "-f", text.string(), "-c", "32", "--chunks", "1"});
+    ASSERT_EQ(plain.exit_code, 0) << describe(plain);
+    const RunResult r = run_memra({"perplexity", ckpt.string(), "-f", text.string(), "-c", "32", "--mtp"});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_EQ(r.err, "error: --mtp: " + ckpt.string() + " has no MTP layers (num_nextn_predict_layers is 0)\n")
+        << describe(r);
+    EXPECT_EQ(r.out, "") << describe(r);
+}
+
+TEST_F(CliTest, PerplexityRefusesBadInput) {
+    const fs::path text = dir_ / "text.txt";
+    write_text(text, english_text(10));
+    const fs::path empty = dir_ / "empty.txt";
+    write_text(empty, "");
+    const fs::path latin1 = dir_ / "latin1.txt";
+    write_text(latin1, "caf\xc3\xa9 na\xefve");  // a valid é, then ï in Latin-1 at byte 8
+    const fs::path one = dir_ / "one.txt";
+    write_text(one, "a");  // BOS + one token
+    const std::string missing = (dir_ / "missing.txt").string();
+    const std::vector<Case> cases = {
+        {{}, 2, "--file is required"},
+        {{"-f", text.string(), "-c", "3"}, 2,
+         "error: -c 3: perplexity needs chunks of at least 4 tokens (it scores the second half of each)\n"},
+        {{"-f", text.string(), "-c", "0"}, 2, "--ctx-size"},
+        {{"-f", text.string(), "--chunks", "0"}, 2, "error: --chunks 0: nothing to evaluate"},
+        {{"-f", text.string(), "--chunks", "-2"}, 2, "--chunks"},
+        {{"-f", text.string(), "-ub", "0"}, 2, "--ubatch-size"},
+        {{"-f", text.string(), "-o", "csv"}, 2, "--output"},
+        {{"-f", text.string(), "-ctk", "q4_0"}, 2, "--kv-k"},
+        {{"-f", text.string(), "--tp", "0"}, 2, "--tp"},
+        {{"-f", text.string(), "-t", "0"}, 2, "--threads"},
+        {{"-f", text.string(), "-c", "8192"}, 1,
+         "error: -c 8192: more positions than the model's context length 4096\n"},
+        {{"-f", missing}, 1, "error: " + missing + ": cannot open: No such file or directory\n"},
+        {{"-f", dir_.string()}, 1, "error: " + dir_.string() + ": cannot read: Is a directory\n"},
+        {{"-f", empty.string()}, 1, "error: " + empty.string() + ": the file is empty\n"},
+        {{"-f", latin1.string()}, 1,
+         "error: " + latin1.string() + ": not valid UTF-8 at byte offset 8 (byte 0xef)\n"},
+        {{"-f", one.string(), "-c", "4"}, 1,
+         "error: " + one.string() + ": 2 tokens, need at least 4 (-c) for one chunk\n"},
+        {{"-f", text.string(), "-c", "64", "--tp", "3"}, 1, "error: --tp 3: "},
+        {{(dir_ / "nomodel").string(), "-f", text.string()}, 1,
+         "error: " + (dir_ / "nomodel" / "config.json").string()},
+    };
+    for (const Case &c : cases) {
+        std::vector<std::string> args = {"perplexity"};
+        args.insert(args.end(), c.args.begin(), c.args.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, c.exit_code) << fmt::format("{}", fmt::join(args, " ")) << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
+        EXPECT_EQ(r.out, "") << describe(r);
+    }
+    // A short text names its token count against -c (here BOS + the text's tokens, below the default 512).
+    const RunResult r = run_memra({"perplexity", "-f", text.string()});
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, " tokens, need at least 512 (-c) for one chunk\n")) << describe(r);
+}
+
+TEST_F(CliTest, PerplexityHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
+    expect_help_lists(
+        "perplexity", {"Usage: memra perplexity", "MODEL_DIR", "MEMRA_MODEL", "-f,--file", "MEMRA_FILE",
+                       "-c,--ctx-size", "=512", "MEMRA_CTX_SIZE", "--chunks", "=-1", "MEMRA_CHUNKS", "--ubatch-size",
+                       "-ub", "MEMRA_UBATCH", "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v",
+                       "MEMRA_KV_V", "-ctk", "-ctv", "=bf16", "--tp,--tensor-parallel-size", "MEMRA_TP", "-t,--threads",
+                       "MEMRA_THREADS", "--mtp", "MEMRA_MTP", "-o,--output", "=text", "MEMRA_OUTPUT"});
+    const RunResult app = run_memra({"--help"});
+    EXPECT_TRUE(contains(app.out, "  perplexity ")) << describe(app);
 }

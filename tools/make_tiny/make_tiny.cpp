@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <string_view>
 #include <system_error>
@@ -41,12 +42,12 @@ std::string join(const std::vector<std::string> &items) {
 Result<void> write_text_file(const fs::path &path, const std::string &text) {
     std::ofstream f(path, std::ios::binary | std::ios::trunc);
     if (!f) {
-        return make_error("make-tiny: cannot create {}", path.string());
+        return make_error("cannot create {}", path.string());
     }
     f.write(text.data(), static_cast<std::streamsize>(text.size()));
     f.close();
     if (!f) {
-        return make_error("make-tiny: cannot write {}", path.string());
+        return make_error("cannot write {}", path.string());
     }
     return {};
 }
@@ -134,6 +135,61 @@ std::vector<TinyPresetInfo> tiny_presets() {
     return out;
 }
 
+Result<TokenizerSummary> make_tokenizer_files(const TokenizerOptions &options) {
+    if (options.vocab_size <= kTokenizerFixedTokens || options.vocab_size > kMaxTokenizerVocab) {
+        return make_error("make-tokenizer: vocab size must be in [{}, {}] ({} fixed tokens + at least one merge), "
+                          "found {}",
+                          kTokenizerFixedTokens + 1, kMaxTokenizerVocab, kTokenizerFixedTokens, options.vocab_size);
+    }
+    std::error_code ec;
+    std::ifstream in(options.corpus, std::ios::binary);
+    if (!in || fs::is_directory(options.corpus, ec)) {
+        return make_error("make-tokenizer: cannot read the corpus {}", options.corpus.string());
+    }
+    const std::string corpus((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (in.bad()) {
+        return make_error("make-tokenizer: cannot read the corpus {}", options.corpus.string());
+    }
+    if (corpus.empty()) {
+        return make_error("make-tokenizer: the corpus {} is empty", options.corpus.string());
+    }
+    const fs::path out = normalized_dir(options.out_dir);
+    if (fs::exists(out, ec) && !fs::is_directory(out, ec)) {
+        return make_error("make-tokenizer: output path {} exists and is not a directory", out.string());
+    }
+    constexpr std::string_view kFiles[] = {"tokenizer.json", "tokenizer_config.json"};
+    for (std::string_view name : kFiles) {
+        if (fs::exists(out / name, ec) && !options.force) {
+            return make_error("make-tokenizer: {} exists; pass --force to replace it", (out / name).string());
+        }
+    }
+    const TinyTokenizer tok =
+        build_tokenizer(corpus, static_cast<size_t>(options.vocab_size - kTokenizerFixedTokens));
+    const std::string texts[] = {tiny_tokenizer_json(tok), tiny_tokenizer_config_json(tok, options.model_max_length)};
+    fs::create_directories(out, ec);
+    if (ec) {
+        return make_error("make-tokenizer: cannot create directory {}: {}", out.string(), ec.message());
+    }
+    for (size_t i = 0; i < std::size(kFiles); ++i) {
+        fs::path tmp = out / fmt::format(".{}.{}.tmp", kFiles[i], ::getpid());
+        if (Result<void> ok = write_text_file(tmp, texts[i]); !ok) {
+            fs::remove(tmp, ec);
+            return wrap_error("make-tokenizer", ok.error());
+        }
+        fs::rename(tmp, out / kFiles[i], ec);
+        if (ec) {
+            fs::remove(tmp, ec);
+            return make_error("make-tokenizer: cannot move {} into place: {}", tmp.string(), ec.message());
+        }
+    }
+    TokenizerSummary summary;
+    summary.n_tokens = tok.n_tokens();
+    summary.n_merges = static_cast<int64_t>(tok.merges.size());
+    summary.im_end_id = tok.im_end_id;
+    summary.corpus_bytes = corpus.size();
+    return summary;
+}
+
 Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
     std::optional<TinyPreset> preset = find_tiny_preset(options.preset);
     if (!preset) {
@@ -218,7 +274,7 @@ Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
         ok = write_text_file(stage / name, text);
         if (!ok) {
             remove_staging(stage, {});
-            return tl::unexpected(ok.error());
+            return wrap_error("make-tiny", ok.error());
         }
     }
     const std::vector<std::string> written = list_names(stage);

@@ -63,6 +63,30 @@ std::vector<std::string> tiny_preset_names();
 // Name and one-line description of every preset, in the same order.
 std::vector<TinyPresetInfo> tiny_presets();
 
+// The largest vocabulary make-tokenizer trains (ids stay far below the tokenizer's 2^24 bound).
+inline constexpr int64_t kMaxTokenizerVocab = int64_t{1} << 17;
+
+struct TokenizerOptions {
+    std::filesystem::path corpus;   // UTF-8 training text
+    std::filesystem::path out_dir;  // receives tokenizer.json and tokenizer_config.json
+    int64_t vocab_size = 1024;      // tokens in all: kTokenizerFixedTokens + merges
+    int64_t model_max_length = 4096;
+    bool force = false;  // replace existing tokenizer files in out_dir
+};
+
+struct TokenizerSummary {
+    int64_t n_tokens = 0;  // may be below vocab_size when the corpus has no pair seen twice left
+    int64_t n_merges = 0;
+    int64_t im_end_id = 0;
+    uint64_t corpus_bytes = 0;
+};
+
+// Trains the byte-level BPE of make-tiny (build_tokenizer) on a corpus file and writes tokenizer.json and
+// tokenizer_config.json into out_dir (created if missing). Refuses, naming the problem: a vocab_size outside
+// [kTokenizerFixedTokens + 1, kMaxTokenizerVocab], an unreadable or empty corpus, an out_dir that is a file,
+// existing tokenizer files without force. Each file is written beside its target and renamed into place.
+Result<TokenizerSummary> make_tokenizer_files(const TokenizerOptions &options);
+
 // The file names the generator owns in a checkpoint directory (what force may remove).
 bool is_tiny_generator_file(const std::string &file_name);
 

@@ -3,6 +3,8 @@
 // the bytes are identical on every run.
 #include "make_tiny/tiny_tokenizer.h"
 
+#include <iterator>
+
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
@@ -17,6 +19,7 @@ using OrderedJson = nlohmann::ordered_json;
 // The chat specials that follow the learned tokens, in id order.
 constexpr const char *kChatSpecials[] = {"<|im_start|>", "<|im_end|>",   "<think>",          "</think>",
                                          "<tool_call>",  "</tool_call>", "<tool_response>", "</tool_response>"};
+static_assert(kTokenizerFixedTokens == 2 + 256 + std::size(kChatSpecials));
 
 // Runtime pre-tokenizer (DeepSeek-V3 style, written for memra). Applied in order, each isolating its
 // matches: digit runs of at most 3; runs of CJK ideographs, hiragana and katakana; then the main
@@ -134,7 +137,7 @@ OrderedJson bos_template_piece(const char *kind, const char *id, int type_id) {
 
 }  // namespace
 
-TinyTokenizer build_tiny_tokenizer() {
+TinyTokenizer build_tokenizer(std::string_view corpus, size_t max_merges) {
     TinyTokenizer tok;
     tok.tokens = {kBosToken, kEosToken};
     tok.special = {true, true};
@@ -143,13 +146,13 @@ TinyTokenizer build_tiny_tokenizer() {
         tok.special.push_back(false);
     }
     BpeTrainOptions options;
-    options.max_merges = kTinyMaxMerges;
+    options.max_merges = max_merges;
     options.min_count = 2;
     options.reserved = {kBosToken, kEosToken};
     for (const char *s : kChatSpecials) {
         options.reserved.emplace_back(s);
     }
-    std::vector<BpeMerge> raw = train_bpe(bpe_training_split(tiny_training_corpus()), options);
+    std::vector<BpeMerge> raw = train_bpe(bpe_training_split(corpus), options);
     for (const BpeMerge &m : raw) {
         tok.merges.push_back({byte_level_encode(m.left), byte_level_encode(m.right)});
         tok.tokens.push_back(byte_level_encode(m.left + m.right));
@@ -162,8 +165,12 @@ TinyTokenizer build_tiny_tokenizer() {
         tok.tokens.emplace_back(s);
         tok.special.push_back(true);
     }
-    MEMRA_CHECK(tok.im_end_id > 1, "tiny tokenizer: <|im_end|> id not assigned");
+    MEMRA_CHECK(tok.im_end_id > 1, "tokenizer: <|im_end|> id not assigned");
     return tok;
+}
+
+TinyTokenizer build_tiny_tokenizer() {
+    return build_tokenizer(tiny_training_corpus(), kTinyMaxMerges);
 }
 
 std::string tiny_chat_template() {

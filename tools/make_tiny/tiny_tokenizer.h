@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "make_tiny/bpe_trainer.h"
@@ -34,7 +35,13 @@ struct TinyTokenizer {
     int64_t n_tokens() const { return static_cast<int64_t>(tokens.size()); }
 };
 
-// Trains the merges on the embedded corpus and lays out the ids (deterministic).
+// Tokens every tokenizer has besides its merges: BOS, EOS, the 256 bytes and the 8 chat specials.
+inline constexpr int64_t kTokenizerFixedTokens = 2 + 256 + 8;
+
+// Trains at most max_merges merges on `corpus` (bpe_training_split, min count 2) and lays out the ids
+// (deterministic: the same corpus gives the same tokenizer).
+TinyTokenizer build_tokenizer(std::string_view corpus, size_t max_merges);
+// build_tokenizer on the embedded corpus with kTinyMaxMerges.
 TinyTokenizer build_tiny_tokenizer();
 
 // File contents (UTF-8 JSON, fixed key order, trailing newline).
