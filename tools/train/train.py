@@ -131,6 +131,9 @@ def main(argv=None):
     # split is only scored at the end.
     n_val = int(len(train_ids) * args.val_frac)
     val_ids, train_ids = train_ids[len(train_ids) - n_val:], train_ids[: len(train_ids) - n_val]
+    for name, ids in (("training", train_ids), ("validation", val_ids), ("held-out", held_ids)):
+        if len(ids) < args.seq + 2:
+            raise SystemExit(f"train: {len(ids)} {name} tokens, need at least --seq + 2 = {args.seq + 2}")
     tok_cfg = json.loads((args.data_dir / "tokenizer.json").read_text())
     im_end = tok_cfg["model"]["vocab"]["<|im_end|>"]
     shape = dict(DEFAULT_SHAPE, im_end_id=im_end)
@@ -150,7 +153,9 @@ def main(argv=None):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     budget = args.minutes * 60.0
-    log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "shape": shape,
+    # The hyperparameters, not where this machine wrote the files.
+    hyper = {k: v for k, v in vars(args).items() if k not in ("data_dir", "out_dir")}
+    log = {"args": hyper, "shape": shape,
            "params": n_params, "train_tokens": int(len(train_ids)), "heldout_tokens": int(len(held_ids)),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "curve": [], "evals": []}
     print(f"train: {n_params} parameters, {len(train_ids)} train / {len(held_ids)} held-out tokens on {log['device']}",
