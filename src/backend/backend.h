@@ -260,6 +260,13 @@ public:
                              TensorView shared, TensorView out) = 0;
     // dst[i, :] = src[rows[i], :] (exact copies). rows: [n_out] i32 on the backend.
     virtual void gather_rows(TensorView src, TensorView rows, TensorView dst) = 0;
+    // dst[rows[i], :] = src[i, :] for every i with rows[i] >= 0 (exact copies; no two rows[i] equal). src: [n, d];
+    // rows: [n] i32 on the backend; dst: [m, d].
+    virtual void scatter_rows(TensorView src, TensorView rows, TensorView dst) = 0;
+    // Writes sampled ids into i32 tables on the backend (speculative drafts feeding later rows of the same
+    // run): dst[pairs[i, 1]] = tokens[pairs[i, 0]].id for every i. tokens: SampledToken array as kU8 bytes;
+    // pairs: [n, 2] i32; dst: i32.
+    virtual void scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) = 0;
     // out[t] = [a[t] | b[t]] (exact copies). a: [n, da]; b: [n, db]; out: [n, da + db].
     virtual void concat_cols(TensorView a, TensorView b, TensorView out) = 0;
 

@@ -39,6 +39,11 @@ Command add_make_tiny_command(CLI::App &app) {
                     "pages of 64 rows); 0 keeps the preset's")
         ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
         ->capture_default_str();
+    sub->add_option("--mtp-layers", opts->mtp_layers,
+                    "MTP layers (num_nextn_predict_layers), replacing the preset's (3: the release's); 0 keeps the "
+                    "preset's")
+        ->check(CLI::Range(int64_t{0}, int64_t{3}))
+        ->capture_default_str();
     sub->add_flag("-f,--force", opts->force, "Replace the generator's own files in a non-empty OUT_DIR");
 
     return {sub, [opts, out_dir]() {

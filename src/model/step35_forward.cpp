@@ -115,6 +115,7 @@ Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35M
     if (cap.n_mtp < 0 || cap.n_mtp > cfg.n_mtp_layers || cap.n_mtp > kMaxMtp) {
         return make_error("forward capacity: {} MTP layers, the model has {}", cap.n_mtp, cfg.n_mtp_layers);
     }
+    if (cap.carry_rows < 0) return make_error("forward capacity: {} carry rows", cap.carry_rows);
     if (model.layers.size() != cfg.layers.size() || kv.pool_layer.size() != cfg.layers.size()) {
         return make_error("forward: the model binds {} layers and the KV layout covers {}, the config has {}",
                           model.layers.size(), kv.pool_layer.size(), cfg.layers.size());
@@ -200,11 +201,16 @@ Result<Step35Forward> Step35Forward::create_impl(Backend &backend, const Step35M
         DType dtype;
         int64_t n;
     };
+    // A stream another MTP layer reads keeps its carry rows after the step rows.
+    const auto stream_rows = [&](int stream) {
+        if (stream > cap.n_mtp) return int64_t{0};
+        return T + (stream < cap.n_mtp ? cap.carry_rows : 0);
+    };
     const Request requests[] = {
-        {&f.x_, DType::kF32, T * d},
-        {&f.mtp_x_[0], DType::kF32, cap.n_mtp > 0 ? T * d : 1},
-        {&f.mtp_x_[1], DType::kF32, cap.n_mtp > 1 ? T * d : 1},
-        {&f.mtp_x_[2], DType::kF32, cap.n_mtp > 2 ? T * d : 1},
+        {&f.x_, DType::kF32, stream_rows(0) * d},
+        {&f.mtp_x_[0], DType::kF32, std::max<int64_t>(1, stream_rows(1) * d)},
+        {&f.mtp_x_[1], DType::kF32, std::max<int64_t>(1, stream_rows(2) * d)},
+        {&f.mtp_x_[2], DType::kF32, std::max<int64_t>(1, stream_rows(3) * d)},
         {&f.a_, DType::kF32, T * d},
         {&f.f_, DType::kF32, T * d},
         {&f.cat_, DType::kF32, cap.n_mtp > 0 ? T * 2 * d : 1},
@@ -269,12 +275,24 @@ TensorView Step35Forward::hidden(int stream, int64_t rows) const {
 }
 
 Result<void> Step35Forward::run(const StepTables &t) {
-    if (t.streams[0].n_rows > 0) {
-        if (auto ok = run_trunk(t); !ok) return ok;
+    for (int s = 0; s <= cap_.n_mtp; ++s) {
+        if (auto ok = run_stream(t, s); !ok) return ok;
     }
-    for (int k = 0; k < cap_.n_mtp; ++k) {
-        if (t.streams[1 + k].n_rows == 0) continue;
-        if (auto ok = run_mtp(t, k); !ok) return ok;
+    return {};
+}
+
+Result<void> Step35Forward::run_stream(const StepTables &t, int stream) {
+    MEMRA_CHECK(stream >= 0 && stream <= cap_.n_mtp, "forward: stream {} of {} MTP layers", stream, cap_.n_mtp);
+    const StreamTables &s = t.streams[stream];
+    if (s.n_rows == 0) return {};
+    if (auto ok = stream == 0 ? run_trunk(t) : run_mtp(t, stream - 1); !ok) return ok;
+    // The rows the next step's MTP rows read, saved past the step rows.
+    if (cap_.carry_rows > 0 && stream < cap_.n_mtp) {
+        const TensorView buf = stream == 0 ? x_ : mtp_x_[stream - 1];
+        const int64_t d = model_->cfg.d_model;
+        backend_->scatter_rows(hidden(stream, s.n_rows), s.carry_dst,
+                               mat(buf, cap_.max_rows + cap_.carry_rows, d).row_slice(cap_.max_rows,
+                                                                                      cap_.max_rows + cap_.carry_rows));
     }
     return {};
 }
@@ -299,7 +317,6 @@ Result<void> Step35Forward::run_mtp(const StepTables &t, int mtp) {
     const int layer = cfg.n_layers + mtp;
     const LayerWeights &w = model_->layers[static_cast<size_t>(layer)];
     const StreamTables &s = t.streams[1 + mtp];
-    const StreamTables &prev = t.streams[mtp];
     Backend &be = *backend_;
     const int64_t n = s.n_rows;
     const int64_t d = cfg.d_model;
@@ -309,7 +326,9 @@ Result<void> Step35Forward::run_mtp(const StepTables &t, int mtp) {
     const TensorView u = mat(mtp_x_[mtp], n, d);  // [n, d_model] the MTP layer's residual stream
     if (auto ok = be.embedding(model_->embed, s.ids, e); !ok) return ok;
     be.rms_norm(e, w.mtp.enorm, eps_, e);
-    be.gather_rows(hidden(mtp, prev.n_rows), s.hidden_src, hh);
+    // The previous stream's rows of this step, then its carry rows.
+    const int64_t src_rows = cap_.max_rows + cap_.carry_rows;
+    be.gather_rows(mat(mtp == 0 ? x_ : mtp_x_[mtp - 1], src_rows, d), s.hidden_src, hh);
     be.rms_norm(hh, w.mtp.hnorm, eps_, hh);
     be.concat_cols(e, hh, cat);
     be.matmul(cat, w.mtp.eh_proj, u);

@@ -37,6 +37,10 @@ struct ForwardCapacity {
     int64_t max_context = 0;     // positions a sequence may reach: RoPE tables, block-table width (>= 1)
     int64_t max_logit_rows = 0;  // logit rows per step, every stream together (>= 1)
     int n_mtp = 0;               // MTP layers the forward runs (0 .. the model's), each with KV in the pool
+    // Rows kept past the step rows of every stream another MTP layer reads (the trunk and MTP layers 0 ..
+    // n_mtp - 2): hidden states carried from one step to the next (a sequence's last rows, which the next
+    // step's MTP rows read). 0: none.
+    int64_t carry_rows = 0;
 };
 
 // Block-table entries a sequence of max_context positions needs: one per 64-row page.
@@ -84,7 +88,10 @@ struct StreamTables {
     TensorView slot_full;      // [n_rows] i32 full-pool slot of each row (trunk rows, when the pool exists)
     TensorView slot_swa;       // [n_rows] i32 sliding-pool slot of each row (when the stream uses the pool)
     TensorView logit_rows;     // [n_logit_rows] i32 stream rows whose logits are computed, in output order
-    TensorView hidden_src;     // [n_rows] i32 MTP only: the row of the previous stream's hidden state it reads
+    TensorView hidden_src;     // [n_rows] i32 MTP only: the row of the previous stream's hidden state it reads:
+                               // < max_rows this step's row, max_rows + c the previous stream's carry row c
+    TensorView carry_dst;      // [n_rows] i32 the carry row each row's hidden state is saved to, -1: none (read
+                               // only when the capacity has carry rows and a later MTP layer runs)
 };
 
 struct StepTables {
@@ -152,9 +159,12 @@ public:
 
     // One step over the tables (their counts within the capacity: the engine checked every request). The
     // trunk runs when streams[0] has rows; MTP layer k when streams[1 + k] has rows, reading its hidden rows
-    // from stream k (the trunk's last-layer output for k = 0). Errors: an id the embedding refuses, a
-    // communicator failure; the caller rolls the step back.
+    // from stream k (the trunk's last-layer output for k = 0) or from that stream's carry. Errors: an id the
+    // embedding refuses, a communicator failure; the caller rolls the step back.
     Result<void> run(const StepTables &tables);
+    // One stream of the step (0: the trunk, 1 + k: MTP layer k) when it has rows; run() is every stream in
+    // order. Speculation runs the MTP layers first (their drafts feed the trunk's rows) and the trunk last.
+    Result<void> run_stream(const StepTables &tables, int stream);
 
     // The logits of the last run: [rows, vocab_size] f32 on the backend, stream after stream (each stream's
     // rows from its logit_begin).

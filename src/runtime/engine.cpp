@@ -65,15 +65,27 @@ namespace {
 
 // Bytes the packed tables of a step need at most (the layout pack_tables uses, at the capacity).
 int64_t table_capacity(const model::ForwardCapacity &cap, int64_t max_blocks, int64_t max_sample_rows,
-                       int64_t max_positions) {
+                       int64_t max_positions, int spec_draft) {
     int64_t n = 0;
     for (int s = 0; s < model::kMaxStreamsPerStep; ++s) {
-        n += 6 * align_up(cap.max_rows * 4) + align_up(cap.max_rows * 8) + align_up(cap.max_logit_rows * 4);
+        n += 7 * align_up(cap.max_rows * 4) + align_up(cap.max_rows * 8) + align_up(cap.max_logit_rows * 4);
     }
     n += 2 * align_up(cap.max_seqs * max_blocks * 4);
     n += align_up(max_sample_rows * static_cast<int64_t>(sizeof(SampleRow)));
-    n += align_up(max_sample_rows * max_positions * 4);
+    // Penalty windows: one run of context tokens per sequence (a drafting one's with its draft slots after).
+    n += align_up(cap.max_seqs * (max_positions + spec_draft) * 4);
+    // Draft pairs: per drafting layer and sequence, the trunk row, the later layers' draft rows, the window.
+    n += spec_draft * align_up(cap.max_seqs * (2 + spec_draft) * 8);
     return n;
+}
+
+// A drafted token is sampled from the MTP logits with the sequence's noise and filters; the penalties act on
+// the target's logits only (SERVING.md 2.5).
+SamplingParams draft_params(SamplingParams p) {
+    p.repetition_penalty = 1.0f;
+    p.presence_penalty = 0.0f;
+    p.frequency_penalty = 0.0f;
+    return p;
 }
 
 }  // namespace
@@ -89,6 +101,10 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
     }
     if (o.mtp_layers < 0 || o.mtp_layers > cfg.n_mtp_layers) {
         return make_error("engine: {} MTP layers requested, the model has {}", o.mtp_layers, cfg.n_mtp_layers);
+    }
+    if (o.spec_draft < 0 || o.spec_draft > o.mtp_layers) {
+        return make_error("engine: {} drafts per step, expected 0 .. the {} MTP layers it runs", o.spec_draft,
+                          o.mtp_layers);
     }
     if (o.sample_vocab < 0 || o.sample_vocab > cfg.vocab_size) {
         return make_error("engine: sample_vocab {} outside [0, {}]", o.sample_vocab, cfg.vocab_size);
@@ -115,8 +131,14 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
     e->cap_.max_rows = o.step_rows;
     e->cap_.max_seqs = o.max_seqs;
     e->cap_.max_context = max_positions;
-    e->cap_.max_logit_rows = o.max_logit_rows > 0 ? o.max_logit_rows : o.max_seqs;
+    const int64_t rows_per_seq = 1 + 2 * int64_t{o.spec_draft};  // a drafting item: 1 + k trunk rows, k drafts
+    e->cap_.max_logit_rows = o.max_logit_rows > 0 ? o.max_logit_rows : o.max_seqs * rows_per_seq;
     e->cap_.n_mtp = o.mtp_layers;
+    // One carry slot per sequence that may step at once, each two halves of kCarryRows rows.
+    e->cap_.carry_rows = o.mtp_layers > 0 ? int64_t{o.max_seqs} * 2 * kCarryRows : 0;
+    if (o.mtp_layers > 0) {
+        for (int slot = o.max_seqs - 1; slot >= 0; --slot) e->free_carry_.push_back(slot);
+    }
     const int64_t blocks = model::max_blocks(e->cap_);
 
     // Pages: the full pool holds ctx_size positions plus one partial page per sequence; the sliding pool per
@@ -141,13 +163,13 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
         if (!group) return wrap_error("engine", group.error());
         e->group_.emplace(std::move(*group));
     }
-    const int64_t max_sample_rows = o.max_seqs;
-    if (max_sample_rows * max_positions > INT32_MAX) {
-        return make_error("engine: the sampling history of {} sequences of {} positions exceeds 2^31 tokens; lower "
+    const int64_t max_sample_rows = o.max_seqs * rows_per_seq;
+    if (int64_t{o.max_seqs} * (max_positions + o.spec_draft) > INT32_MAX / 4) {
+        return make_error("engine: the sampling history of {} sequences of {} positions exceeds 2^29 tokens; lower "
                           "the context (-c) or the sequences",
-                          max_sample_rows, max_positions);
+                          o.max_seqs, max_positions);
     }
-    const int64_t capacity = table_capacity(e->cap_, blocks, max_sample_rows, max_positions);
+    const int64_t capacity = table_capacity(e->cap_, blocks, max_sample_rows, max_positions, o.spec_draft);
     for (int r = 0; r < o.tp; ++r) {
         auto rk = std::make_unique<Rank>();
         auto backend = o.make_backend(r);
@@ -195,6 +217,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
     e->step_seqs_.reserve(static_cast<size_t>(o.max_seqs));
     e->step_items_.reserve(static_cast<size_t>(o.max_seqs));
     e->sample_row_of_item_.reserve(static_cast<size_t>(o.max_seqs));
+    e->spec_.reserve(static_cast<size_t>(o.max_seqs));
     for (int s = 0; s < kv::kMaxStreams; ++s) {
         e->logit_begin_[s].reserve(static_cast<size_t>(o.max_seqs));
         e->logit_count_[s].reserve(static_cast<size_t>(o.max_seqs));
@@ -209,9 +232,17 @@ Result<std::unique_ptr<Sequence>> Engine::create_sequence(const SequenceOptions 
                           options_.mtp_layers);
     }
     if (auto ok = validate_sampling_params(options.sampling); !ok) return tl::unexpected(ok.error());
+    if (options.mtp_streams > 0 && free_carry_.empty()) {
+        return make_error("sequence: the engine carries MTP hidden rows for {} sequences (max_seqs), all held",
+                          options_.max_seqs);
+    }
     kv::SeqKvShape shape = seq_shape_;
     shape.n_streams = 1 + options.mtp_streams;
     std::unique_ptr<Sequence> seq(new Sequence(this, shape, options));
+    if (options.mtp_streams > 0) {
+        seq->carry_slot_ = free_carry_.back();
+        free_carry_.pop_back();
+    }
     live_.push_back(seq.get());
     return seq;
 }
@@ -222,10 +253,110 @@ void Engine::release(Sequence &seq) {
         abandon();
     }
     seq.kv_.release_all(full_, swa_);
+    if (seq.carry_slot_ >= 0) free_carry_.push_back(seq.carry_slot_);
     live_.erase(std::remove(live_.begin(), live_.end(), &seq), live_.end());
 }
 
 // ---- The step ----
+
+namespace {
+
+// Logit rows a (resolved) item computes on a stream: the trunk's by `logits`; an MTP layer's every row with
+// mtp_logits, or its last row when it drafts.
+int64_t logit_rows_of(const StepItem &it, int stream) {
+    if (stream == 0) {
+        if (it.logits == LogitRows::kAll) return it.rows;
+        return it.logits == LogitRows::kLast && it.rows > 0 ? 1 : 0;
+    }
+    if (it.draft > stream - 1) return 1;
+    return it.mtp_logits ? it.mtp_rows[stream - 1] : 0;
+}
+
+int64_t stream_rows_of(const StepItem &it, int stream) { return stream == 0 ? it.rows : it.mtp_rows[stream - 1]; }
+
+}  // namespace
+
+bool Engine::source_ready(const Sequence &s, const StepItem &it, int stream, int64_t p) const {
+    const int src = stream - 1;  // the trunk (0) or MTP layer stream - 2 (its stream index)
+    const int64_t q = src == 0 ? p : p - 1;
+    if (q < s.kv_.first(src)) return false;
+    const int64_t in0 = s.length(src);
+    const int64_t in1 = in0 + ((src == 0 && mtp_first_) ? 0 : stream_rows_of(it, src));
+    if (q >= in0 && q < in1) return true;
+    return s.carry_slot_ >= 0 && q >= s.carry_[src].lo && q < s.carry_[src].hi;
+}
+
+Result<void> Engine::resolve_items(std::span<const StepItem> items) {
+    step_items_.clear();
+    spec_.clear();
+    mtp_first_ = std::any_of(items.begin(), items.end(), [](const StepItem &it) { return it.draft != 0; });
+    int64_t used[kv::kMaxStreams] = {};
+    for (size_t i = 0; i < items.size() && i < static_cast<size_t>(options_.max_seqs); ++i) {
+        StepItem r = items[i];
+        Spec sp;
+        const Sequence *s = r.seq;
+        if (s != nullptr && s->engine_ == this) {
+            const int64_t len0 = s->length(0);
+            const auto n_tokens = static_cast<int64_t>(s->tokens.size());
+            if (r.draft != 0) {
+                const int k = r.draft;
+                if (k < 0 || k > options_.spec_draft || k >= s->n_streams()) {
+                    return make_error("step item {}: {} drafts, expected 1 .. {} (the engine's spec_draft {}, the "
+                                      "sequence's {} MTP layers)",
+                                      i, k, std::min(options_.spec_draft, s->n_streams() - 1), options_.spec_draft,
+                                      s->n_streams() - 1);
+                }
+                if (r.rows != 1 || n_tokens - len0 != 1 || !r.sample) {
+                    return make_error("step item {}: drafting needs one pending token, rows = 1 and sample; found "
+                                      "{} pending, rows {}, sample {}",
+                                      i, n_tokens - len0, r.rows, r.sample);
+                }
+                if (r.mtp_logits) return make_error("step item {}: a drafting item computes no MTP logit rows", i);
+                if (len0 + k >= max_positions()) {
+                    return make_error("step item {}: {} drafts after position {} pass the sequence's {} positions",
+                                      i, k, len0, max_positions());
+                }
+                r.rows = 1 + k;
+                r.logits = LogitRows::kAll;
+                r.mtp_follow = true;
+            }
+            if (r.mtp_follow) {
+                for (int k = 0; k < model::kMaxMtp; ++k) {
+                    if (r.mtp_rows[k] != 0) {
+                        return make_error("step item {}: mtp_follow sets the MTP rows itself, found {} rows of MTP "
+                                          "layer {}",
+                                          i, r.mtp_rows[k], k);
+                    }
+                }
+                for (int k = 0; k + 1 < s->n_streams(); ++k) {
+                    const int drafts = r.draft > k ? k : 0;
+                    const int64_t start = s->length(1 + k);
+                    const int64_t budget = cap_.max_rows - used[1 + k] - drafts;
+                    int64_t end = start;
+                    // Row p takes token p + 1 and its source row.
+                    while (end < n_tokens - 1 && end - start < budget && source_ready(*s, r, 1 + k, end)) ++end;
+                    r.mtp_rows[k] = end - start;
+                    sp.catch_up[k] = end - start;
+                    if (r.draft > k) {
+                        if (end != len0) {
+                            const auto [lo, hi] = s->carried(k);
+                            return make_error("step item {}: MTP layer {} cannot draft: its rows reach position {}, "
+                                              "the sequence is at {} (stream {} carries positions [{}, {}))",
+                                              i, k, end - 1, len0 - 1, k, lo, hi);
+                        }
+                        r.mtp_rows[k] += drafts;
+                    }
+                }
+            } else {
+                std::copy(r.mtp_rows, r.mtp_rows + model::kMaxMtp, sp.catch_up);
+            }
+            for (int st = 0; st < kv::kMaxStreams; ++st) used[st] += std::max<int64_t>(0, stream_rows_of(r, st));
+        }
+        step_items_.push_back(r);
+        spec_.push_back(sp);
+    }
+    return {};
+}
 
 Result<void> Engine::check_items(std::span<const StepItem> items) const {
     if (items.empty() || static_cast<int64_t>(items.size()) > options_.max_seqs) {
@@ -244,11 +375,12 @@ Result<void> Engine::check_items(std::span<const StepItem> items) const {
         if (s->kv_.in_txn()) return make_error("step item {}: the sequence has an open transaction", i);
         const int64_t len0 = s->length(0);
         const auto n_tokens = static_cast<int64_t>(s->tokens.size());
-        if (it.rows < 0 || it.rows > n_tokens - len0) {
+        const int64_t known = it.rows - it.draft;  // a drafting item's draft rows take their tokens in the run
+        if (it.rows < 0 || known > n_tokens - len0) {
             return make_error("step item {}: {} trunk rows, the sequence has {} tokens past its {} cached ones", i,
                               it.rows, n_tokens - len0, len0);
         }
-        for (int64_t p = len0; p < len0 + it.rows; ++p) {
+        for (int64_t p = len0; p < len0 + known; ++p) {
             const int32_t id = s->tokens[static_cast<size_t>(p)];
             if (id < 0 || id >= cfg_.vocab_size) {
                 return make_error("step item {}: token id {} at position {} outside the vocabulary [0, {})", i, id, p,
@@ -266,36 +398,35 @@ Result<void> Engine::check_items(std::span<const StepItem> items) const {
             }
             item_rows += n;
             const int64_t p0 = s->length(1 + k);
-            if (p0 + n + 1 > n_tokens) {
+            const int64_t catch_up = spec_[i].catch_up[k];  // rows whose token is in the sequence
+            if (p0 + catch_up + 1 > n_tokens) {
                 return make_error("step item {}: MTP layer {} row {} needs the token at position {}, the sequence has {} "
                                   "tokens",
-                                  i, k, p0 + n - 1, p0 + n, n_tokens);
+                                  i, k, p0 + catch_up - 1, p0 + catch_up, n_tokens);
             }
-            for (int64_t p = p0 + 1; p <= p0 + n; ++p) {
+            for (int64_t p = p0 + 1; p <= p0 + catch_up; ++p) {
                 const int32_t id = s->tokens[static_cast<size_t>(p)];
                 if (id < 0 || id >= cfg_.vocab_size) {
                     return make_error("step item {}: token id {} at position {} outside the vocabulary [0, {})", i, id,
                                       p, cfg_.vocab_size);
                 }
             }
-            // Row p reads the hidden row of the trunk at p (k = 0) or of MTP layer k - 1 at p - 1, which must
-            // be a row of this step.
-            const int64_t src0 = k == 0 ? len0 : s->length(k);
-            const int64_t src1 = k == 0 ? len0 + it.rows : s->length(k) + it.mtp_rows[k - 1];
-            const int64_t need0 = k == 0 ? p0 : p0 - 1;
-            const int64_t need1 = need0 + n;
-            if (need0 < src0 || need1 > src1) {
-                return make_error("step item {}: MTP layer {} rows at positions [{}, {}) read {} rows [{}, {}), but "
-                                  "this step computes [{}, {})",
-                                  i, k, p0, p0 + n, k == 0 ? std::string("trunk") : fmt::format("MTP layer {}", k - 1),
-                                  need0, need1, src0, src1);
+            // Row p reads the hidden row of the trunk at p (k = 0) or of MTP layer k - 1 at p - 1: a row of this
+            // step or one the sequence carries.
+            for (int64_t p = p0; p < p0 + n; ++p) {
+                if (!source_ready(*s, it, 1 + k, p)) {
+                    const auto [lo, hi] = s->carried(k);
+                    return make_error("step item {}: MTP layer {} row at position {} reads {} row {}, which this step "
+                                      "does not compute{} and the sequence does not carry (it carries [{}, {}))",
+                                      i, k, p, k == 0 ? std::string("trunk") : fmt::format("MTP layer {}", k - 1),
+                                      k == 0 ? p : p - 1, k == 0 && mtp_first_ ? " before the MTP layers" : "", lo,
+                                      hi);
+                }
             }
             rows[1 + k] += n;
-            if (it.mtp_logits) logit_rows += n;
         }
         if (item_rows == 0) return make_error("step item {}: no rows to run", i);
-        if (it.logits == LogitRows::kAll) logit_rows += it.rows;
-        if (it.logits == LogitRows::kLast && it.rows > 0) logit_rows += 1;
+        for (int st = 0; st < kv::kMaxStreams; ++st) logit_rows += logit_rows_of(it, st);
         if (it.sample && (it.rows == 0 || it.logits == LogitRows::kNone)) {
             return make_error("step item {}: sampling needs the last trunk row's logits", i);
         }
@@ -352,7 +483,8 @@ void Engine::pack_tables(std::span<const StepItem> items) {
 
     struct StreamOffsets {
         int64_t n = 0, n_logits = 0, logit_begin = 0;
-        int64_t ids = 0, pos = 0, seq = 0, slot_full = 0, slot_swa = 0, logit_rows = 0, hidden_src = 0;
+        int64_t ids = 0, pos = 0, seq = 0, slot_full = 0, slot_swa = 0, logit_rows = 0, hidden_src = 0,
+                carry_dst = 0;
     };
     StreamOffsets so[model::kMaxStreamsPerStep];
 
@@ -367,14 +499,10 @@ void Engine::pack_tables(std::span<const StepItem> items) {
         so[s].logit_begin = logit_total;
         for (int64_t i = 0; i < n_items; ++i) {
             const StepItem &it = items[static_cast<size_t>(i)];
-            const int64_t n = s == 0 ? it.rows : it.mtp_rows[s - 1];
-            const int64_t nl = s == 0 ? (it.logits == LogitRows::kAll ? it.rows
-                                         : it.logits == LogitRows::kLast && it.rows > 0 ? 1
-                                                                                        : 0)
-                                      : (it.mtp_logits ? n : 0);
+            const int64_t nl = logit_rows_of(it, s);
             logit_begin_[s][static_cast<size_t>(i)] = logit_total;
             logit_count_[s][static_cast<size_t>(i)] = nl;
-            so[s].n += n;
+            so[s].n += stream_rows_of(it, s);
             so[s].n_logits += nl;
             logit_total += nl;
         }
@@ -390,18 +518,40 @@ void Engine::pack_tables(std::span<const StepItem> items) {
         so[s].slot_swa = take(n * 4);
         so[s].logit_rows = take(so[s].n_logits * 4);
         so[s].hidden_src = take(n * 4);
+        so[s].carry_dst = take(n * 4);
     }
     const int64_t bt_full = take(n_items * blocks * 4);
     const int64_t bt_swa = take(n_items * blocks * 4);
-    n_sample_rows_ = 0;
-    for (const StepItem &it : items) n_sample_rows_ += it.sample ? 1 : 0;
+    // Sample rows: the trunk's (1 + draft per sampling item), then the drafts of each MTP layer in turn.
+    int64_t n_groups[1 + model::kMaxMtp] = {};
+    for (const StepItem &it : items) {
+        if (it.sample) n_groups[0] += 1 + it.draft;
+        for (int k = 0; k < it.draft; ++k) ++n_groups[1 + k];
+    }
+    group_end_[0] = n_groups[0];
+    for (int g = 1; g <= model::kMaxMtp; ++g) group_end_[g] = group_end_[g - 1] + n_groups[g];
+    n_sample_rows_ = group_end_[model::kMaxMtp];
     sample_offset_ = take(n_sample_rows_ * static_cast<int64_t>(sizeof(SampleRow)));
+    // Penalty windows: per sampling item the context tokens its rows look at, then its draft slots.
+    const auto window_of = [&](const StepItem &it) {
+        const int64_t ctx0 = it.seq->length(0) + it.rows - it.draft;  // the first sampled position
+        const int64_t h0 = it.seq->sampling_.penalty_context(ctx0);
+        return std::pair<int64_t, int64_t>{ctx0 - h0, h0 > 0 ? h0 + it.draft : 0};
+    };
     history_len_ = 0;
     for (const StepItem &it : items) {
-        if (!it.sample) continue;
-        history_len_ += it.seq->sampling_.penalty_context(it.seq->length(0) + it.rows);
+        if (it.sample) history_len_ += window_of(it).second;
     }
     history_offset_ = take(history_len_ * 4);
+    for (int k = 0; k < model::kMaxMtp; ++k) {
+        pairs_count_[k] = 0;
+        for (const StepItem &it : items) {
+            if (it.draft <= k) continue;
+            pairs_count_[k] += 1 + (it.draft - 1 - k);  // the trunk row and the later layers' draft rows
+            if (window_of(it).second > 0) ++pairs_count_[k];
+        }
+        pairs_offset_[k] = take(pairs_count_[k] * 8);
+    }
     table_bytes_ = cursor;
 
     // Fill: item after item, row j of stream s at position length(s) + j. An item's first row per stream
@@ -410,38 +560,60 @@ void Engine::pack_tables(std::span<const StepItem> items) {
     int64_t item_first[model::kMaxStreamsPerStep] = {};
     int64_t starts[model::kMaxStreamsPerStep] = {};
     int64_t logit_fill[model::kMaxStreamsPerStep] = {};
-    int64_t sample_fill = 0, history_fill = 0;
+    int64_t group_fill[1 + model::kMaxMtp] = {0, group_end_[0], group_end_[1], group_end_[2]};
+    int64_t pair_fill[model::kMaxMtp] = {};
+    int64_t history_fill = 0;
     sample_row_of_item_.assign(static_cast<size_t>(n_items), -1);
     auto *sample_rows = reinterpret_cast<SampleRow *>(host + sample_offset_);
+    const auto carry_index = [&](const Sequence &sq, int half, int64_t p) {
+        return static_cast<int32_t>((int64_t{sq.carry_slot_} * 2 + half) * kCarryRows + p % kCarryRows);
+    };
     for (int64_t i = 0; i < n_items; ++i) {
         const StepItem &it = items[static_cast<size_t>(i)];
         const Sequence &sq = *it.seq;
         const kv::SeqKv &kv = sq.kv_;
+        Spec &sp = spec_[static_cast<size_t>(i)];
         for (int s = 0; s < model::kMaxStreamsPerStep; ++s) item_first[s] = starts[s];
         for (int s = 0; s < model::kMaxStreamsPerStep; ++s) {
-            const int64_t n = s == 0 ? it.rows : it.mtp_rows[s - 1];
+            const int64_t n = stream_rows_of(it, s);
             const int64_t p0 = s < sq.n_streams() ? kv.length(s) : 0;
+            // The streams another MTP layer of the sequence reads save their last rows to the carry.
+            const bool carries = sq.carry_slot_ >= 0 && s + 1 < sq.n_streams();
             for (int64_t j = 0; j < n; ++j) {
                 const int64_t r = row[s]++;
                 const int64_t p = p0 + j;
-                i32_at(so[s].ids)[r] = sq.tokens[static_cast<size_t>(s == 0 ? p : p + 1)];
+                const int64_t token_at = s == 0 ? p : p + 1;
+                // A draft row's token is written in the run (placeholder 0 until then).
+                i32_at(so[s].ids)[r] = token_at < static_cast<int64_t>(sq.tokens.size())
+                                           ? sq.tokens[static_cast<size_t>(token_at)]
+                                           : 0;
                 i64_at(so[s].pos)[r] = p;
                 i32_at(so[s].seq)[r] = static_cast<int32_t>(i);
                 i32_at(so[s].slot_full)[r] =
                     s == 0 && seq_shape_.trunk_full ? kv.slot(kv::PoolKind::kFull, p) : -1;
                 i32_at(so[s].slot_swa)[r] =
                     (s > 0 || seq_shape_.trunk_sliding) ? kv.slot(kv::PoolKind::kSwa, p) : -1;
-                // The previous stream's row: the trunk's row at p, or MTP layer s - 2's row at p - 1.
+                // The previous stream's row (the trunk's at p, or MTP layer s - 2's at p - 1): this step's, or
+                // the carried one past the step rows.
                 int32_t src = -1;
-                if (s == 1) src = static_cast<int32_t>(item_first[0] + (p - kv.length(0)));
-                if (s > 1) src = static_cast<int32_t>(item_first[s - 1] + (p - 1 - kv.length(s - 1)));
+                if (s >= 1) {
+                    const int ps = s - 1;
+                    const int64_t q = ps == 0 ? p : p - 1;
+                    const int64_t in0 = kv.length(ps);
+                    const int64_t in1 = in0 + ((ps == 0 && mtp_first_) ? 0 : stream_rows_of(it, ps));
+                    src = q >= in0 && q < in1
+                              ? static_cast<int32_t>(item_first[ps] + (q - in0))
+                              : static_cast<int32_t>(cap_.max_rows + carry_index(sq, sq.carry_[ps].half, q));
+                }
                 i32_at(so[s].hidden_src)[r] = src;
+                i32_at(so[s].carry_dst)[r] =
+                    carries && j >= n - kCarryRows ? carry_index(sq, 1 - sq.carry_[s].half, p) : -1;
             }
-            // Logit rows: the stream rows whose logits are computed.
+            // Logit rows: the stream rows whose logits are computed (a drafting MTP layer: its last row).
             const int64_t nl = logit_count_[s][static_cast<size_t>(i)];
             for (int64_t j = 0; j < nl; ++j) {
-                const int64_t local = s == 0 && it.logits == LogitRows::kLast ? n - 1 : j;
-                i32_at(so[s].logit_rows)[logit_fill[s]++] = static_cast<int32_t>(item_first[s] + local);
+                const bool last = s == 0 ? it.logits == LogitRows::kLast : it.draft > s - 1;
+                i32_at(so[s].logit_rows)[logit_fill[s]++] = static_cast<int32_t>(item_first[s] + (last ? n - 1 : j));
             }
             starts[s] += n;
         }
@@ -449,25 +621,58 @@ void Engine::pack_tables(std::span<const StepItem> items) {
                     static_cast<size_t>(blocks * 4));
         std::memcpy(host + bt_swa + i * blocks * 4, kv.block_table(kv::PoolKind::kSwa).data(),
                     static_cast<size_t>(blocks * 4));
-        if (it.sample) {
-            const SamplingParams &p = sq.sampling_;
-            const int64_t context = kv.length(0) + it.rows;
-            const int64_t hist = p.penalty_context(context);  // none when the penalties are off
+        if (!it.sample) continue;
+        // The trunk's samples: row j of the item's logit rows samples position ctx0 + j, its penalty window
+        // the context before it (draft slots included, written in the run).
+        const SamplingParams &p = sq.sampling_;
+        const auto [win0, win_len] = window_of(it);
+        const int64_t ctx0 = kv.length(0) + it.rows - it.draft;
+        const int64_t first_logit = logit_begin_[0][static_cast<size_t>(i)] + logit_count_[0][static_cast<size_t>(i)] -
+                                    (1 + it.draft);
+        sample_row_of_item_[static_cast<size_t>(i)] = group_fill[0];
+        for (int64_t j = 0; j <= it.draft; ++j) {
+            const int64_t hist = p.penalty_context(ctx0 + j);  // none when the penalties are off
             SampleRow sr;
             sr.params = p;
             sr.choice = sq.choice_;
-            sr.position = context;
-            sr.logit_row = static_cast<int32_t>(logit_begin_[0][static_cast<size_t>(i)] +
-                                                logit_count_[0][static_cast<size_t>(i)] - 1);
-            sr.history_begin = static_cast<int32_t>(history_fill);
+            sr.position = ctx0 + j;
+            sr.logit_row = static_cast<int32_t>(first_logit + j);
+            sr.history_begin = hist > 0 ? static_cast<int32_t>(history_fill + (ctx0 + j - hist - win0)) : 0;
             sr.history_len = static_cast<int32_t>(hist);
             sr.top_logprobs = it.top_logprobs;
-            std::memcpy(&sample_rows[sample_fill], &sr, sizeof(SampleRow));
-            std::memcpy(host + history_offset_ + history_fill * 4, sq.tokens.data() + (context - hist),
-                        static_cast<size_t>(hist * 4));
-            history_fill += hist;
-            sample_row_of_item_[static_cast<size_t>(i)] = sample_fill++;
+            std::memcpy(&sample_rows[group_fill[0]++], &sr, sizeof(SampleRow));
         }
+        if (win_len > 0) {
+            std::memcpy(host + history_offset_ + history_fill * 4, sq.tokens.data() + win0,
+                        static_cast<size_t>((ctx0 - win0) * 4));
+            std::memset(host + history_offset_ + (history_fill + ctx0 - win0) * 4, 0, static_cast<size_t>(it.draft * 4));
+        }
+        // The drafts: MTP layer k's last row predicts position ctx0 + k; its token feeds the trunk's row 1 + k,
+        // the later layers' draft rows at that position, and the trunk's penalty windows.
+        for (int k = 0; k < it.draft; ++k) {
+            SampleRow sr;
+            sr.params = draft_params(p);
+            sr.choice = sq.choice_;
+            sr.position = ctx0 + k;
+            sr.logit_row = static_cast<int32_t>(logit_begin_[1 + k][static_cast<size_t>(i)]);
+            const int64_t at = group_fill[1 + k]++;
+            std::memcpy(&sample_rows[at], &sr, sizeof(SampleRow));
+            sp.draft_row[k] = at;
+            int32_t *pairs = i32_at(pairs_offset_[k]);
+            const auto add = [&](int64_t table_byte_offset) {
+                const int64_t f = pair_fill[k]++;
+                pairs[2 * f] = static_cast<int32_t>(at);
+                pairs[2 * f + 1] = static_cast<int32_t>(table_byte_offset / 4);
+            };
+            add(so[0].ids + (item_first[0] + 1 + k) * 4);
+            for (int m = k + 1; m < it.draft; ++m) {
+                // MTP layer m's draft rows follow its catch-up rows: the one at position ctx0 - 1 + k takes
+                // draft k.
+                add(so[1 + m].ids + (item_first[1 + m] + sp.catch_up[m] + k) * 4);
+            }
+            if (win_len > 0) add(history_offset_ + (history_fill + ctx0 - win0 + k) * 4);
+        }
+        history_fill += win_len;
     }
 
     // Every rank's views: the same offsets of its own buffer.
@@ -486,6 +691,7 @@ void Engine::pack_tables(std::span<const StepItem> items) {
             st.slot_swa = table_view(rk->tables, so[s].slot_swa, DType::kI32, so[s].n);
             st.logit_rows = table_view(rk->tables, so[s].logit_rows, DType::kI32, so[s].n_logits);
             st.hidden_src = table_view(rk->tables, so[s].hidden_src, DType::kI32, so[s].n);
+            st.carry_dst = table_view(rk->tables, so[s].carry_dst, DType::kI32, so[s].n);
         }
         t.bt_full = table_view(rk->tables, bt_full, DType::kI32, n_items, blocks);
         t.bt_swa = table_view(rk->tables, bt_swa, DType::kI32, n_items, blocks);
@@ -498,20 +704,21 @@ void Engine::pack_tables(std::span<const StepItem> items) {
 Result<void> Engine::plan(std::span<const StepItem> items) {
     const int64_t before = count_allocations_ ? count_allocations_() : 0;
     if (phase_ != Phase::kIdle) return make_error("step: a step is already planned; finish or abandon it first");
-    if (auto ok = check_items(items); !ok) return ok;
-    if (auto ok = begin_all(items); !ok) return ok;
-    step_seqs_.clear();
-    step_items_.clear();
-    for (const StepItem &it : items) {
-        step_seqs_.push_back(it.seq);
-        step_items_.push_back(it);
+    if (items.empty() || static_cast<int64_t>(items.size()) > options_.max_seqs) {
+        return make_error("step: {} sequences, expected 1 .. {}", items.size(), options_.max_seqs);
     }
-    pack_tables(items);
+    if (auto ok = resolve_items(items); !ok) return ok;
+    if (auto ok = check_items(step_items_); !ok) return ok;
+    if (auto ok = begin_all(step_items_); !ok) return ok;
+    step_seqs_.clear();
+    for (const StepItem &it : step_items_) step_seqs_.push_back(it.seq);
+    pack_tables(step_items_);
     for (const std::unique_ptr<Rank> &rk : ranks_) {
         rk->d2h_at_plan = rk->d2h_at_run_end = rk->backend->counters().d2h_copies;
         rk->backend->copy_from_host(host_tables_.data(), rk->tables.row_slice(0, table_bytes_));
     }
     run_error_.clear();
+    collected_ = false;
     phase_ = Phase::kPlanned;
     alloc_before_ = before;
     return {};
@@ -519,11 +726,31 @@ Result<void> Engine::plan(std::span<const StepItem> items) {
 
 Result<void> Engine::run_rank(int rank) {
     Rank &rk = *ranks_[static_cast<size_t>(rank)];
-    if (auto ok = rk.forward->run(rk.step); !ok) return ok;
-    if (n_sample_rows_ > 0) {
-        rk.backend->sample(rk.forward->logits(n_logit_rows_), options_.sample_vocab, rk.sample_rows, rk.history,
-                           rk.sample_out.row_slice(0, n_sample_rows_ * static_cast<int64_t>(sizeof(SampledToken))));
+    Backend &be = *rk.backend;
+    const auto sz = static_cast<int64_t>(sizeof(SampleRow));
+    const auto out_sz = static_cast<int64_t>(sizeof(SampledToken));
+    const TensorView logits = rk.forward->logits(n_logit_rows_);
+    const auto sample_group = [&](int64_t g0, int64_t g1) {
+        if (g1 > g0) be.sample(logits, options_.sample_vocab, rk.sample_rows.row_slice(g0 * sz, g1 * sz), rk.history,
+                               rk.sample_out.row_slice(g0 * out_sz, g1 * out_sz));
+    };
+    if (!mtp_first_) {
+        if (auto ok = rk.forward->run(rk.step); !ok) return ok;
+        sample_group(0, group_end_[0]);
+        return {};
     }
+    // Speculation: each MTP layer drafts from its last rows and writes the drafts into the later layers' and the
+    // trunk's tables; the trunk then verifies.
+    const TensorView table_ids = table_view(rk.tables, 0, DType::kI32, rk.tables.numel() / 4);
+    for (int k = 0; k < cap_.n_mtp; ++k) {
+        if (auto ok = rk.forward->run_stream(rk.step, 1 + k); !ok) return ok;
+        if (pairs_count_[k] == 0) continue;
+        sample_group(group_end_[k], group_end_[k + 1]);
+        be.scatter_ids(rk.sample_out.row_slice(0, n_sample_rows_ * out_sz),
+                       table_view(rk.tables, pairs_offset_[k], DType::kI32, pairs_count_[k] * 2), table_ids);
+    }
+    if (auto ok = rk.forward->run_stream(rk.step, 0); !ok) return ok;
+    sample_group(0, group_end_[0]);
     return {};
 }
 
@@ -555,13 +782,38 @@ void Engine::abandon() {
     count(alloc_before_);
 }
 
-Result<void> Engine::finish(std::span<const Keep> keep) {
-    if (phase_ != Phase::kRun) return make_error("step: finish() without a run step");
+Result<void> Engine::collect() {
+    if (phase_ != Phase::kRun) return make_error("step: collect() without a run step");
+    if (collected_) return {};
     if (!run_error_.empty()) {
         rollback_all();
         count(alloc_before_);
         return make_error("step failed: {}", run_error_);
     }
+    Rank &r0 = *ranks_.front();
+    if (n_sample_rows_ > 0) {
+        r0.backend->copy_to_host(r0.sample_out.row_slice(0, n_sample_rows_ * static_cast<int64_t>(sizeof(SampledToken))),
+                                 sampled_.data());
+    }
+    // Exact-match acceptance (DETERMINISM.md rule 8): draft k stands while it equals the trunk's own sample at
+    // its position, so the emitted tokens are the ones a step without drafts samples.
+    for (size_t i = 0; i < step_items_.size(); ++i) {
+        Spec &sp = spec_[i];
+        sp.accepted = 0;
+        const int64_t first = sample_row_of_item_[i];
+        while (sp.accepted < step_items_[i].draft &&
+               sampled_[static_cast<size_t>(sp.draft_row[sp.accepted])].id ==
+                   sampled_[static_cast<size_t>(first + sp.accepted)].id) {
+            ++sp.accepted;
+        }
+    }
+    collected_ = true;
+    return {};
+}
+
+Result<void> Engine::finish(std::span<const Keep> keep) {
+    if (phase_ != Phase::kRun) return make_error("step: finish() without a run step");
+    if (auto ok = collect(); !ok) return ok;
     if (!keep.empty() && keep.size() != step_seqs_.size()) {
         rollback_all();
         count(alloc_before_);
@@ -569,17 +821,13 @@ Result<void> Engine::finish(std::span<const Keep> keep) {
     }
     // Every keep count is checked before any sequence commits, so a refusal leaves the whole step rolled back.
     for (size_t i = 0; i < step_seqs_.size(); ++i) {
-        if (auto ok = check_keep(*step_seqs_[i], keep.empty() ? Keep{} : keep[i]); !ok) {
+        if (auto ok = check_keep(i, keep.empty() ? Keep{} : keep[i]); !ok) {
             rollback_all();
             count(alloc_before_);
             return wrap_error(fmt::format("step item {} keep", i), ok.error());
         }
     }
     Rank &r0 = *ranks_.front();
-    if (n_sample_rows_ > 0) {
-        r0.backend->copy_to_host(r0.sample_out.row_slice(0, n_sample_rows_ * static_cast<int64_t>(sizeof(SampledToken))),
-                                 sampled_.data());
-    }
     logits_copied_ = std::any_of(step_items_.begin(), step_items_.end(),
                                  [](const StepItem &it) { return it.return_logits; });
     if (logits_copied_ && n_logit_rows_ > 0) {
@@ -592,9 +840,11 @@ Result<void> Engine::finish(std::span<const Keep> keep) {
         int64_t rows[kv::kMaxStreams] = {};
         for (int st = 0; st < s.n_streams(); ++st) {
             const int64_t want = keep.empty() ? -1 : keep[i].rows[st];
-            rows[st] = want < 0 ? s.kv_.staged(st) : want;
+            rows[st] = want < 0 ? default_keep(i, st) : want;
         }
-        auto ok = s.kv_.commit(s.txn_, std::span<const int64_t>(rows, static_cast<size_t>(s.n_streams())), full_, swa_);
+        const auto kept = std::span<const int64_t>(rows, static_cast<size_t>(s.n_streams()));
+        update_carry(i, kept);
+        auto ok = s.kv_.commit(s.txn_, kept, full_, swa_);
         MEMRA_CHECK(ok.has_value(), "engine: item {}'s checked keep counts were refused: {}", i,
                     ok ? "" : ok.error().message);
     }
@@ -604,12 +854,46 @@ Result<void> Engine::finish(std::span<const Keep> keep) {
     return {};
 }
 
-Result<void> Engine::check_keep(const Sequence &s, const Keep &keep) const {
+int64_t Engine::default_keep(size_t item, int stream) const {
+    const StepItem &it = step_items_[item];
+    if (it.draft == 0) return step_seqs_[item]->kv_.staged(stream);
+    return stream == 0 ? 1 + spec_[item].accepted : spec_[item].catch_up[stream - 1];
+}
+
+// Before the commit (the staged rows' positions start at the committed lengths): a stream that keeps rows of
+// this step carries its last ones, which the run wrote into the half that was not valid.
+void Engine::update_carry(size_t item, std::span<const int64_t> kept) {
+    Sequence &s = *step_seqs_[item];
+    if (s.carry_slot_ < 0) return;
+    for (int st = 0; st + 1 < s.n_streams(); ++st) {
+        const int64_t n = stream_rows_of(step_items_[item], st);
+        const int64_t keep = kept[static_cast<size_t>(st)];
+        if (n == 0 || keep == 0) continue;
+        const int64_t p0 = s.kv_.length(st);
+        Sequence::Carry &c = s.carry_[st];
+        c.half = 1 - c.half;
+        c.lo = std::max(p0, p0 + n - kCarryRows);
+        c.hi = p0 + keep;
+        if (c.hi < c.lo) c.lo = c.hi;
+    }
+}
+
+Result<void> Engine::check_keep(size_t item, const Keep &keep) const {
+    const Sequence &s = *step_seqs_[item];
+    const StepItem &it = step_items_[item];
     int64_t len[kv::kMaxStreams] = {};
     for (int st = 0; st < s.n_streams(); ++st) {
         const int64_t staged = s.kv_.staged(st);
-        const int64_t want = keep.rows[st] < 0 ? staged : keep.rows[st];
+        const int64_t want = keep.rows[st] < 0 ? default_keep(item, st) : keep.rows[st];
         if (want > staged) return make_error("stream {} keeps {} rows, {} were staged", st, want, staged);
+        if (it.draft > 0 && want > default_keep(item, st)) {
+            return st == 0 ? make_error("the trunk keeps {} rows, past the {} whose tokens the drafts' acceptance "
+                                        "confirms (1 + {} accepted)",
+                                        want, default_keep(item, st), spec_[item].accepted)
+                           : make_error("MTP layer {} keeps {} rows, past its {} catch-up rows (draft rows are never "
+                                        "kept)",
+                                        st - 1, want, default_keep(item, st));
+        }
         len[st] = s.kv_.length(st) + want;
     }
     // MTP layer 0's row p was computed from the trunk's row p, MTP layer k's from MTP layer k - 1's row p - 1:
@@ -636,10 +920,27 @@ Result<void> Engine::step(std::span<const StepItem> items) {
     return finish();
 }
 
-const SampledToken &Engine::sampled(size_t item) const {
-    MEMRA_CHECK(item < sample_row_of_item_.size() && sample_row_of_item_[item] >= 0, "engine: item {} did not sample",
-                item);
-    return sampled_[static_cast<size_t>(sample_row_of_item_[item])];
+const SampledToken &Engine::sampled(size_t item, int64_t j) const {
+    MEMRA_CHECK(item < sample_row_of_item_.size() && sample_row_of_item_[item] >= 0 && j >= 0 &&
+                    j <= step_items_[item].draft,
+                "engine: item {} did not sample a token {}", item, j);
+    return sampled_[static_cast<size_t>(sample_row_of_item_[item] + j)];
+}
+
+int64_t Engine::sampled_count(size_t item) const {
+    MEMRA_CHECK(item < sample_row_of_item_.size(), "engine: no item {}", item);
+    return sample_row_of_item_[item] < 0 ? 0 : 1 + step_items_[item].draft;
+}
+
+int32_t Engine::draft(size_t item, int j) const {
+    MEMRA_CHECK(item < spec_.size() && j >= 0 && j < step_items_[item].draft, "engine: item {} has no draft {}", item,
+                j);
+    return sampled_[static_cast<size_t>(spec_[item].draft_row[j])].id;
+}
+
+int64_t Engine::accepted(size_t item) const {
+    MEMRA_CHECK(item < spec_.size(), "engine: no item {}", item);
+    return spec_[item].accepted;
 }
 
 std::span<const float> Engine::logits(size_t item, int stream) const {
@@ -756,9 +1057,48 @@ Result<int32_t> feed(Engine &engine, Sequence &seq) {
         it.rows = rows;
         it.logits = last ? LogitRows::kLast : LogitRows::kNone;
         it.sample = last;
+        it.mtp_follow = seq.n_streams() > 1;
         if (auto ok = engine.step(std::span(&it, 1)); !ok) return tl::unexpected(ok.error());
         if (last) return engine.sampled(0).id;
     }
+}
+
+Result<Decoded> decode(Engine &engine, Sequence &seq, const DecodeOptions &options) {
+    if (seq.pending() != 1) {
+        return make_error("decode: the sequence has {} pending tokens, expected 1 (feed the prompt first)",
+                          seq.pending());
+    }
+    if (options.max_new < 1) return make_error("decode: max_new {}, expected >= 1", options.max_new);
+    const int64_t len0 = seq.length(0);
+    const int64_t draft =
+        std::max<int64_t>(0, std::min<int64_t>({options.draft, seq.n_streams() - 1, engine.options().spec_draft,
+                                                options.max_new - 1, engine.max_positions() - 1 - len0}));
+    StepItem it;
+    it.seq = &seq;
+    it.rows = 1;
+    it.sample = true;
+    it.mtp_follow = seq.n_streams() > 1;
+    it.draft = static_cast<int>(draft);
+    it.top_logprobs = options.top_logprobs;
+    it.return_logits = options.return_logits;
+    if (auto ok = engine.plan(std::span(&it, 1)); !ok) return tl::unexpected(ok.error());
+    engine.run();
+    if (auto ok = engine.collect(); !ok) return tl::unexpected(ok.error());
+    Decoded out;
+    out.drafted = draft;
+    out.accepted = engine.accepted(0);
+    int32_t emitted[1 + model::kMaxMtp] = {};
+    while (out.emitted < 1 + out.accepted && out.emitted < options.max_new) {
+        const int32_t id = engine.sampled(0, out.emitted).id;
+        emitted[out.emitted++] = id;
+        if (std::find(options.stop_ids.begin(), options.stop_ids.end(), int64_t{id}) != options.stop_ids.end()) break;
+    }
+    // The trunk rows whose inputs are the tokens before the last emitted one.
+    Keep keep;
+    keep.rows[0] = out.emitted;
+    if (auto ok = engine.finish(std::span(&keep, 1)); !ok) return tl::unexpected(ok.error());
+    seq.tokens.insert(seq.tokens.end(), emitted, emitted + out.emitted);
+    return out;
 }
 
 }  // namespace memra::runtime

@@ -57,6 +57,8 @@ struct EngineOptions {
     int64_t step_rows = kCpuStepRows;     // rows per stream per step, all sequences together (>= 1)
     int64_t max_logit_rows = 0;           // logit rows per step, every stream together; 0: max_seqs
     int mtp_layers = 0;                   // MTP layers with KV space, runnable by steps (0 .. the model's)
+    int spec_draft = 0;                   // most drafts one step item verifies (0 .. mtp_layers; sizes the logit
+                                          // and sample rows)
     int32_t sample_vocab = 0;             // ids [0, n) may be sampled (the tokenizer's real ids); 0: every id
     BackendFactory make_backend;
 };
@@ -77,6 +79,10 @@ struct SequenceOptions {
     SamplingParams sampling;  // validated here
     uint64_t choice = 0;      // the choice index of the random stream (OpenAI's n: 0, 1, ...)
 };
+
+// Rows of each stream a sequence carries from one step to the next for the MTP layers that read them: the
+// trunk's rows of a verify step (1 + drafts), the last row of an MTP layer.
+inline constexpr int64_t kCarryRows = 1 + model::kMaxMtp;
 
 // One sequence: its tokens, sampling parameters and KV pages. Created by an engine and used only with it;
 // destroying it gives its pages back (destroyed inside a planned or run step, it abandons that step: every
@@ -102,16 +108,28 @@ public:
     int64_t pending() const { return static_cast<int64_t>(tokens.size()) - kv_.length(0); }
     const kv::SeqKv &kv() const { return kv_; }
     int n_streams() const { return kv_.shape().n_streams; }
+    // The positions [lo, hi) of a stream whose hidden rows are carried to the next step (committed rows the
+    // stream computed last, at most kCarryRows of them); empty without MTP streams.
+    std::pair<int64_t, int64_t> carried(int stream) const { return {carry_[stream].lo, carry_[stream].hi}; }
 
 private:
     friend class Engine;
     Sequence(Engine *engine, const kv::SeqKvShape &shape, const SequenceOptions &options);
+
+    // A stream's carried rows: two halves of kCarryRows rows on the backend, a step writing the half that is
+    // not valid, so a step abandoned after its run leaves the valid half intact. Row p sits at p % kCarryRows.
+    struct Carry {
+        int64_t lo = 0, hi = 0;
+        int half = 0;
+    };
 
     Engine *engine_ = nullptr;
     kv::SeqKv kv_;
     kv::TxnId txn_;
     SamplingParams sampling_;
     uint64_t choice_ = 0;
+    int carry_slot_ = -1;  // the engine's carry slot, -1: none (no MTP streams)
+    Carry carry_[kv::kMaxStreams];
 };
 
 // One sequence's part of a step.
@@ -124,6 +142,16 @@ struct StepItem {
     bool sample = false;                           // sample the token after the last trunk row (needs its logits)
     bool return_logits = false;                    // copy the item's logit rows to the host at finish
     int32_t top_logprobs = -1;                     // with sample: -1 none, else 0 .. kMaxTopLogprobs alternatives
+    // The MTP layers catch up: the engine sets mtp_rows to every row whose token is known and whose source
+    // row this step computes or the sequence carries (mtp_rows must be 0).
+    bool mtp_follow = false;
+    // Speculative decoding (SERVING.md 2.5): with draft = k > 0 the item is one pending token (rows = 1, sample
+    // set): the MTP layers catch up, MTP layer j drafts token j + 1 from its last row (sampled with the
+    // sequence's noise at the position it predicts, penalties off), each draft feeding the next layer and the
+    // trunk inside the run; the trunk then runs 1 + k rows and samples every one (its own noise per position),
+    // and finish keeps 1 + the drafts equal to those samples. MTP layers run before the trunk in a step with a
+    // drafting item, so no MTP row of such a step reads a trunk row of the same step.
+    int draft = 0;
 };
 
 // Rows to keep per stream at finish; -1 keeps every staged row of that stream.
@@ -166,10 +194,15 @@ public:
     // Runs the planned step on every rank. An error here (a rank failing, a communicator abort) is kept and
     // reported by finish(), which then rolls the step back.
     void run();
-    // Reads the results back and commits keep[i] of item i (an empty span keeps every staged row). Refused,
-    // the whole step then rolled back: no run step, a keep count past what was staged, an MTP row kept whose
-    // source row (the trunk's, or the previous MTP layer's) is dropped. After a failed run: rolls every
-    // transaction back and returns the run's error.
+    // Reads the sampled tokens back (the step's one backend -> host copy) and decides each drafting item's
+    // acceptance, so a caller can choose its keep counts from them; finish() collects when not done. After a
+    // failed run: rolls every transaction back and returns the run's error.
+    Result<void> collect();
+    // Commits keep[i] of item i (an empty span keeps every staged row; a drafting item keeps by default
+    // 1 + accepted trunk rows and its MTP layers' catch-up rows, never draft rows). Refused, the whole step
+    // then rolled back: no run step, a keep count past what was staged, an MTP row kept whose source row (the
+    // trunk's, or the previous MTP layer's) is dropped, a drafting item keeping a trunk row after a rejected
+    // draft or an MTP draft row. After a failed run: rolls every transaction back and returns the run's error.
     Result<void> finish(std::span<const Keep> keep = {});
     // Rolls a planned (or run) step back without committing anything.
     void abandon();
@@ -178,8 +211,13 @@ public:
 
     // ---- Results of the last finished step ----
 
-    // The sampled token of item i (MEMRA_CHECK: the item sampled).
-    const SampledToken &sampled(size_t item) const;
+    // The sampled token of item i (MEMRA_CHECK: the item sampled); a drafting item samples 1 + draft tokens,
+    // j = 0 .. draft (the trunk's row j).
+    const SampledToken &sampled(size_t item, int64_t j = 0) const;
+    int64_t sampled_count(size_t item) const;
+    // A drafting item's draft j (0 .. draft - 1), and how many drafts equal the trunk's samples (a prefix).
+    int32_t draft(size_t item, int j) const;
+    int64_t accepted(size_t item) const;
     // The host copy of item i's logit rows of a stream ([rows, vocab_size]; MEMRA_CHECK: return_logits).
     std::span<const float> logits(size_t item, int stream = 0) const;
     // Item i's logit rows of a stream in the step's logits buffer: [first, first + count).
@@ -223,13 +261,21 @@ private:
     friend class Sequence;
     struct Rank;
     Engine() = default;
+    // Copies the items into step_items_ with the MTP rows of mtp_follow and draft items resolved.
+    Result<void> resolve_items(std::span<const StepItem> items);
+    // Whether stream `stream` of s (1 + k: MTP layer k) can read its source row for position p: a row of this
+    // step (it: the resolved item) or a carried one.
+    bool source_ready(const Sequence &s, const StepItem &it, int stream, int64_t p) const;
     Result<void> check_items(std::span<const StepItem> items) const;
     Result<void> begin_all(std::span<const StepItem> items);
     void pack_tables(std::span<const StepItem> items);
     void rollback_all();
     Result<void> run_rank(int rank);
     // keep against what s staged, and the MTP chain: no stream keeps a row whose source row is dropped.
-    Result<void> check_keep(const Sequence &s, const Keep &keep) const;
+    Result<void> check_keep(size_t item, const Keep &keep) const;
+    // The keep count of a stream of item i when the caller leaves it at -1.
+    int64_t default_keep(size_t item, int stream) const;
+    void update_carry(size_t item, std::span<const int64_t> kept);
     void release(Sequence &seq);
     void count(int64_t before);
 
@@ -254,7 +300,22 @@ private:
     int64_t n_logit_rows_ = 0;
     int64_t n_sample_rows_ = 0;
     int64_t sample_offset_ = 0, history_offset_ = 0, history_len_ = 0;
-    std::vector<int64_t> sample_row_of_item_;            // [item] its sample row, -1
+    std::vector<int64_t> sample_row_of_item_;            // [item] its first sample row, -1
+    bool mtp_first_ = false;                             // a drafting step: MTP layers before the trunk
+    // Per item: the catch-up rows of each MTP layer (its draft rows follow them), its drafts' sample rows and
+    // how many drafts the trunk accepted.
+    struct Spec {
+        int64_t catch_up[model::kMaxMtp] = {0, 0, 0};
+        int64_t draft_row[model::kMaxMtp] = {-1, -1, -1};
+        int64_t accepted = 0;
+    };
+    std::vector<Spec> spec_;                              // [item]
+    // Sample rows: [0, group_end_[0]) the trunk's, then the drafts of MTP layer j in [group_end_[j],
+    // group_end_[j + 1]); and each drafting layer's (sample row, table i32 index) pairs.
+    int64_t group_end_[1 + model::kMaxMtp] = {};
+    int64_t pairs_offset_[model::kMaxMtp] = {}, pairs_count_[model::kMaxMtp] = {};
+    std::vector<int32_t> free_carry_;                     // carry slots not held by a sequence
+    bool collected_ = false;
     std::vector<int64_t> logit_begin_[kv::kMaxStreams];  // [stream][item] first logit row of the item
     std::vector<int64_t> logit_count_[kv::kMaxStreams];  // [stream][item]
     std::string run_error_;
@@ -274,5 +335,28 @@ private:
 // sequence's cache then holds every token. Refused: nothing pending; a step's refusal (nothing of that step
 // committed; earlier chunks stay).
 Result<int32_t> feed(Engine &engine, Sequence &seq);
+
+struct DecodeOptions {
+    int draft = 0;                       // drafts to verify (speculation; 0: off), fewer where they cannot help
+    int64_t max_new = 1;                 // most tokens to emit (>= 1)
+    std::span<const int64_t> stop_ids;   // emitting one of these ends the step's tokens (it is emitted)
+    int32_t top_logprobs = -1;           // as StepItem
+    bool return_logits = false;          // the trunk's logit rows to the host: engine.logits(0), row j token j
+};
+
+// What one decode step emitted.
+struct Decoded {
+    int64_t emitted = 0;   // tokens appended to the sequence: 1 + accepted, cut after max_new or a stop id
+    int64_t drafted = 0;   // drafts the step verified
+    int64_t accepted = 0;  // drafts equal to the trunk's own samples
+};
+
+// One decode step of a sequence whose last token is pending (appended, not yet fed). With draft > 0 and MTP
+// streams the MTP layers draft up to `draft` tokens (at most the engine's spec_draft, the sequence's MTP
+// layers, max_new - 1 and the positions left) which the trunk verifies in the same step. Appends the emitted
+// tokens — each the token a step without drafts samples at its position — and commits the rows behind them:
+// the last emitted token stays pending. Their SampledTokens: engine.sampled(0, j), j < emitted. Refused (the
+// sequence unchanged): not exactly one pending token, max_new < 1, a step's refusal.
+Result<Decoded> decode(Engine &engine, Sequence &seq, const DecodeOptions &options);
 
 }  // namespace memra::runtime

@@ -23,6 +23,7 @@
 #include "model/model_test_util.h"
 #include "model/tiny_dirs.h"
 #include "runtime/alloc_count.h"
+#include "runtime/kv_contents.h"
 
 namespace memra::runtime {
 namespace {
@@ -80,27 +81,6 @@ std::vector<float> step_all(Engine &e, Sequence &s, int64_t rows, bool sample = 
     if (!ok) return {};
     const auto lg = e.logits(0);
     return std::vector<float>(lg.begin(), lg.end());
-}
-
-// Every live K/V row of a sequence on rank 0, all stored layers, in order: the cache's logical contents.
-std::vector<std::byte> kv_contents(const Engine &e, const Sequence &s) {
-    std::vector<std::byte> out, k, v;
-    const model::Step35Config &cfg = e.config();
-    for (const model::LayerGeometry &g : cfg.layers) {
-        if (e.pool_layout().pool_layer[static_cast<size_t>(g.index)] < 0) continue;
-        const int stream = g.is_mtp ? 1 + g.index - cfg.n_layers : 0;
-        if (stream >= s.n_streams()) continue;
-        const kv::PoolKind kind =
-            e.pool_layout().in_swa[static_cast<size_t>(g.index)] ? kv::PoolKind::kSwa : kv::PoolKind::kFull;
-        for (int64_t p = s.kv().first(stream); p < s.length(stream); ++p) {
-            if (!s.kv().has_page(kind, p)) continue;
-            auto ok = e.kv_row(0, s, g.index, p, k, v);
-            EXPECT_TRUE(ok.has_value()) << ok.error().message;
-            out.insert(out.end(), k.begin(), k.end());
-            out.insert(out.end(), v.begin(), v.end());
-        }
-    }
-    return out;
 }
 
 class EngineTest : public ::testing::TestWithParam<const char *> {
@@ -518,7 +498,7 @@ TEST_P(EngineTest, BadStepsAreRefusedAndChangeNothing) {
     refused({all}, "8 logit rows, the engine was created for at most 4");
     StepItem mtp = item(a.get(), 4);
     mtp.mtp_rows[0] = 5;
-    refused({mtp}, "read trunk rows [0, 5), but this step computes [0, 4)");
+    refused({mtp}, "MTP layer 0 row at position 4 reads trunk row 4, which this step does not compute");
     StepItem wrong = item(b.get(), 0);
     wrong.mtp_rows[0] = 1;
     refused({wrong}, "the sequence stages 0 MTP layers");
@@ -696,7 +676,7 @@ TEST_P(EngineTest, CreateRefusesBadOptions) {
     refused(o, "no backend factory");
     o = options();
     o.max_seqs = 1 << 21;  // 2^21 sequences of 1024 positions: sampling history offsets past int32
-    refused(o, "the sampling history of 2097152 sequences of 1024 positions exceeds 2^31 tokens");
+    refused(o, "the sampling history of 2097152 sequences of 1024 positions exceeds 2^29 tokens");
     Loaded l = load(options());
     SequenceOptions so;
     so.mtp_streams = 2;

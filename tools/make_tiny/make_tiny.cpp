@@ -216,6 +216,17 @@ Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
     if (options.sliding_window > 0) {
         preset->window = options.sliding_window;
     }
+    if (options.mtp_layers < 0 || options.mtp_layers > 3) {
+        return make_error("make-tiny: mtp_layers must be in [1, 3] (0 keeps the preset's {}), found {}", preset->n_mtp,
+                          options.mtp_layers);
+    }
+    if (options.mtp_layers > 0) {
+        // The added MTP layers clamp as the preset's last layer does.
+        preset->n_mtp = options.mtp_layers;
+        preset->swiglu_limits.resize(static_cast<size_t>(preset->n_total_layers()), preset->swiglu_limits.back());
+        preset->swiglu_limits_shared.resize(static_cast<size_t>(preset->n_total_layers()),
+                                            preset->swiglu_limits_shared.back());
+    }
     if (options.out_dir.empty()) {
         return make_error("make-tiny: no output directory given");
     }

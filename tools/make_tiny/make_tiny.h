@@ -28,6 +28,9 @@ struct TinyOptions {
     // Replaces the preset's sliding window when > 0, e.g. 192 so that a window spans 3 KV pages of 64 rows
     // and pages are released at commit once out of it. At most the preset's max_seq_len. 0: the preset's.
     int64_t sliding_window = 0;
+    // Replaces the preset's MTP layer count (num_nextn_predict_layers) when > 0, 1 .. 3 (speculation tests on
+    // the tiny preset want the release's three). 0: the preset's.
+    int64_t mtp_layers = 0;
 };
 
 struct TinySummary {

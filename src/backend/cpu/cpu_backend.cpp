@@ -501,6 +501,39 @@ void CpuBackend::gather_rows(TensorView src, TensorView rows, TensorView dst) {
     }
 }
 
+void CpuBackend::scatter_rows(TensorView src, TensorView rows, TensorView dst) {
+    ++counters_.launches;
+    MEMRA_CHECK(src.rows() == rows.numel() && dst.row_elems() == src.row_elems() && dst.dtype == src.dtype,
+                "scatter_rows: src [{}, {}], {} rows, dst [{}, {}]", src.rows(), src.row_elems(), rows.numel(),
+                dst.rows(), dst.row_elems());
+    const int32_t *idx = i32(rows);
+    const size_t row_bytes = static_cast<size_t>(src.row_elems()) * dtype_size(src.dtype);
+    for (int64_t i = 0; i < rows.numel(); ++i) {
+        if (idx[i] < 0) continue;
+        MEMRA_CHECK(idx[i] < dst.rows(), "scatter_rows: row {} outside [0, {})", idx[i], dst.rows());
+        std::memcpy(static_cast<std::byte *>(dst.data) + static_cast<size_t>(idx[i]) * row_bytes,
+                    static_cast<const std::byte *>(src.data) + static_cast<size_t>(i) * row_bytes, row_bytes);
+    }
+}
+
+void CpuBackend::scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) {
+    ++counters_.launches;
+    MEMRA_CHECK(tokens.dtype == DType::kU8 && tokens.n_bytes() % sizeof(SampledToken) == 0 &&
+                    pairs.dtype == DType::kI32 && pairs.numel() % 2 == 0 && dst.dtype == DType::kI32,
+                "scatter_ids: {} token bytes, {} pair entries, dst {}", tokens.n_bytes(), pairs.numel(),
+                dtype_name(dst.dtype));
+    const auto n_tokens = static_cast<int64_t>(tokens.n_bytes() / sizeof(SampledToken));
+    const auto *ts = static_cast<const SampledToken *>(tokens.data);
+    const int32_t *pr = i32(pairs);
+    int32_t *out = i32(dst);
+    for (int64_t i = 0; i < pairs.numel() / 2; ++i) {
+        MEMRA_CHECK(pr[2 * i] >= 0 && pr[2 * i] < n_tokens && pr[2 * i + 1] >= 0 && pr[2 * i + 1] < dst.numel(),
+                    "scatter_ids: pair ({}, {}) outside {} tokens, {} ids", pr[2 * i], pr[2 * i + 1], n_tokens,
+                    dst.numel());
+        out[pr[2 * i + 1]] = ts[pr[2 * i]].id;
+    }
+}
+
 void CpuBackend::concat_cols(TensorView a, TensorView b, TensorView out) {
     ++counters_.launches;
     const int64_t da = a.row_elems();

@@ -72,6 +72,8 @@ public:
     void moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,
                      TensorView shared, TensorView out) override;
     void gather_rows(TensorView src, TensorView rows, TensorView dst) override;
+    void scatter_rows(TensorView src, TensorView rows, TensorView dst) override;
+    void scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) override;
     void concat_cols(TensorView a, TensorView b, TensorView out) override;
     void canonical_combine(TensorView subtree_sums, TensorView out) override;
     void join_col_shards(TensorView shards, TensorView out) override;
