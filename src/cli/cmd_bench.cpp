@@ -1,9 +1,11 @@
 // `memra bench [MODEL_DIR]`: llama-bench's two speed tests on the CPU engine (runtime/engine.h). ppN prefills
 // N prompt tokens into a fresh sequence in steps of the row budget (-ub; one step at the default 512) and
 // samples after the last; tgN decodes N tokens from a fresh sequence, one step each, feeding the token the
-// engine sampled (greedy). Each test runs once untimed (warm-up), then REPS timed runs; the table (Markdown or
-// JSON) gives the mean and sample stddev of tokens/s over those runs and the peak resident memory. Only the
-// engine steps are timed: sequences are created outside the clock.
+// engine sampled (greedy). With --spec-draft K a second tg test decodes the same tokens with the MTP layers
+// drafting up to K per step (speculation), side by side, with the acceptance rate per draft position and the
+// tokens per step. Each test runs once untimed (warm-up), then REPS timed runs; the table (Markdown or JSON)
+// gives the mean and sample stddev of tokens/s over those runs and the peak resident memory. Only the engine
+// steps are timed: sequences are created outside the clock.
 // `memra bench --experts` instead times one MoE layer's routed experts (model::MoeState: refresh + run) on
 // seeded hidden rows, on tp CPU ranks (experts whole on their owners), and checks that the output's checksum
 // never changes.
@@ -58,6 +60,8 @@ struct BenchOptions {
     uint64_t seed = 0;  // of the prompt token ids
     std::string output = "md";
     bool print_tokens = false;
+    int spec_draft = 0;
+    int spec_accept = -1;  // >= 0: drafts forced so that this many are accepted per step
 
     // --experts: the routed-experts test instead of pp / tg.
     bool experts = false;
@@ -116,22 +120,43 @@ Result<double> time_prompt(runtime::Engine &engine, const runtime::SequenceOptio
     return ms;
 }
 
-// One tg run: a fresh sequence, then n_gen timed one-token steps, each feeding the token the previous step
-// sampled. Returns the summed milliseconds of the steps.
+// One tg run: a fresh sequence holding `first`, then timed decode steps (runtime::decode: one token each, or
+// with drafts 1 + the accepted ones) until n_gen tokens are sampled. Returns the summed milliseconds of the
+// steps; the tokens are the sequence's, the acceptance goes into stats.
+// With `forcing`, the drafts of every step are forced so that `accept` of them stand (truth: the tokens
+// decoding without drafts sampled).
+struct Forcing {
+    DraftForcing *drafts = nullptr;
+    const std::vector<int32_t> *truth = nullptr;
+    int accept = 0;
+    int32_t vocab = 0;
+};
+
 Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceOptions &so, int32_t first,
-                               int64_t n_gen) {
+                               int64_t n_gen, int draft, runtime::SpecStats &stats, std::vector<int32_t> &tokens,
+                               const Forcing &forcing) {
     auto seq = engine.create_sequence(so);
     if (!seq) return tl::unexpected(seq.error());
-    (*seq)->tokens.reserve(static_cast<size_t>(n_gen));
-    (*seq)->tokens.push_back(first);
+    runtime::Sequence &s = **seq;
+    s.tokens.reserve(static_cast<size_t>(n_gen) + 1);
+    s.tokens.push_back(first);
     double ms = 0.0;
-    for (int64_t i = 0; i < n_gen; ++i) {
+    for (int64_t done = 0; done < n_gen;) {
+        runtime::DecodeOptions d;
+        d.draft = draft;
+        d.max_new = n_gen - done;
+        if (forcing.drafts != nullptr) {
+            ++forcing.drafts->step;
+            forcing.drafts->ids = drafts_accepting(*forcing.truth, s.tokens.size(), forcing.accept, forcing.vocab);
+        }
         const auto t0 = std::chrono::steady_clock::now();
-        auto r = runtime::feed(engine, **seq);
+        auto r = runtime::decode(engine, s, d);
         ms += ms_since(t0);
         if (!r) return tl::unexpected(r.error());
-        if (i + 1 < n_gen) (*seq)->tokens.push_back(*r);
+        stats.add(*r);
+        done += r->emitted;
     }
+    tokens = s.tokens;
     return ms;
 }
 
@@ -143,9 +168,11 @@ int64_t peak_rss_bytes() {
 }
 
 struct TestResult {
-    std::string name;  // "pp512", "tg128"
+    std::string name;  // "pp512", "tg128", "tg128 spec3"
     int n_prompt = 0;
     int n_gen = 0;
+    int spec_draft = 0;
+    runtime::SpecStats spec;  // the timed runs' decode steps
     std::vector<double> samples_ms;  // one per timed run
     double avg_ts = 0.0;             // mean of the runs' tokens/s
     double stddev_ts = 0.0;          // their sample standard deviation (0 for one run)
@@ -206,16 +233,34 @@ std::string format_table(const std::vector<std::string> &header, const std::vect
     return out;
 }
 
+// Draft position j's acceptance rates, "0.62 0.41 0.30"; "-" without drafts.
+std::string acceptance_cell(const TestResult &t) {
+    if (t.spec_draft == 0) return "-";
+    std::string out;
+    for (int j = 0; j < t.spec_draft; ++j) out += fmt::format("{}{:.2f}", j == 0 ? "" : " ", t.spec.rate(j));
+    return out;
+}
+
 std::string markdown_table(const BenchFacts &f, const std::vector<TestResult> &tests) {
+    const bool spec = std::any_of(tests.begin(), tests.end(), [](const TestResult &t) { return t.spec_draft > 0; });
     std::vector<std::vector<std::string>> rows;
     for (const TestResult &t : tests) {
         rows.push_back({f.model, human_count(f.n_params), f.dtype, fmt::format("{}", f.tp),
                         fmt::format("{}", f.threads), f.type_k + "/" + f.type_v, t.name,
                         fmt::format("{:.2f} ± {:.2f}", t.avg_ts, t.stddev_ts),
                         fmt::format("{:.1f}", static_cast<double>(t.peak_rss) / (1024.0 * 1024.0))});
+        if (spec) {
+            rows.back().push_back(acceptance_cell(t));
+            rows.back().push_back(t.spec_draft > 0 ? fmt::format("{:.2f}", t.spec.tokens_per_step()) : "-");
+        }
     }
-    return format_table({"model", "params", "dtype", "tp", "threads", "kv", "test", "t/s", "peak MiB"},
-                        {false, true, false, true, true, false, true, true, true}, rows);
+    std::vector<std::string> header = {"model", "params", "dtype", "tp", "threads", "kv", "test", "t/s", "peak MiB"};
+    std::vector<bool> right = {false, true, false, true, true, false, true, true, true};
+    if (spec) {
+        header.insert(header.end(), {"accept/pos", "tok/step"});
+        right.insert(right.end(), {true, true});
+    }
+    return format_table(header, right, rows);
 }
 
 Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int reps) {
@@ -236,6 +281,14 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
                            {"avg_ts", t.avg_ts},
                            {"stddev_ts", t.stddev_ts},
                            {"peak_rss_bytes", t.peak_rss}});
+        if (t.spec_draft > 0) {
+            std::vector<double> rates;
+            for (int j = 0; j < t.spec_draft; ++j) rates.push_back(t.spec.rate(j));
+            out.back()["spec_draft"] = t.spec_draft;
+            out.back()["acceptance"] = rates;
+            out.back()["tokens_per_step"] = t.spec.tokens_per_step();
+            out.back()["steps"] = t.spec.steps;
+        }
     }
     return out;
 }
@@ -533,9 +586,14 @@ int run_bench(const BenchOptions &opt) {
     eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size : std::max({opt.n_prompt, opt.n_gen, 1});
     eo.step_rows = opt.step_rows;
     eo.sample_vocab = n_real;
+    if (auto ok = enable_speculation(eo, cfg, opt.spec_draft); !ok) return report_error(ok.error().message);
+    if (opt.spec_accept >= 0 && opt.spec_draft == 0) {
+        return report_error("--spec-accept needs --spec-draft K > 0: it forces the drafts of the speculative tg test");
+    }
+    DraftForcing draft_forcing;
     std::fprintf(stderr, "memra bench: loading %s, tp %d, threads %d per rank\n", dir.string().c_str(), opt.tp,
                  facts.threads);
-    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads);
+    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads, opt.spec_accept >= 0 ? &draft_forcing : nullptr);
     if (!loaded) return report_error(fmt::format("--tp {}: {}", opt.tp, loaded.error().message));
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;
@@ -543,7 +601,9 @@ int run_bench(const BenchOptions &opt) {
 
     std::vector<TestResult> tests;
     if (opt.n_prompt > 0) {
-        TestResult t{fmt::format("pp{}", opt.n_prompt), opt.n_prompt, 0, {}, 0.0, 0.0};
+        TestResult t;
+        t.name = fmt::format("pp{}", opt.n_prompt);
+        t.n_prompt = opt.n_prompt;
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {  // rep -1: the warm-up
             auto ms = time_prompt(engine, so, tokens.prompt);
@@ -554,13 +614,40 @@ int run_bench(const BenchOptions &opt) {
         t.peak_rss = peak_rss_bytes();
         tests.push_back(std::move(t));
     }
-    if (opt.n_gen > 0) {
-        TestResult t{fmt::format("tg{}", opt.n_gen), 0, opt.n_gen, {}, 0.0, 0.0};
+    // tg without drafts, then (--spec-draft) with them: the same tokens, or the bench fails.
+    std::vector<int32_t> plain_tokens, spec_tokens;
+    std::vector<int> drafts;
+    if (opt.n_gen > 0) drafts.push_back(0);
+    if (opt.n_gen > 0 && opt.spec_draft > 0) drafts.push_back(opt.spec_draft);
+    for (const int draft : drafts) {
+        TestResult t;
+        t.name = draft == 0 ? fmt::format("tg{}", opt.n_gen) : fmt::format("tg{} spec{}", opt.n_gen, draft);
+        if (draft > 0 && opt.spec_accept >= 0) t.name += fmt::format(" accept{}", opt.spec_accept);
+        Forcing forcing;
+        if (draft > 0 && opt.spec_accept >= 0) forcing = Forcing{&draft_forcing, &plain_tokens, opt.spec_accept, n_real};
+        t.n_gen = opt.n_gen;
+        t.spec_draft = draft;
+        runtime::SequenceOptions gso = so;
+        gso.mtp_streams = draft > 0 ? eo.mtp_layers : 0;
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {
-            auto ms = time_generation(engine, so, tokens.gen_first, opt.n_gen);
+            runtime::SpecStats stats;
+            auto ms = time_generation(engine, gso, tokens.gen_first, opt.n_gen, draft, stats,
+                                      draft == 0 ? plain_tokens : spec_tokens, forcing);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
-            if (rep >= 0) t.samples_ms.push_back(*ms);
+            if (rep >= 0) {
+                t.samples_ms.push_back(*ms);
+                t.spec.steps += stats.steps;
+                t.spec.emitted += stats.emitted;
+                for (int j = 0; j < model::kMaxMtp; ++j) {
+                    t.spec.drafted[j] += stats.drafted[j];
+                    t.spec.accepted[j] += stats.accepted[j];
+                }
+            }
+        }
+        if (draft > 0 && spec_tokens != plain_tokens) {
+            return report_error(fmt::format("{}: the tokens differ from tg{} without drafts (determinism D8 broken)",
+                                            t.name, opt.n_gen));
         }
         summarize(t);
         t.peak_rss = peak_rss_bytes();
@@ -603,6 +690,18 @@ Command add_bench_command(CLI::App &app) {
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     sub->get_option("--ctx-size")->description("KV cache size in positions (default 0: the larger test's positions)");
+    add_spec_draft_option(*sub, opt->spec_draft, 0);
+    sub->get_option("--spec-draft")
+        ->description("Also run tgN with the MTP layers drafting up to K tokens per step, verified by the trunk: "
+                      "tokens/s side by side with plain tgN, acceptance per draft position, tokens per step (the "
+                      "tokens must equal plain tgN's)");
+    sub->add_option("--spec-accept", opt->spec_accept,
+                    "With --spec-draft: force the drafts so that exactly N stand per step (the plain tgN's tokens "
+                    "as drafts, then a wrong one), to measure speculation at a chosen acceptance on checkpoints "
+                    "whose MTP layers draft nothing useful (random ones); -1 = the MTP layers' own drafts")
+        ->envname("MEMRA_SPEC_ACCEPT")
+        ->check(CLI::Range(-1, model::kMaxMtp))
+        ->capture_default_str();
     sub->add_option("-s,--seed", opt->seed,
                     "Seed of the prompt token ids (uniform over the tokenizer's tokens; tg starts from the first); with "
                     "--experts, of the hidden rows (uniform over [-2, 2))")

@@ -1,5 +1,6 @@
 // `memra run [MODEL_DIR] -p TEXT`: one-shot generation on the CPU engine (runtime/engine.h). Tokenizes the
-// prompt, prefills it in chunks of the step budget (-ub), then samples and decodes token by token, streaming
+// prompt, prefills it in chunks of the step budget (-ub), then samples and decodes (with --spec-draft K, the
+// MTP layers drafting up to K tokens per step that the trunk verifies: the same text, faster), streaming
 // complete UTF-8 text to stdout as it comes, and ends with llama.cpp-style timing lines on stderr. The KV
 // cache is sized by -c once, at start; buffers by the step budget, never by the prompt.
 #include <algorithm>
@@ -32,6 +33,7 @@ struct RunOptions {
     int64_t step_rows = runtime::kCpuStepRows;
     int threads = 1;
     bool ignore_eos = false;
+    int spec_draft = 0;
 };
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -88,7 +90,9 @@ int run_generate(const RunOptions &opt) {
 
     std::vector<int64_t> eos(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end());
     if (eos.empty()) eos.assign(tok->eos_ids().begin(), tok->eos_ids().end());
-    const auto is_eos = [&eos](int32_t id) { return std::find(eos.begin(), eos.end(), id) != eos.end(); };
+    const auto is_eos = [&](int32_t id) {
+        return !opt.ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end();
+    };
 
     runtime::EngineOptions eo;
     eo.k_format = in->k_format;
@@ -97,11 +101,13 @@ int run_generate(const RunOptions &opt) {
     eo.step_rows = opt.step_rows;
     // Only the tokenizer's ids are sampled: the embedding's padding rows past them have no text.
     eo.sample_vocab = std::min(cfg.vocab_size, tok->n_tokens());
+    if (auto ok = enable_speculation(eo, cfg, opt.spec_draft); !ok) return report_error(ok.error().message);
     auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads);
     if (!loaded) return report_error(loaded.error().message);
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;
     so.sampling = opt.sampling;
+    so.mtp_streams = eo.mtp_layers;
     auto seq = engine.create_sequence(so);
     if (!seq) return report_error(seq.error().message);
     (*seq)->tokens = prompt;
@@ -116,21 +122,43 @@ int run_generate(const RunOptions &opt) {
     const auto t_gen = std::chrono::steady_clock::now();
     text::StreamDecoder decoder = tok->stream_decoder();
     int64_t generated = 0;
-    for (int64_t i = 0; i < n_predict; ++i) {
-        const int32_t token = *next;
-        ++generated;
-        if (!opt.ignore_eos && is_eos(token)) break;
-        write_out(decoder.feed(token));
-        if (i + 1 == n_predict) break;
-        (*seq)->tokens.push_back(token);
-        next = runtime::feed(engine, **seq);
-        if (!next) return report_error(next.error().message);
+    runtime::SpecStats stats;
+    const std::span<const int64_t> stops = opt.ignore_eos ? std::span<const int64_t>() : std::span(eos);
+    if (n_predict > 0) {
+        runtime::Sequence &s = **seq;
+        s.tokens.push_back(*next);
+        int64_t emitted = 1;  // the tokens at the end of s.tokens not yet counted
+        while (true) {
+            bool stop = false;
+            for (size_t i = s.tokens.size() - static_cast<size_t>(emitted); i < s.tokens.size(); ++i) {
+                ++generated;
+                if (is_eos(s.tokens[i])) {
+                    stop = true;
+                    break;
+                }
+                write_out(decoder.feed(s.tokens[i]));
+            }
+            if (stop || generated == n_predict) break;
+            runtime::DecodeOptions d;
+            d.draft = opt.spec_draft;
+            d.max_new = n_predict - generated;
+            d.stop_ids = stops;
+            auto r = runtime::decode(engine, s, d);
+            if (!r) return report_error(r.error().message);
+            stats.add(*r);
+            emitted = r->emitted;
+        }
     }
     write_out(decoder.flush() + "\n");
     const double gen_ms = ms_since(t_gen);
 
     std::fputs(timing_line("prompt eval time", prompt_ms, n_prompt).c_str(), stderr);
     std::fputs(timing_line("       eval time", gen_ms, generated).c_str(), stderr);
+    if (opt.spec_draft > 0) {
+        std::fputs(fmt::format("     speculation = {} drafts: {}\n", opt.spec_draft, spec_summary(stats, opt.spec_draft))
+                       .c_str(),
+                   stderr);
+    }
     return kExitOk;
 }
 
@@ -189,6 +217,7 @@ Command add_run_command(CLI::App &app) {
     add_threads_option(*sub, opt->threads);
     sub->add_flag("--ignore-eos", opt->ignore_eos, "Keep generating past end-of-sequence tokens")
         ->envname("MEMRA_IGNORE_EOS");
+    add_spec_draft_option(*sub, opt->spec_draft, kDefaultSpecDraft);
     return {sub, [opt]() { return run_generate(*opt); }};
 }
 

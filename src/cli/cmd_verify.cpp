@@ -88,8 +88,12 @@ int run_verify_command(const VerifyCliOptions &opt) {
     vo.make_reference_backend = [threads]() -> Result<std::unique_ptr<Backend>> {
         return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
     };
-    vo.make_rank_backend = [threads](int degree, int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(std::max(1, threads / degree)));
+    // The native ranks can force speculation's drafts (the SPECULATION gate's acceptance patterns).
+    auto forcing = std::make_shared<DraftForcing>();
+    vo.forcing = forcing.get();
+    vo.make_rank_backend = [threads, forcing](int degree, int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(
+            std::make_unique<cpu::ForcedDraftBackend>(std::max(1, threads / degree), forcing.get()));
     };
     vo.count_allocations = heap_allocations;
     vo.on_line = [](const runtime::VerifyLine &line) {

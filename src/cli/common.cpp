@@ -114,6 +114,37 @@ void add_tp_option(CLI::App &sub, int &tp) {
         ->capture_default_str();
 }
 
+void add_spec_draft_option(CLI::App &sub, int &spec_draft, int default_draft) {
+    spec_draft = default_draft;
+    sub.add_option("--spec-draft,--draft", spec_draft,
+                   "Speculative decoding: tokens the chained MTP layers draft per decode step, verified by the "
+                   "trunk in the same step (0 = off). Drafts change speed, never the output: a draft stands only "
+                   "if it equals the token the model samples there")
+        ->envname("MEMRA_SPEC_DRAFT")
+        ->check(CLI::Range(0, model::kMaxMtp))
+        ->capture_default_str();
+}
+
+Result<void> enable_speculation(runtime::EngineOptions &options, const model::Step35Config &cfg, int spec_draft) {
+    if (spec_draft == 0) return {};
+    const int layers = std::min(cfg.n_mtp_layers, model::kMaxMtp);
+    if (spec_draft > layers) {
+        return make_error("--spec-draft {}: the model has {} MTP layer(s) (num_nextn_predict_layers), each drafting "
+                          "one token; use --spec-draft {} at most",
+                          spec_draft, cfg.n_mtp_layers, layers);
+    }
+    options.mtp_layers = layers;
+    options.spec_draft = spec_draft;
+    return {};
+}
+
+std::string spec_summary(const runtime::SpecStats &stats, int spec_draft) {
+    std::string rates;
+    for (int j = 0; j < spec_draft; ++j) rates += fmt::format("{}{:.3f}", j == 0 ? "" : " ", stats.rate(j));
+    return fmt::format("acceptance {} per draft position, {:.2f} tokens per step ({} steps)", rates,
+                       stats.tokens_per_step(), stats.steps);
+}
+
 Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string &kv_k,
                                                                        const std::string &kv_v) {
     auto k = parse_kv_format(kv_k);
@@ -141,12 +172,13 @@ std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, con
 }
 
 Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
-                                  runtime::EngineOptions options, int n_threads) {
+                                  runtime::EngineOptions options, int n_threads, const DraftForcing *forcing) {
     auto ckpt = io::Checkpoint::open(dir);
     if (!ckpt) return tl::unexpected(ckpt.error());
     CpuEngine out{std::move(*ckpt), nullptr};
     const int per_rank = std::max(1, n_threads / std::max(1, options.tp));
-    options.make_backend = [per_rank](int) -> Result<std::unique_ptr<Backend>> {
+    options.make_backend = [per_rank, forcing](int) -> Result<std::unique_ptr<Backend>> {
+        if (forcing != nullptr) return std::unique_ptr<Backend>(std::make_unique<cpu::ForcedDraftBackend>(per_rank, forcing));
         return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(per_rank));
     };
     auto engine = runtime::Engine::create(out.ckpt, cfg, options);

@@ -312,6 +312,11 @@ Result<void> Engine::resolve_items(std::span<const StepItem> items) {
                                       i, n_tokens - len0, r.rows, r.sample);
                 }
                 if (r.mtp_logits) return make_error("step item {}: a drafting item computes no MTP logit rows", i);
+                if (len0 < std::max(1, k - 1)) {
+                    return make_error("step item {}: {} drafts need the sequence at position {} at least (MTP layer j "
+                                      "drafts from its row at position {} + j), found {}",
+                                      i, k, std::max(1, k - 1), len0 - 1, len0);
+                }
                 if (len0 + k >= max_positions()) {
                     return make_error("step item {}: {} drafts after position {} pass the sequence's {} positions",
                                       i, k, len0, max_positions());
@@ -1070,9 +1075,12 @@ Result<Decoded> decode(Engine &engine, Sequence &seq, const DecodeOptions &optio
     }
     if (options.max_new < 1) return make_error("decode: max_new {}, expected >= 1", options.max_new);
     const int64_t len0 = seq.length(0);
+    // MTP layer j drafts from its row at position len0 - 1 + j, and has no rows before position j.
     const int64_t draft =
-        std::max<int64_t>(0, std::min<int64_t>({options.draft, seq.n_streams() - 1, engine.options().spec_draft,
-                                                options.max_new - 1, engine.max_positions() - 1 - len0}));
+        len0 == 0 ? 0
+                  : std::max<int64_t>(0, std::min<int64_t>({options.draft, seq.n_streams() - 1,
+                                                            engine.options().spec_draft, options.max_new - 1,
+                                                            engine.max_positions() - 1 - len0, len0 + 1}));
     StepItem it;
     it.seq = &seq;
     it.rows = 1;

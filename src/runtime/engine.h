@@ -351,9 +351,35 @@ struct Decoded {
     int64_t accepted = 0;  // drafts equal to the trunk's own samples
 };
 
+// Acceptance over decode steps: per draft position j, the steps that drafted it and the ones whose trunk
+// accepted it (every draft before it accepted too).
+struct SpecStats {
+    int64_t steps = 0;
+    int64_t emitted = 0;
+    int64_t drafted[model::kMaxMtp] = {0, 0, 0};
+    int64_t accepted[model::kMaxMtp] = {0, 0, 0};
+
+    void add(const Decoded &d) {
+        ++steps;
+        emitted += d.emitted;
+        for (int j = 0; j < model::kMaxMtp; ++j) {
+            drafted[j] += d.drafted > j ? 1 : 0;
+            accepted[j] += d.accepted > j ? 1 : 0;
+        }
+    }
+    // Draft position j's acceptance rate (0 when never drafted).
+    double rate(int j) const {
+        return drafted[j] > 0 ? static_cast<double>(accepted[j]) / static_cast<double>(drafted[j]) : 0.0;
+    }
+    double tokens_per_step() const {
+        return steps > 0 ? static_cast<double>(emitted) / static_cast<double>(steps) : 0.0;
+    }
+};
+
 // One decode step of a sequence whose last token is pending (appended, not yet fed). With draft > 0 and MTP
 // streams the MTP layers draft up to `draft` tokens (at most the engine's spec_draft, the sequence's MTP
-// layers, max_new - 1 and the positions left) which the trunk verifies in the same step. Appends the emitted
+// layers, max_new - 1, the positions left and position + 1; none at position 0) which the trunk verifies in
+// the same step. Appends the emitted
 // tokens — each the token a step without drafts samples at its position — and commits the rows behind them:
 // the last emitted token stays pending. Their SampledTokens: engine.sampled(0, j), j < emitted. Refused (the
 // sequence unchanged): not exactly one pending token, max_new < 1, a step's refusal.

@@ -48,6 +48,7 @@ constexpr const char *kKvTransactions = "KV_TRANSACTIONS";
 constexpr const char *kKvPages = "KV_PAGES";
 constexpr const char *kKvSliding = "KV_SLIDING_RELEASE";
 constexpr const char *kMtpGate = "MTP";
+constexpr const char *kSpecGate = "SPECULATION";
 constexpr const char *kBatch = "BATCH_INVARIANCE";
 constexpr const char *kStepWork = "STEP_WORK";
 constexpr const char *kAttnCacheless = "ATTENTION_CACHELESS";
@@ -113,6 +114,10 @@ struct Scenario {
         it.mtp_logits = true;
         return it;
     }
+    // Speculation: the prompt decoded spec_new tokens without drafts (the reference) and with spec_draft drafts.
+    std::vector<int32_t> spec_prompt;
+    int64_t spec_new = 0;
+    int spec_draft = 0;  // 0: the model has no MTP layer
     int window = 0;  // the widest sliding window of the trunk (0: no sliding layer)
     int layer = 0;
     bool layer_moe = false;
@@ -132,6 +137,21 @@ SamplingParams scenario_sampling() {
     p.temperature = 0.8f;
     p.seed = kSamplingSeed;
     return p;
+}
+
+// The SPECULATION gate's samplings: greedy, and seeded temperature 0.7 with top-p 0.9 and a repetition penalty
+// (the penalty window then holds drafts).
+std::vector<std::pair<std::string, SamplingParams>> spec_samplings() {
+    SamplingParams greedy;
+    greedy.temperature = 0.0f;
+    SamplingParams t07;
+    t07.temperature = 0.7f;
+    t07.top_k = 0;
+    t07.top_p = 0.9f;
+    t07.min_p = 0.0f;
+    t07.repetition_penalty = 1.1f;
+    t07.seed = kSamplingSeed;
+    return {{"greedy", greedy}, {"T0.7", t07}};
 }
 
 Result<Scenario> make_scenario(const Step35Config &cfg, const VerifyOptions &o) {
@@ -218,6 +238,13 @@ Result<Scenario> make_scenario(const Step35Config &cfg, const VerifyOptions &o) 
         }
     }
 
+    // Speculation: the prompt, then 2 * decode + 16 tokens with and without drafts.
+    if (cfg.n_mtp_layers > 0) {
+        sc.spec_prompt = prompt;
+        sc.spec_new = 2 * int64_t{o.decode_steps} + 16;
+        sc.spec_draft = std::min(cfg.n_mtp_layers, model::kMaxMtp);
+    }
+
     // Batch invariance: a probe of up to 8 tokens and fillers of 1 .. 7 tokens, all different lengths.
     const int64_t probe_len = std::min<int64_t>(n, 8);
     sc.probe = draw_tokens(o.seed, 400, probe_len, vocab);
@@ -235,11 +262,12 @@ Result<Scenario> make_scenario(const Step35Config &cfg, const VerifyOptions &o) 
     e.v_format = o.v_format;
     e.max_seqs = o.batch;
     e.step_rows = std::max({n, batch_tokens, int64_t{16}});
-    e.max_logit_rows = std::max({n, mtp_logit_rows, probe_len + o.batch, int64_t{3}});
+    e.max_logit_rows = std::max({n, mtp_logit_rows, probe_len + o.batch, int64_t{1 + 2 * sc.spec_draft}});
     e.mtp_layers = std::min(cfg.n_mtp_layers, model::kMaxMtp);
+    e.spec_draft = sc.spec_draft;
     // Sequence 0 and a batch beside it, each sequence with a page of slack.
     e.ctx_size = target + 1 + int64_t{o.batch + 2} * kKvPageRows + n;
-    if (target + 1 > cfg.context_length) {
+    if (target + 1 > cfg.context_length || n + sc.spec_new > cfg.context_length) {
         return make_error("the scenario reaches position {} (prefill {}, decode {}, transactions, sliding release), "
                           "past the model's context length {}",
                           target, n, o.decode_steps, cfg.context_length);
@@ -799,11 +827,67 @@ struct RefStep {
     std::optional<OracleStep> oracle;
 };
 
+// A speculation run: the scenario prompt, then spec_new tokens decoded with `draft` drafts per step.
+struct SpecRun {
+    std::unique_ptr<Sequence> seq;
+    std::vector<std::vector<float>> logits;  // the logit row behind each decoded token
+    std::vector<Decoded> steps;
+};
+
+// forced >= 0: before every step, forcing's drafts become the reference tokens `truth` so that exactly `forced`
+// stand (the rank backends must be draft-forcing ones).
+Result<SpecRun> spec_decode(Engine &engine, const Scenario &sc, const SamplingParams &sp, int draft,
+                            DraftForcing *forcing, const std::vector<int32_t> *truth, int forced) {
+    SpecRun run;
+    SequenceOptions so;
+    so.sampling = sp;
+    so.mtp_streams = draft > 0 ? engine.options().mtp_layers : 0;
+    auto seq = engine.create_sequence(so);
+    if (!seq) return tl::unexpected(seq.error());
+    run.seq = std::move(*seq);
+    Sequence &s = *run.seq;
+    s.tokens = sc.spec_prompt;
+    auto first = feed(engine, s);
+    if (!first) return tl::unexpected(first.error());
+    s.tokens.push_back(*first);
+    const auto vocab = static_cast<size_t>(engine.config().vocab_size);
+    for (int64_t done = 1; done < sc.spec_new;) {
+        if (forced >= 0) {
+            ++forcing->step;
+            forcing->ids = drafts_accepting(*truth, s.tokens.size(), forced, engine.config().vocab_size);
+        }
+        DecodeOptions d;
+        d.draft = draft;
+        d.max_new = sc.spec_new - done;
+        d.return_logits = true;
+        auto r = decode(engine, s, d);
+        if (!r) return tl::unexpected(r.error());
+        const auto lg = engine.logits(0);
+        for (int64_t j = 0; j < r->emitted; ++j) {
+            run.logits.emplace_back(lg.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(j) * vocab),
+                                    lg.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(j + 1) * vocab));
+        }
+        run.steps.push_back(*r);
+        done += r->emitted;
+    }
+    return run;
+}
+
+// The reference of one sampling: the tokens and logit rows decoding without drafts, its trunk KV rows and the
+// MTP layers' rows of a teacher-forced pass over its committed tokens.
+struct SpecRef {
+    std::vector<int32_t> tokens;
+    std::vector<std::vector<float>> logits;
+    KvSnapshot trunk;
+    KvSnapshot teacher_forced;
+};
+
 struct Reference {
     std::vector<RefStep> steps;                    // per action
     std::vector<std::vector<float>> mtp_logits;    // [MTP layer] rows of the MTP stage
     std::optional<KvSnapshot> mtp_kv;
     std::vector<float> probe_prefill, probe_decode;
+    std::vector<SpecRef> spec;  // per spec_samplings()
 };
 
 // Layer-gate comparisons of one tapped step; one instance per line.
@@ -956,6 +1040,31 @@ Result<Reference> run_reference(const io::Checkpoint &ckpt, const Step35Config &
         ref.mtp_kv = std::move(*snap);
     }
 
+    if (sc.spec_draft > 0) {
+        for (const auto &[name, sp] : spec_samplings()) {
+            auto plain = spec_decode(engine, sc, sp, 0, nullptr, nullptr, -1);
+            if (!plain) return wrap_error(fmt::format("reference speculation {}", name), plain.error());
+            SpecRef sr;
+            sr.tokens = plain->seq->tokens;
+            sr.logits = std::move(plain->logits);
+            auto trunk = snapshot(engine, 0, *plain->seq);
+            if (!trunk) return wrap_error("reference speculation", trunk.error());
+            sr.trunk = std::move(*trunk);
+            plain->seq.reset();
+            SequenceOptions mo;
+            mo.sampling = sp;
+            mo.mtp_streams = engine.options().mtp_layers;
+            auto tf = engine.create_sequence(mo);
+            if (!tf) return wrap_error("reference speculation", tf.error());
+            (*tf)->tokens.assign(sr.tokens.begin(), sr.tokens.end() - 1);  // the last token is never fed
+            if (auto ok = feed(engine, **tf); !ok) return wrap_error("reference teacher-forced MTP", ok.error());
+            auto snap = snapshot(engine, 0, **tf);
+            if (!snap) return wrap_error("reference teacher-forced MTP", snap.error());
+            sr.teacher_forced = std::move(*snap);
+            ref.spec.push_back(std::move(sr));
+        }
+    }
+
     // The batch probe alone.
     std::vector<std::unique_ptr<Sequence>> one;
     auto ps = engine.create_sequence(so);
@@ -999,6 +1108,7 @@ public:
             if (auto err = action(sc_.actions[i], ref_.steps[i]); !err.empty()) return err;
         }
         if (auto err = mtp(); !err.empty()) return err;
+        if (auto err = speculation(); !err.empty()) return err;
         return batch();
     }
 
@@ -1239,6 +1349,107 @@ private:
         return {};
     }
 
+    // Speculation (D8): per sampling, the MTP layers' own drafts and (with draft-forcing backends) drafts forced
+    // so that exactly 0 .. spec_draft stand, each run against decoding without drafts on the TP = 1 reference:
+    // every token, the logit row behind it, each rank's trunk KV bytes; the MTP layers' rows against the
+    // teacher-forced pass; the forced acceptance itself.
+    std::string speculation() {
+        if (sc_.spec_draft == 0) return {};
+        const std::vector<std::pair<std::string, SamplingParams>> samplings = spec_samplings();
+        for (size_t si = 0; si < samplings.size(); ++si) {
+            const SpecRef &want = ref_.spec[si];
+            for (int forced = -1; forced <= (o_.forcing != nullptr ? sc_.spec_draft : -1); ++forced) {
+                const std::string label = forced < 0 ? "own drafts" : fmt::format("{} accepted", forced);
+                VerifyLine line = new_line(fmt::format("spec {} {}", samplings[si].first, label));
+                auto run = spec_decode(*e_, sc_, samplings[si].second, sc_.spec_draft, o_.forcing, &want.tokens,
+                                       forced);
+                if (!run) return fail(line.stage, run.error().message);
+                const Sequence &s = *run->seq;
+                Comparison tokens = make_cmp(kSpecGate, "tokens", "fields");
+                for (size_t i = 0; i < std::max(want.tokens.size(), s.tokens.size()); ++i) {
+                    ++tokens.compared;
+                    const int64_t a = i < want.tokens.size() ? want.tokens[i] : -1;
+                    const int64_t b = i < s.tokens.size() ? s.tokens[i] : -1;
+                    if (a != b) {
+                        if (tokens.mismatches == 0) tokens.first = fmt::format("position {}: want {}, got {}", i, a, b);
+                        ++tokens.mismatches;
+                    }
+                }
+                Comparison logits = make_cmp(kSpecGate, "logits");
+                if (want.logits.size() != run->logits.size()) {
+                    shape_mismatch(logits, static_cast<int64_t>(want.logits.size()), "decoded rows");
+                }
+                for (size_t i = 0; i < std::min(want.logits.size(), run->logits.size()); ++i) {
+                    compare_floats(logits, want.logits[i], run->logits[i], fmt::format("decoded token {}", i));
+                }
+                Comparison trunk = make_cmp(kSpecGate, "trunk_kv", "bytes");
+                Comparison mtp_rows = make_cmp(kSpecGate, "mtp_kv", "bytes");
+                Comparison ignored_state = make_cmp(kSpecGate, "state", "fields");
+                Comparison ignored_pages = make_cmp(kSpecGate, "pages", "fields");
+                // The MTP layers' rows this sequence holds, against the teacher-forced pass's.
+                KvSnapshot tf;
+                for (const LayerRows &l : want.teacher_forced.layers) {
+                    if (!cfg_.layers[static_cast<size_t>(l.layer)].is_mtp) continue;
+                    const int stream = 1 + l.layer - cfg_.n_layers;
+                    LayerRows kept = l;
+                    kept.positions.clear();
+                    kept.k.clear();
+                    kept.v.clear();
+                    for (size_t i = 0; i < l.positions.size(); ++i) {
+                        const int64_t p = l.positions[i];
+                        if (p >= s.length(stream) || !s.kv().has_page(kv::PoolKind::kSwa, p)) continue;
+                        kept.positions.push_back(p);
+                        kept.k.insert(kept.k.end(), l.k.begin() + static_cast<std::ptrdiff_t>(i) * l.k_row,
+                                      l.k.begin() + static_cast<std::ptrdiff_t>(i + 1) * l.k_row);
+                        kept.v.insert(kept.v.end(), l.v.begin() + static_cast<std::ptrdiff_t>(i) * l.v_row,
+                                      l.v.begin() + static_cast<std::ptrdiff_t>(i + 1) * l.v_row);
+                    }
+                    tf.layers.push_back(std::move(kept));
+                }
+                for (int r = 0; r < tp_; ++r) {
+                    compare_kv(trunk, ignored_state, ignored_pages, want.trunk, *e_, r, s);
+                    compare_kv(mtp_rows, ignored_state, ignored_pages, tf, *e_, r, s);
+                }
+                SpecStats stats;
+                Comparison accepted = make_cmp(kSpecGate, "acceptance", "fields");
+                for (size_t i = 0; i < run->steps.size(); ++i) {
+                    const Decoded &d = run->steps[i];
+                    stats.add(d);
+                    if (forced < 0) continue;
+                    ++accepted.compared;
+                    if (d.accepted != std::min<int64_t>(forced, d.drafted)) {
+                        if (accepted.mismatches == 0) {
+                            accepted.first = fmt::format("step {}: {} of {} drafts accepted, {} forced", i, d.accepted,
+                                                         d.drafted, forced);
+                        }
+                        ++accepted.mismatches;
+                    }
+                }
+                // One more drafting step, counted: the work rules of any step (one copy each way, none before
+                // finish, the same on every rank) and no heap allocation.
+                Comparison work = make_cmp(kStepWork, "work", "fields");
+                if (o_.forcing != nullptr) o_.forcing->ids = {-1, -1, -1};
+                e_->reset_counters();
+                DecodeOptions d;
+                d.draft = sc_.spec_draft;
+                d.max_new = sc_.spec_draft + 1;
+                auto more = decode(*e_, *run->seq, d);
+                if (!more) return fail(line.stage, more.error().message);
+                line.has_counts = true;
+                line.counts = counts();
+                check_work(work, line.counts, -1, line.stage);
+                line.comparisons = {tokens, logits, trunk, mtp_rows, work};
+                if (forced >= 0) line.comparisons.push_back(accepted);
+                std::string rates;
+                for (int j = 0; j < sc_.spec_draft; ++j) rates += fmt::format(" {:.2f}", stats.rate(j));
+                line.note = fmt::format("{} steps, {:.2f} tokens per step, acceptance per position{}", stats.steps,
+                                        stats.tokens_per_step(), rates);
+                emit(report_, o_, std::move(line));
+            }
+        }
+        return {};
+    }
+
     // Batch invariance: the probe alone (the b = 1 run) against the reference, then inside batches of
     // 2 .. B sequences at every slot; a prefill step with every probe logit, then one decode step, whose work
     // must equal a one-sequence decode's.
@@ -1328,6 +1539,7 @@ std::string format_totals(const std::map<std::string, std::pair<int64_t, int64_t
 void summarize(VerifyReport &report, const Step35Config &cfg, const Scenario &sc, const VerifyOptions &o) {
     std::map<std::string, std::string> skip_reason;
     if (cfg.n_mtp_layers == 0) skip_reason[kMtpGate] = "the model has no MTP layer";
+    if (cfg.n_mtp_layers == 0) skip_reason[kSpecGate] = "the model has no MTP layer to draft with";
     if (sc.window == 0) skip_reason[kKvSliding] = "the model has no sliding-window layer";
     if (!sc.layer_moe) {
         const std::string why = fmt::format("layer {} is dense (--layer picks a MoE layer)", sc.layer);
@@ -1429,7 +1641,7 @@ const char *gate_status_name(GateStatus s) {
 
 const std::vector<std::string> &verify_gate_names() {
     static const std::vector<std::string> names = {
-        kLogitsPrefill, kLogitsDecode, kKvBytes, kKvTransactions, kKvPages, kKvSliding, kMtpGate,
+        kLogitsPrefill, kLogitsDecode, kKvBytes, kKvTransactions, kKvPages, kKvSliding, kMtpGate, kSpecGate,
         kBatch,         kStepWork,     kAttnCacheless, kAttnCached, kRouter, kExperts, kRows,
         kCombine,       kShared,       kLayer,   kAllocs,   kNativeRun};
     return names;

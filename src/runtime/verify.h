@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/draft_forcing.h"
 #include "core/kv_format.h"
 #include "core/result.h"
 #include "io/safetensors.h"
@@ -46,6 +47,10 @@ struct VerifyOptions {
     std::function<int64_t()> count_allocations;
     // Called with every stage line as soon as it is complete (the report holds them all too); optional.
     std::function<void(const VerifyLine &)> on_line;
+    // The drafts the native ranks' backends impose (draft-forcing backends over it, e.g. cpu::ForcedDraftBackend):
+    // the SPECULATION gate then also forces exactly 0 .. K accepted drafts per step. Null: the MTP layers' own
+    // drafts only.
+    DraftForcing *forcing = nullptr;
 };
 
 enum class GateStatus { kPass, kFail, kSkip };

@@ -986,6 +986,35 @@ TEST_F(CliTest, RunRefusesBadFlagValues) {
     EXPECT_TRUE(contains(r.err, "error: " + (dir_ / "missing" / "config.json").string())) << describe(r);
 }
 
+TEST_F(CliTest, RunSpecDraftGivesTheSameTextAndReportsAcceptance) {
+    // The default model's three MTP layers draft; greedy and seeded sampling print what drafting-off prints.
+    for (const std::vector<std::string> &sampling :
+         {std::vector<std::string>{"--temp", "0"}, std::vector<std::string>{"--temp", "0.9", "-s", "5", "--top-k", "0"}}) {
+        std::vector<std::string> base = {"run", "-p", "A list is a mutable sequence", "-n", "40", "--ignore-eos"};
+        base.insert(base.end(), sampling.begin(), sampling.end());
+        const RunResult off = run_memra(base);
+        ASSERT_EQ(off.exit_code, 0) << describe(off);
+        EXPECT_FALSE(contains(off.err, "speculation")) << describe(off);
+        for (const char *k : {"1", "3"}) {
+            std::vector<std::string> args = base;
+            args.insert(args.end(), {"--spec-draft", k});
+            const RunResult on = run_memra(args);
+            ASSERT_EQ(on.exit_code, 0) << describe(on);
+            EXPECT_EQ(on.out, off.out) << "--spec-draft " << k;
+            EXPECT_EQ(generated_tokens(on.err), 40) << describe(on);
+            EXPECT_TRUE(contains(on.err, fmt::format("     speculation = {} drafts: acceptance ", k))) << describe(on);
+            EXPECT_TRUE(contains(on.err, " per draft position, ")) << describe(on);
+        }
+    }
+    // The tiny checkpoint has one MTP layer: three drafts are refused, naming the flag and the count.
+    const RunResult r = run_memra({"run", "-p", "Hi", "-n", "4", "--spec-draft", "3"}, tiny_env());
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r.err, "error: --spec-draft 3: the model has 1 MTP layer(s)")) << describe(r);
+    const RunResult bad = run_memra({"run", "-p", "Hi", "--spec-draft", "4"});
+    EXPECT_EQ(bad.exit_code, 2) << describe(bad);
+    EXPECT_TRUE(contains(bad.err, "--spec-draft")) << describe(bad);
+}
+
 TEST_F(CliTest, RunHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
     expect_help_lists(
         "run", {"Usage: memra run", "MODEL_DIR", "MEMRA_MODEL", "-p,--prompt", "MEMRA_PROMPT",
@@ -996,7 +1025,7 @@ TEST_F(CliTest, RunHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
                 "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv",
                 "-t,--threads", "MEMRA_THREADS", "--ignore-eos", "MEMRA_IGNORE_EOS", "-c,--ctx-size", "MEMRA_CTX_SIZE",
                 "--ubatch-size", "-ub", "MEMRA_UBATCH", "=4096", "=512", "=64", "=0.8", "=40", "=0.95", "=0.05",
-                "=bf16"});
+                "=bf16", "--spec-draft,--draft", "MEMRA_SPEC_DRAFT"});
 }
 
 // ---- bench -------------------------------------------------------------------------------------------
@@ -1171,6 +1200,40 @@ TEST_F(CliTest, BenchPrintTokensIsSeededAndDrawsOnlyRealTokens) {
     EXPECT_GT(hi - lo, 600) << "200 uniform draws cover most of the range";
 }
 
+TEST_F(CliTest, BenchSpecDraftRunsTgSideBySideWithAcceptance) {
+    const RunResult r = run_memra({"bench", "-p", "0", "-n", "12", "-r", "1", "-t", "1", "--spec-draft", "2"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const std::vector<std::string> lines = lines_of(r.out);
+    ASSERT_EQ(lines.size(), 4u) << describe(r);
+    const std::vector<std::string> header = table_cells(lines[0]);
+    ASSERT_EQ(header.size(), 11u) << describe(r);
+    EXPECT_EQ(header[9], "accept/pos");
+    EXPECT_EQ(header[10], "tok/step");
+    const std::vector<std::string> plain = table_cells(lines[2]);
+    const std::vector<std::string> spec = table_cells(lines[3]);
+    EXPECT_EQ(plain[6], "tg12");
+    EXPECT_EQ(plain[9], "-");
+    EXPECT_EQ(spec[6], "tg12 spec2");
+    EXPECT_EQ(std::count(spec[9].begin(), spec[9].end(), ' '), 1) << spec[9];  // "0.62 0.41": two rates
+    EXPECT_GE(std::stod(spec[10]), 1.0);
+    // JSON: the acceptance per position and tokens per step; forced acceptance on the random tiny checkpoint
+    // (its one MTP layer's drafts forced to stand) gives exactly 1.0, and 2 tokens per step after the first.
+    const RunResult j = run_memra({"bench", "-p", "0", "-n", "9", "-r", "2", "-t", "1", "--spec-draft", "1",
+                                   "--spec-accept", "1", "-o", "json"},
+                                  tiny_env());
+    ASSERT_EQ(j.exit_code, 0) << describe(j);
+    const Json report = Json::parse(j.out);
+    ASSERT_EQ(report.size(), 2u);
+    EXPECT_EQ(report[0].at("test"), "tg9");
+    EXPECT_FALSE(report[0].contains("acceptance"));
+    const Json &t = report[1];
+    EXPECT_EQ(t.at("test"), "tg9 spec1 accept1");
+    EXPECT_EQ(t.at("spec_draft"), 1);
+    EXPECT_EQ(t.at("acceptance"), Json::array({1.0}));
+    EXPECT_EQ(t.at("steps"), 2 * 5);  // per run: 1 token at position 0 (nothing to draft from), then 2 + 2 + 2 + 2
+    EXPECT_NEAR(t.at("tokens_per_step").get<double>(), 1.8, 1e-12);
+}
+
 TEST_F(CliTest, BenchRefusesBadFlagValues) {
     const std::vector<Case> cases = {
         {{"-p", "-1"}, 2, "--n-prompt"},
@@ -1185,6 +1248,9 @@ TEST_F(CliTest, BenchRefusesBadFlagValues) {
         {{"-p", "5000"}, 1, "error: -p 5000: the test needs 5000 positions, more than the model's context length 4096"},
         {{"-p", "0", "-n", "4097"}, 1, "error: -n 4097: the test needs 4097 positions"},
         {{(dir_ / "missing").string()}, 1, "error: " + (dir_ / "missing" / "config.json").string()},
+        {{"--spec-draft", "4"}, 2, "--spec-draft"},
+        {{"--spec-accept", "4"}, 2, "--spec-accept"},
+        {{"--spec-accept", "1"}, 1, "error: --spec-accept needs --spec-draft K > 0"},
     };
     for (const Case &c : cases) {
         std::vector<std::string> args = {"bench"};
@@ -1325,7 +1391,7 @@ TEST_F(CliTest, BenchHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
                   "MEMRA_PRINT_TOKENS", "--experts", "MEMRA_EXPERTS", "--layer", "MEMRA_LAYER", "--tokens",
                   "MEMRA_TOKENS", "=64", "--tp,--tensor-parallel-size", "MEMRA_TP", "--warmup", "MEMRA_WARMUP", "=3",
                   "--iterations", "MEMRA_ITERATIONS", "=20", "-c,--ctx-size", "MEMRA_CTX_SIZE", "--ubatch-size", "-ub",
-                  "MEMRA_UBATCH"});
+                  "MEMRA_UBATCH", "--spec-draft,--draft", "MEMRA_SPEC_DRAFT", "--spec-accept", "MEMRA_SPEC_ACCEPT"});
     EXPECT_FALSE(contains(r.out, "--ep")) << describe(r);
 }
 
@@ -1380,7 +1446,7 @@ std::string gate_line(const std::string &out, const std::string &gate) {
 
 const std::vector<std::string> kVerifyGates = {
     "LOGITS_PREFILL", "LOGITS_DECODE", "KV_BYTES", "KV_TRANSACTIONS", "KV_PAGES", "KV_SLIDING_RELEASE", "MTP",
-    "BATCH_INVARIANCE", "STEP_WORK", "ATTENTION_CACHELESS", "ATTENTION_CACHED", "ROUTER", "EXPERTS_GROUPED",
+    "SPECULATION", "BATCH_INVARIANCE", "STEP_WORK", "ATTENTION_CACHELESS", "ATTENTION_CACHED", "ROUTER", "EXPERTS_GROUPED",
     "EXPERT_ROWS_ALL_RANKS", "COMBINE", "SHARED_EXPERT", "DECODER_LAYER", "HOT_PATH_ALLOCS", "NATIVE_RUN"};
 
 TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegree) {

@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/forced_draft_backend.h"
 #include "io/safetensors.h"
 #include "model/step35_config.h"
 #include "runtime/engine.h"
@@ -32,35 +33,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The drafts a test imposes on the next step: draft k becomes ids[k] (>= 0) before it feeds anything.
-struct DraftForcing {
-    uint64_t step = 0;  // bumped before every step
-    std::array<int32_t, 3> ids = {-1, -1, -1};
-};
 
-// A CPU backend whose draft scatter first overwrites the draft with the forced id (one item per step: stage k of
-// a step is draft k), so the engine verifies, accepts and reports the forced draft.
-class ForcedDraftBackend : public cpu::CpuBackend {
-public:
-    explicit ForcedDraftBackend(const DraftForcing *forcing) : cpu::CpuBackend(1), forcing_(forcing) {}
-    void scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) override {
-        if (seen_ != forcing_->step) {
-            seen_ = forcing_->step;
-            stage_ = 0;
-        }
-        const int k = stage_++;
-        if (k < 3 && forcing_->ids[static_cast<size_t>(k)] >= 0) {
-            const int32_t src = static_cast<const int32_t *>(pairs.data)[0];
-            static_cast<SampledToken *>(tokens.data)[src].id = forcing_->ids[static_cast<size_t>(k)];
-        }
-        cpu::CpuBackend::scatter_ids(tokens, pairs, dst);
-    }
-
-private:
-    const DraftForcing *forcing_;
-    uint64_t seen_ = ~uint64_t{0};
-    int stage_ = 0;
-};
+using cpu::ForcedDraftBackend;
 
 struct Model {
     std::unique_ptr<io::Checkpoint> ckpt;
@@ -111,7 +85,7 @@ Trace generate(const Model &m, const RunSpec &rs, const std::vector<int32_t> &pr
     o.mtp_layers = rs.draft > 0 ? m.cfg.n_mtp_layers : 0;
     o.spec_draft = rs.draft;
     o.make_backend = [&forcing](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(&forcing));
+        return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, &forcing));
     };
     auto engine = Engine::create(*m.ckpt, m.cfg, o);
     EXPECT_TRUE(engine.has_value()) << engine.error().message;
@@ -192,17 +166,11 @@ int64_t expect_same(const Trace &ref, const Trace &spec, const std::string &what
     return accepted;
 }
 
-// Forces draft k to the reference token at its position for k < n_accept and to another id at k = n_accept.
+// Forces exactly n_accept accepted drafts at every step (ref: the tokens the model samples).
 std::function<std::array<int32_t, 3>(const std::vector<int32_t> &, uint64_t)> accept_exactly(
     const std::vector<int32_t> &ref, int n_accept, int32_t vocab) {
     return [&ref, n_accept, vocab](const std::vector<int32_t> &tokens, uint64_t) {
-        std::array<int32_t, 3> ids = {-1, -1, -1};
-        for (int k = 0; k < 3; ++k) {
-            const size_t at = tokens.size() + static_cast<size_t>(k);  // the position draft k predicts
-            const int32_t truth = at < ref.size() ? ref[at] : 0;
-            ids[static_cast<size_t>(k)] = k < n_accept ? truth : (truth + 1 + k) % vocab;
-        }
-        return ids;
+        return drafts_accepting(ref, tokens.size(), n_accept, vocab);
     };
 }
 

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/forced_draft_backend.h"
 #include "io/safetensors.h"
 #include "model/step35_config.h"
 #include "runtime/verify.h"
@@ -59,6 +60,18 @@ public:
         scratch_bytes_ += scratch.size();
     }
     size_t scratch_bytes_ = 0;
+};
+
+// Feeds the trunk another token than the draft the engine verifies (the lowest bit of the id flipped in the
+// trunk's row), so an accepted draft's next sample comes from a token nobody chose.
+class MisfedDraftBackend : public cpu::ForcedDraftBackend {
+public:
+    using cpu::ForcedDraftBackend::ForcedDraftBackend;
+    void scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) override {
+        cpu::ForcedDraftBackend::scatter_ids(tokens, pairs, dst);
+        const int32_t trunk_row = static_cast<const int32_t *>(pairs.data)[1];  // each draft's first pair
+        static_cast<int32_t *>(dst.data)[trunk_row] ^= 1;
+    }
 };
 
 // ---- Fixture ----
@@ -170,15 +183,17 @@ TEST_F(VerifyTest, EveryDegreeHasZeroMismatches) {
     }
     // The stages of one run. Prompt 17: 17 + 1 decode + 1 kept of the partial + 3 recommitted = 22 positions;
     // then steps of 16 rows until the first sliding page (window 16) is released at 64 + 16 = 80: 16, 16, 16,
-    // 10. Then the MTP stage and 2 batch lines.
+    // 10. Then the MTP stage, speculation (the MTP layer's own drafts, greedy and T 0.7) and 2 batch lines.
     std::vector<std::string> want = {"prefill",      "L2 prefill",     "decode 1",     "L2 decode 1",
                                      "txn partial",  "L2 txn partial", "txn rollback", "L2 txn rollback",
                                      "txn recommit", "L2 txn recommit", "txn abandon"};
     for (int i = 1; i <= 4; ++i) want.push_back(fmt::format("slide {}", i));
     want.push_back("mtp");
+    want.push_back("spec greedy own drafts");
+    want.push_back("spec T0.7 own drafts");
     for (int b = 1; b <= 2; ++b) want.push_back(fmt::format("batch {}", b));
     EXPECT_EQ(stages_of(*report, 8), want);
-    EXPECT_EQ(counted, 13 * report->runs);
+    EXPECT_EQ(counted, 15 * report->runs);
     for (const VerifyLine &line : report->lines) {
         if (line.reference || line.tp != 8) continue;
         if (line.stage == "txn rollback" || line.stage == "txn abandon") {
@@ -227,6 +242,39 @@ TEST_F(VerifyTest, AReductionInAnotherOrderFails) {
     EXPECT_NE(summary.find("VERIFY FAIL"), std::string::npos) << summary;
     std::printf("[ verify ] skewed combine at tp=4: %lld prefill logits with other bits\n",
                 static_cast<long long>(bad));
+}
+
+// With draft-forcing ranks the SPECULATION gate also forces every acceptance count; a backend that feeds the
+// trunk another token than the draft the engine verifies (so a wrong draft is "accepted") fails it.
+TEST_F(VerifyTest, SpeculationForcesEveryAcceptanceAndCatchesAMisfedDraft) {
+    VerifyOptions o = short_options({2});
+    DraftForcing forcing;
+    o.forcing = &forcing;
+    o.make_rank_backend = [&forcing](int, int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::ForcedDraftBackend>(1, &forcing));
+    };
+    auto report = verify("bf16", o);
+    ASSERT_TRUE(report.has_value()) << report.error().message;
+    EXPECT_EQ(gate(*report, "SPECULATION").status, GateStatus::kPass) << gate(*report, "SPECULATION").detail;
+    int forced_lines = 0;
+    for (const VerifyLine &line : report->lines) {
+        if (line.stage.find(" accepted") == std::string::npos) continue;
+        ++forced_lines;
+        const auto it = std::find_if(line.comparisons.begin(), line.comparisons.end(),
+                                     [](const Comparison &c) { return c.what == "acceptance"; });
+        ASSERT_NE(it, line.comparisons.end()) << line.stage;
+        EXPECT_GT(it->compared, 0) << line.stage;
+    }
+    EXPECT_EQ(forced_lines, 2 * 2);  // greedy and T 0.7, 0 or 1 accepted (the tiny model has one MTP layer)
+
+    o.make_rank_backend = [&forcing](int, int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<MisfedDraftBackend>(1, &forcing));
+    };
+    auto bad = verify("bf16", o);
+    ASSERT_TRUE(bad.has_value()) << bad.error().message;
+    EXPECT_EQ(gate(*bad, "SPECULATION").status, GateStatus::kFail);
+    EXPECT_GT(mismatches_of(*bad, 2, "SPECULATION"), 0);
+    EXPECT_EQ(mismatches_of(*bad, 2, "LOGITS_DECODE"), 0);  // only speculation is broken
 }
 
 TEST_F(VerifyTest, AGroupedProductOffTheOracleFails) {
