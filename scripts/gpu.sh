@@ -34,6 +34,9 @@ build-gpu/memra make-tiny "$out/tiny-model" --force >/dev/null &&
 verify_tiny_rc=$?
 rm -rf "$out/tiny-model"
 build-gpu/memra bench -p 512 -n 64 -r 3 >"$out/engine_bench.log" 2>&1
+# Speculative decoding side by side (this host's cores): real text, bench tg, forced acceptance.
+bash scripts/spec_bench.sh build-gpu/memra "$out/spec" 16 >"$out/spec_bench.md" 2>"$out/spec_bench.err"
+spec_rc=$?
 
 for b in build-gpu/memra_bench_*; do
     [ -x "$b" ] && "$b" --benchmark_min_time=0.2 --benchmark_format=console >>"$out/bench.log" 2>&1
@@ -51,4 +54,7 @@ grep -E '\| (pp|tg)[0-9]+ ' "$out/engine_bench.log" | awk -F'|' '{for (i = 1; i 
 grep -iE '^bm_' "$out/bench.log" |
     awk '{x=""; for (i = 4; i <= NF; i++) if ($i ~ /bytes_per_second|vs_memcpy/) x = x " " $i;
           printf "| %s | %s %s%s |\n", $1, $2, $3, x}'
-[ $ctest_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $verify_tiny_rc -eq 0 ]
+echo "| spec bench (rc $spec_rc) | table below |"
+echo
+cat "$out/spec_bench.md"
+[ $ctest_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $verify_tiny_rc -eq 0 ] && [ $spec_rc -eq 0 ]

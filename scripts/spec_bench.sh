@@ -27,14 +27,14 @@ for k in 0 1 2 3; do
 done
 for k in 1 3; do
     "$memra" bench -p 0 -n 128 -r 3 -t "$threads" --spec-draft $k >"$out/bench_k$k.md" 2>"$out/bench_k$k.err"
-    grep -E '\| tg' "$out/bench_k$k.md" | awk -F'|' -v k=$k '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i);
+    grep -E '\| +tg' "$out/bench_k$k.md" | awk -F'|' -v k=$k '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i);
         printf "| default | bench %s | %s | %s | %s | %s | yes |\n", $8, ($8 ~ /spec/ ? k : 0), $9, $11, $12}'
 done
 "$memra" make-tiny "$out/tiny3" --mtp-layers 3 --force >/dev/null
 for a in 0 1 2 3; do
     "$memra" bench "$out/tiny3" -p 0 -n 128 -r 3 -t "$threads" --spec-draft 3 --spec-accept $a \
         >"$out/tiny_a$a.md" 2>"$out/tiny_a$a.err"
-    grep -E '\| tg' "$out/tiny_a$a.md" | awk -F'|' '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i);
+    grep -E '\| +tg' "$out/tiny_a$a.md" | awk -F'|' '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i);
         printf "| tiny (random) | bench %s | %s | %s | %s | %s | yes |\n", $8, ($8 ~ /spec/ ? 3 : 0), $9, $11, $12}'
 done
 rm -rf "$out/tiny3"

@@ -336,6 +336,87 @@ TEST(Speculation, TensorParallelRanksEqualNoDrafts) {
     fs::remove_all(dir, ec);
 }
 
+// Sequences drafting together in one step (and one of them not drafting) decode what each decodes alone.
+TEST(Speculation, DraftingSequencesInOneStepEqualEachAlone) {
+    const Model m = open_model(default_model());
+    ASSERT_TRUE(m.ckpt);
+    const std::vector<std::vector<int32_t>> prompts = {model::make_tokens(21, 12, 1000),
+                                                       model::make_tokens(22, 30, 1000),
+                                                       model::make_tokens(23, 5, 1000)};
+    const std::vector<SamplingParams> samplings = {sampling(0.0f, 1.0f), sampling(0.7f, 0.9f, 1.1f),
+                                                   sampling(1.0f, 1.0f)};
+    const std::vector<int> drafts = {3, 2, 0};
+    constexpr int64_t kNew = 60;
+    DraftForcing forcing;
+    std::vector<std::vector<int32_t>> alone;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        RunSpec rs;
+        rs.ctx = static_cast<int64_t>(prompts[i].size()) + kNew;
+        rs.draft = drafts[i];
+        rs.sampling = samplings[i];
+        alone.push_back(generate(m, rs, prompts[i], forcing).tokens);
+    }
+    EngineOptions o;
+    o.ctx_size = 512;
+    o.max_seqs = 4;
+    o.step_rows = 64;
+    o.mtp_layers = 3;
+    o.spec_draft = 3;
+    o.make_backend = [](int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(1));
+    };
+    auto e = Engine::create(*m.ckpt, m.cfg, o);
+    ASSERT_TRUE(e.has_value()) << e.error().message;
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        SequenceOptions so;
+        so.mtp_streams = 3;
+        so.sampling = samplings[i];
+        auto s = (*e)->create_sequence(so);
+        ASSERT_TRUE(s.has_value()) << s.error().message;
+        (*s)->tokens = prompts[i];
+        auto first = feed(**e, **s);
+        ASSERT_TRUE(first.has_value()) << first.error().message;
+        (*s)->tokens.push_back(*first);
+        seqs.push_back(std::move(*s));
+    }
+    int64_t accepted = 0;
+    while (true) {
+        std::vector<StepItem> items;
+        std::vector<size_t> which;
+        for (size_t i = 0; i < seqs.size(); ++i) {
+            Sequence &s = *seqs[i];
+            const int64_t left = static_cast<int64_t>(prompts[i].size()) + kNew - static_cast<int64_t>(s.tokens.size());
+            if (left <= 0) continue;
+            StepItem it;
+            it.seq = &s;
+            it.rows = 1;
+            it.sample = true;
+            it.mtp_follow = true;
+            it.draft = static_cast<int>(std::min<int64_t>(drafts[i], left - 1));
+            items.push_back(it);
+            which.push_back(i);
+        }
+        if (items.empty()) break;
+        ASSERT_TRUE((*e)->plan(items).has_value());
+        (*e)->run();
+        ASSERT_TRUE((*e)->collect().has_value());
+        std::vector<std::vector<int32_t>> emitted(items.size());
+        for (size_t j = 0; j < items.size(); ++j) {
+            accepted += (*e)->accepted(j);
+            for (int64_t t = 0; t <= (*e)->accepted(j); ++t) emitted[j].push_back((*e)->sampled(j, t).id);
+        }
+        ASSERT_TRUE((*e)->finish().has_value());
+        for (size_t j = 0; j < items.size(); ++j) {
+            std::vector<int32_t> &tokens = seqs[which[j]]->tokens;
+            tokens.insert(tokens.end(), emitted[j].begin(), emitted[j].end());
+        }
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) EXPECT_EQ(seqs[i]->tokens, alone[i]) << "sequence " << i;
+    EXPECT_GT(accepted, 10);
+    EXPECT_TRUE((*e)->check_pages().has_value());
+}
+
 // Refusals leave the sequence and the pools as they were; a drafting item keeps no unconfirmed row.
 TEST(Speculation, RefusalsChangeNothing) {
     const Model m = open_model(default_model());
