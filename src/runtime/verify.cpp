@@ -238,10 +238,10 @@ Result<Scenario> make_scenario(const Step35Config &cfg, const VerifyOptions &o) 
         }
     }
 
-    // Speculation: the prompt, then 2 * decode + 16 tokens with and without drafts.
+    // Speculation: the prompt, then decode + 8 tokens with and without drafts.
     if (cfg.n_mtp_layers > 0) {
         sc.spec_prompt = prompt;
-        sc.spec_new = 2 * int64_t{o.decode_steps} + 16;
+        sc.spec_new = int64_t{o.decode_steps} + 8;
         sc.spec_draft = std::min(cfg.n_mtp_layers, model::kMaxMtp);
     }
 

@@ -1459,10 +1459,12 @@ TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegree) {
         fs::path dir;
         std::string tp;
         int runs;
-        int steps_per_run;  // prefill, decode, 4 transaction steps, the slide steps, MTP, 2 batch lines
+        int steps_per_run;  // prefill, decode, 4 transaction steps, the slide steps, MTP, speculation, 2 batch lines
     };
-    for (const Call &call :
-         {Call{bf16, "1,2", 2, 13}, Call{bf16, "4,8", 2, 13}, Call{fp8, "1,2", 2, 24}, Call{fp8, "4,8", 2, 24}}) {
+    // Speculation with one MTP layer: greedy and T 0.7, each the layer's own drafts and 0 or 1 forced to stand.
+    constexpr int kSpecLines = 2 * 3;
+    for (const Call &call : {Call{bf16, "1,2", 2, 13 + kSpecLines}, Call{bf16, "4,8", 2, 13 + kSpecLines},
+                             Call{fp8, "1,2", 2, 24 + kSpecLines}, Call{fp8, "4,8", 2, 24 + kSpecLines}}) {
         const std::vector<std::string> args = {"verify",  call.dir.string(), "--tp", call.tp, "--tokens", "17",
                                                "--decode", "1",               "--batch", "2", "-t",       "1"};
         const RunResult r = run_memra(args);
@@ -1488,11 +1490,12 @@ TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegree) {
         EXPECT_EQ(t.steps, call.runs * call.steps_per_run) << describe(r);
         EXPECT_EQ(t.nonzero_allocs, 0) << describe(r);
         const std::string last = fmt::format("tp={}", call.tp.back());
-        const int slides = call.steps_per_run - 9;
+        const int slides = call.steps_per_run - 9 - kSpecLines;
         for (const std::string &stage :
              {std::string("prefill"), std::string("L2 prefill"), std::string("decode 1"), std::string("txn partial"),
               std::string("txn rollback"), std::string("txn recommit"), std::string("txn abandon"),
-              fmt::format("slide {}", slides), std::string("mtp"), std::string("batch 2")}) {
+              fmt::format("slide {}", slides), std::string("mtp"), std::string("spec greedy 1 accepted"),
+              std::string("spec T0.7 own drafts"), std::string("batch 2")}) {
             EXPECT_TRUE(contains(r.out, fmt::format("{:<12} {:<16} ", last, stage))) << stage << "\n" << describe(r);
         }
         if (call.dir == fp8) {
