@@ -133,7 +133,7 @@ Result<void> enable_speculation(runtime::EngineOptions &options, const model::St
                           "one token; use --spec-draft {} at most",
                           spec_draft, cfg.n_mtp_layers, layers);
     }
-    options.mtp_layers = layers;
+    options.mtp_layers = spec_draft;  // the layers that draft; the rest would only catch up
     options.spec_draft = spec_draft;
     return {};
 }

@@ -106,6 +106,12 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
         return make_error("engine: {} drafts per step, expected 0 .. the {} MTP layers it runs", o.spec_draft,
                           o.mtp_layers);
     }
+    // MTP layer k of a drafting step runs up to 1 + k catch-up rows and k draft rows.
+    if (o.spec_draft > 0 && o.step_rows < 2 * int64_t{o.spec_draft}) {
+        return make_error("engine: {} drafts per step need a step budget of at least {} rows, found {}", o.spec_draft,
+                          2 * o.spec_draft, o.step_rows);
+    }
+    if (o.max_mtp_seqs < 0) return make_error("engine: max_mtp_seqs {}, expected >= 0", o.max_mtp_seqs);
     if (o.sample_vocab < 0 || o.sample_vocab > cfg.vocab_size) {
         return make_error("engine: sample_vocab {} outside [0, {}]", o.sample_vocab, cfg.vocab_size);
     }
@@ -134,10 +140,11 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
     const int64_t rows_per_seq = 1 + 2 * int64_t{o.spec_draft};  // a drafting item: 1 + k trunk rows, k drafts
     e->cap_.max_logit_rows = o.max_logit_rows > 0 ? o.max_logit_rows : o.max_seqs * rows_per_seq;
     e->cap_.n_mtp = o.mtp_layers;
-    // One carry slot per sequence that may step at once, each two halves of kCarryRows rows.
-    e->cap_.carry_rows = o.mtp_layers > 0 ? int64_t{o.max_seqs} * 2 * kCarryRows : 0;
+    // One carry slot per live sequence with MTP streams, each two halves of kCarryRows rows.
+    const int carry_slots = o.max_mtp_seqs > 0 ? o.max_mtp_seqs : o.max_seqs;
+    e->cap_.carry_rows = o.mtp_layers > 0 ? int64_t{carry_slots} * 2 * kCarryRows : 0;
     if (o.mtp_layers > 0) {
-        for (int slot = o.max_seqs - 1; slot >= 0; --slot) e->free_carry_.push_back(slot);
+        for (int slot = carry_slots - 1; slot >= 0; --slot) e->free_carry_.push_back(slot);
     }
     const int64_t blocks = model::max_blocks(e->cap_);
 
@@ -233,8 +240,8 @@ Result<std::unique_ptr<Sequence>> Engine::create_sequence(const SequenceOptions 
     }
     if (auto ok = validate_sampling_params(options.sampling); !ok) return tl::unexpected(ok.error());
     if (options.mtp_streams > 0 && free_carry_.empty()) {
-        return make_error("sequence: the engine carries MTP hidden rows for {} sequences (max_seqs), all held",
-                          options_.max_seqs);
+        return make_error("sequence: the engine carries MTP hidden rows for {} sequences (max_mtp_seqs), all held",
+                          options_.max_mtp_seqs > 0 ? options_.max_mtp_seqs : options_.max_seqs);
     }
     kv::SeqKvShape shape = seq_shape_;
     shape.n_streams = 1 + options.mtp_streams;
@@ -343,6 +350,11 @@ Result<void> Engine::resolve_items(std::span<const StepItem> items) {
                     r.mtp_rows[k] = end - start;
                     sp.catch_up[k] = end - start;
                     if (r.draft > k) {
+                        if (k == 0 && end == start) {
+                            return make_error("step item {}: MTP layer 0 cannot draft: its row at position {} was "
+                                              "computed in an earlier step (decode one token without drafts first)",
+                                              i, len0 - 1);
+                        }
                         if (end != len0) {
                             const auto [lo, hi] = s->carried(k);
                             return make_error("step item {}: MTP layer {} cannot draft: its rows reach position {}, "
@@ -359,6 +371,36 @@ Result<void> Engine::resolve_items(std::span<const StepItem> items) {
         }
         step_items_.push_back(r);
         spec_.push_back(sp);
+    }
+    return {};
+}
+
+Result<void> Engine::check_reach(const Sequence &s, const StepItem &it, std::span<const int64_t> kept) const {
+    if (s.carry_slot_ < 0) return {};
+    int64_t len[kv::kMaxStreams] = {}, lo[kv::kMaxStreams] = {}, hi[kv::kMaxStreams] = {};
+    for (int st = 0; st < s.n_streams(); ++st) {
+        const int64_t p0 = s.length(st);
+        const int64_t n = stream_rows_of(it, st);
+        const int64_t keep = kept[static_cast<size_t>(st)];
+        len[st] = p0 + keep;
+        lo[st] = s.carry_[st].lo;
+        hi[st] = s.carry_[st].hi;
+        if (n > 0 && keep > 0) {  // as update_carry will set it
+            lo[st] = std::max(p0, p0 + n - kCarryRows);
+            hi[st] = p0 + keep;
+        }
+    }
+    for (int k = 0; k + 1 < s.n_streams(); ++k) {
+        const int64_t next = len[1 + k];
+        const int64_t q = k == 0 ? next : next - 1;  // the source row the next row reads
+        if (q < len[k] && q >= s.kv_.first(k) && (q < lo[k] || q >= hi[k])) {
+            return make_error("MTP layer {} would be left behind for good: its next row (position {}) reads {} row {}, "
+                              "which would be committed but no longer carried (carried: [{}, {})); run the MTP rows "
+                              "in the step of their source rows (not a prefill chunk in a drafting step, not a "
+                              "budget too small for both) and keep them with it",
+                              k, next, k == 0 ? std::string("trunk") : fmt::format("MTP layer {}", k - 1), q, lo[k],
+                              hi[k]);
+        }
     }
     return {};
 }
@@ -440,6 +482,14 @@ Result<void> Engine::check_items(std::span<const StepItem> items) const {
         }
         if (it.sample && len0 + it.rows > int64_t{0xffffffff}) {
             return make_error("step item {}: position {} is past the sampler's 2^32 positions", i, len0 + it.rows);
+        }
+        if (it.mtp_follow && it.draft == 0) {
+            int64_t all[kv::kMaxStreams] = {};
+            for (int st = 0; st < s->n_streams(); ++st) all[st] = stream_rows_of(it, st);
+            if (auto ok = check_reach(*s, it, std::span<const int64_t>(all, static_cast<size_t>(s->n_streams())));
+                !ok) {
+                return wrap_error(fmt::format("step item {}", i), ok.error());
+            }
         }
     }
     for (int s = 0; s < kv::kMaxStreams; ++s) {
@@ -616,6 +666,7 @@ void Engine::pack_tables(std::span<const StepItem> items) {
             }
             // Logit rows: the stream rows whose logits are computed (a drafting MTP layer: its last row).
             const int64_t nl = logit_count_[s][static_cast<size_t>(i)];
+            MEMRA_CHECK(nl == 0 || n > 0, "engine: item {} stream {}: {} logit rows of no rows", i, s, nl);
             for (int64_t j = 0; j < nl; ++j) {
                 const bool last = s == 0 ? it.logits == LogitRows::kLast : it.draft > s - 1;
                 i32_at(so[s].logit_rows)[logit_fill[s]++] = static_cast<int32_t>(item_first[s] + (last ? n - 1 : j));
@@ -712,6 +763,7 @@ Result<void> Engine::plan(std::span<const StepItem> items) {
     if (items.empty() || static_cast<int64_t>(items.size()) > options_.max_seqs) {
         return make_error("step: {} sequences, expected 1 .. {}", items.size(), options_.max_seqs);
     }
+    results_ = false;
     if (auto ok = resolve_items(items); !ok) return ok;
     if (auto ok = check_items(step_items_); !ok) return ok;
     if (auto ok = begin_all(step_items_); !ok) return ok;
@@ -813,6 +865,7 @@ Result<void> Engine::collect() {
         }
     }
     collected_ = true;
+    results_ = true;
     return {};
 }
 
@@ -901,6 +954,13 @@ Result<void> Engine::check_keep(size_t item, const Keep &keep) const {
         }
         len[st] = s.kv_.length(st) + want;
     }
+    if (it.mtp_follow) {
+        int64_t kept[kv::kMaxStreams] = {};
+        for (int st = 0; st < s.n_streams(); ++st) kept[st] = len[st] - s.kv_.length(st);
+        if (auto ok = check_reach(s, it, std::span<const int64_t>(kept, static_cast<size_t>(s.n_streams()))); !ok) {
+            return ok;
+        }
+    }
     // MTP layer 0's row p was computed from the trunk's row p, MTP layer k's from MTP layer k - 1's row p - 1:
     // a kept row whose source row is dropped would stay in the cache computed from a state that never was.
     for (int k = 0; k + 1 < s.n_streams(); ++k) {
@@ -926,25 +986,25 @@ Result<void> Engine::step(std::span<const StepItem> items) {
 }
 
 const SampledToken &Engine::sampled(size_t item, int64_t j) const {
-    MEMRA_CHECK(item < sample_row_of_item_.size() && sample_row_of_item_[item] >= 0 && j >= 0 &&
+    MEMRA_CHECK(results_ && item < sample_row_of_item_.size() && sample_row_of_item_[item] >= 0 && j >= 0 &&
                     j <= step_items_[item].draft,
                 "engine: item {} did not sample a token {}", item, j);
     return sampled_[static_cast<size_t>(sample_row_of_item_[item] + j)];
 }
 
 int64_t Engine::sampled_count(size_t item) const {
-    MEMRA_CHECK(item < sample_row_of_item_.size(), "engine: no item {}", item);
+    MEMRA_CHECK(results_ && item < sample_row_of_item_.size(), "engine: no results for item {}", item);
     return sample_row_of_item_[item] < 0 ? 0 : 1 + step_items_[item].draft;
 }
 
 int32_t Engine::draft(size_t item, int j) const {
-    MEMRA_CHECK(item < spec_.size() && j >= 0 && j < step_items_[item].draft, "engine: item {} has no draft {}", item,
-                j);
+    MEMRA_CHECK(results_ && item < spec_.size() && j >= 0 && j < step_items_[item].draft,
+                "engine: item {} has no draft {}", item, j);
     return sampled_[static_cast<size_t>(spec_[item].draft_row[j])].id;
 }
 
 int64_t Engine::accepted(size_t item) const {
-    MEMRA_CHECK(item < spec_.size(), "engine: no item {}", item);
+    MEMRA_CHECK(results_ && item < spec_.size(), "engine: no results for item {}", item);
     return spec_[item].accepted;
 }
 
@@ -1089,11 +1149,18 @@ Result<Decoded> decode(Engine &engine, Sequence &seq, const DecodeOptions &optio
     it.draft = static_cast<int>(draft);
     it.top_logprobs = options.top_logprobs;
     it.return_logits = options.return_logits;
-    if (auto ok = engine.plan(std::span(&it, 1)); !ok) return tl::unexpected(ok.error());
+    auto planned = engine.plan(std::span(&it, 1));
+    if (!planned && draft > 0) {
+        // Drafts change speed, never what can be decoded: a step the drafts make impossible (an MTP layer
+        // behind, pages for the draft rows) decodes without them.
+        it.draft = 0;
+        planned = engine.plan(std::span(&it, 1));
+    }
+    if (!planned) return tl::unexpected(planned.error());
     engine.run();
     if (auto ok = engine.collect(); !ok) return tl::unexpected(ok.error());
     Decoded out;
-    out.drafted = draft;
+    out.drafted = it.draft;
     out.accepted = engine.accepted(0);
     int32_t emitted[1 + model::kMaxMtp] = {};
     while (out.emitted < 1 + out.accepted && out.emitted < options.max_new) {

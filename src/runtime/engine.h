@@ -55,10 +55,13 @@ struct EngineOptions {
                                           // sequence reaches at most min(ctx_size, the model's context length)
     int max_seqs = 1;                     // sequences per step
     int64_t step_rows = kCpuStepRows;     // rows per stream per step, all sequences together (>= 1)
-    int64_t max_logit_rows = 0;           // logit rows per step, every stream together; 0: max_seqs
+    int64_t max_logit_rows = 0;           // logit rows per step, every stream together; 0: max_seqs * (1 +
+                                          // 2 spec_draft)
     int mtp_layers = 0;                   // MTP layers with KV space, runnable by steps (0 .. the model's)
     int spec_draft = 0;                   // most drafts one step item verifies (0 .. mtp_layers; sizes the logit
-                                          // and sample rows)
+                                          // and sample rows; needs step_rows >= 2 spec_draft)
+    int max_mtp_seqs = 0;                 // sequences with MTP streams alive at once (each carries its hidden
+                                          // rows between steps); 0: max_seqs
     int32_t sample_vocab = 0;             // ids [0, n) may be sampled (the tokenizer's real ids); 0: every id
     BackendFactory make_backend;
 };
@@ -143,14 +146,18 @@ struct StepItem {
     bool return_logits = false;                    // copy the item's logit rows to the host at finish
     int32_t top_logprobs = -1;                     // with sample: -1 none, else 0 .. kMaxTopLogprobs alternatives
     // The MTP layers catch up: the engine sets mtp_rows to every row whose token is known and whose source
-    // row this step computes or the sequence carries (mtp_rows must be 0).
+    // row this step computes or the sequence carries (mtp_rows must be 0). Refused (plan, or finish with a
+    // partial keep): a step after which an MTP layer could never catch up, its next source row committed but
+    // no longer carried — e.g. a prefill chunk in a drafting step (MTP layers run before the trunk there), or a
+    // step budget too small for the MTP rows beside the trunk's.
     bool mtp_follow = false;
     // Speculative decoding (SERVING.md 2.5): with draft = k > 0 the item is one pending token (rows = 1, sample
     // set): the MTP layers catch up, MTP layer j drafts token j + 1 from its last row (sampled with the
     // sequence's noise at the position it predicts, penalties off), each draft feeding the next layer and the
     // trunk inside the run; the trunk then runs 1 + k rows and samples every one (its own noise per position),
     // and finish keeps 1 + the drafts equal to those samples. MTP layers run before the trunk in a step with a
-    // drafting item, so no MTP row of such a step reads a trunk row of the same step.
+    // drafting item, so no MTP row of such a step reads a trunk row of the same step. Every TP rank samples the
+    // drafts itself from the same (replicated, bit-identical) MTP logits, so every rank feeds the same tokens.
     int draft = 0;
 };
 
@@ -263,6 +270,9 @@ private:
     Engine() = default;
     // Copies the items into step_items_ with the MTP rows of mtp_follow and draft items resolved.
     Result<void> resolve_items(std::span<const StepItem> items);
+    // Whether every MTP layer of s can still catch up after the step's rows of `it` are committed, kept[st] of
+    // each stream: its next row's source row is carried, or not yet computed.
+    Result<void> check_reach(const Sequence &s, const StepItem &it, std::span<const int64_t> kept) const;
     // Whether stream `stream` of s (1 + k: MTP layer k) can read its source row for position p: a row of this
     // step (it: the resolved item) or a carried one.
     bool source_ready(const Sequence &s, const StepItem &it, int stream, int64_t p) const;
@@ -316,6 +326,7 @@ private:
     int64_t pairs_offset_[model::kMaxMtp] = {}, pairs_count_[model::kMaxMtp] = {};
     std::vector<int32_t> free_carry_;                     // carry slots not held by a sequence
     bool collected_ = false;
+    bool results_ = false;  // sampled() and friends describe the last collected step (false after a new plan)
     std::vector<int64_t> logit_begin_[kv::kMaxStreams];  // [stream][item] first logit row of the item
     std::vector<int64_t> logit_count_[kv::kMaxStreams];  // [stream][item]
     std::string run_error_;

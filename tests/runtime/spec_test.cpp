@@ -430,14 +430,24 @@ TEST(Speculation, DraftingSequencesInOneStepEqualEachAlone) {
 TEST(Speculation, RefusalsChangeNothing) {
     const Model m = open_model(default_model());
     ASSERT_TRUE(m.ckpt);
+    DraftForcing forcing;
     EngineOptions o;
-    o.ctx_size = 128;
+    o.ctx_size = 256;
     o.step_rows = 64;
+    o.max_seqs = 2;
     o.mtp_layers = 3;
     o.spec_draft = 2;
-    o.make_backend = [](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(1));
+    o.make_backend = [&forcing](int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, &forcing));
     };
+    // The drafting step's budget: MTP layer 1 runs up to 3 catch-up rows and 1 draft row.
+    EngineOptions small = o;
+    small.step_rows = 3;
+    auto refused_engine = Engine::create(*m.ckpt, m.cfg, small);
+    ASSERT_FALSE(refused_engine.has_value());
+    EXPECT_NE(refused_engine.error().message.find("2 drafts per step need a step budget of at least 4 rows, found 3"),
+              std::string::npos)
+        << refused_engine.error().message;
     auto e = Engine::create(*m.ckpt, m.cfg, o);
     ASSERT_TRUE(e.has_value()) << e.error().message;
     Engine &eng = **e;
@@ -449,13 +459,15 @@ TEST(Speculation, RefusalsChangeNothing) {
     Sequence &seq = **s;
     seq.tokens = model::make_tokens(9, 20, 1000);
 
-    const auto refused = [&](StepItem it, const std::string &needle) {
-        const int64_t len = seq.length(0);
+    const auto refused = [&](std::vector<StepItem> items, const std::string &needle) {
+        const int64_t len[4] = {seq.length(0), seq.length(1), seq.length(2), seq.length(3)};
+        const auto carried = seq.carried(0);
         const int32_t free_swa = eng.page_pool(kv::PoolKind::kSwa).n_free();
-        auto r = eng.plan(std::span(&it, 1));
+        auto r = eng.plan(items);
         ASSERT_FALSE(r.has_value()) << needle;
         EXPECT_NE(r.error().message.find(needle), std::string::npos) << r.error().message;
-        EXPECT_EQ(seq.length(0), len);
+        for (int st = 0; st < 4; ++st) EXPECT_EQ(seq.length(st), len[st]) << needle;
+        EXPECT_EQ(seq.carried(0), carried) << needle;
         EXPECT_EQ(eng.page_pool(kv::PoolKind::kSwa).n_free(), free_swa);
     };
     StepItem it;
@@ -463,45 +475,142 @@ TEST(Speculation, RefusalsChangeNothing) {
     it.rows = 1;
     it.sample = true;
     it.draft = 1;
-    refused(it, "drafting needs one pending token");  // 20 pending
+    refused({it}, "drafting needs one pending token");  // 20 pending
     ASSERT_TRUE(feed(eng, seq).has_value());
     seq.tokens.push_back(7);
     it.draft = 3;
-    refused(it, "3 drafts, expected 1 .. 2");
+    refused({it}, "3 drafts, expected 1 .. 2");
     it.draft = 1;
     it.mtp_logits = true;
-    refused(it, "computes no MTP logit rows");
+    refused({it}, "computes no MTP logit rows");
     it.mtp_logits = false;
     StepItem explicit_rows = it;
     explicit_rows.draft = 0;
     explicit_rows.mtp_follow = true;
     explicit_rows.mtp_rows[0] = 1;
-    refused(explicit_rows, "mtp_follow sets the MTP rows itself");
+    refused({explicit_rows}, "mtp_follow sets the MTP rows itself");
+    // A prefill chunk whose MTP layers follow cannot share a drafting step: they run before its trunk rows,
+    // and would be left behind for good.
+    SequenceOptions other = so;
+    auto t = eng.create_sequence(other);
+    ASSERT_TRUE(t.has_value());
+    (*t)->tokens = model::make_tokens(10, 30, 1000);
+    StepItem prefill;
+    prefill.seq = t->get();
+    prefill.rows = 30;
+    prefill.mtp_follow = true;
+    prefill.logits = LogitRows::kNone;
+    refused({it, prefill}, "MTP layer 0 would be left behind for good");
 
-    // Keeping a trunk row past the accepted drafts, or an MTP draft row, is refused and rolls the step back.
+    // Drafts forced wrong: none stands. Keeping a trunk row past them, or an MTP draft row, is refused and
+    // rolls the step back.
+    forcing.ids = {5, 5, 5};
     it.draft = 2;
-    ASSERT_TRUE(eng.plan(std::span(&it, 1)).has_value());
-    eng.run();
-    ASSERT_TRUE(eng.collect().has_value());
-    const int64_t accepted = eng.accepted(0);
-    Keep keep;
-    keep.rows[0] = 2 + accepted;
-    if (accepted < 2) {
-        auto r = eng.finish(std::span(&keep, 1));
-        ASSERT_FALSE(r.has_value());
-        EXPECT_NE(r.error().message.find("whose tokens the drafts' acceptance confirms"), std::string::npos)
-            << r.error().message;
-        EXPECT_EQ(seq.length(0), 20);
+    const auto run_step = [&] {
+        ++forcing.step;
         ASSERT_TRUE(eng.plan(std::span(&it, 1)).has_value());
         eng.run();
-    }
+        ASSERT_TRUE(eng.collect().has_value());
+    };
+    run_step();
+    if (eng.draft(0, 0) == eng.sampled(0, 0).id) GTEST_SKIP() << "the forced draft happens to be the model's token";
+    EXPECT_EQ(eng.accepted(0), 0);
+    Keep keep;
+    keep.rows[0] = 2;
+    auto r = eng.finish(std::span(&keep, 1));
+    ASSERT_FALSE(r.has_value());
+    EXPECT_NE(r.error().message.find("past the 1 whose tokens the drafts' acceptance confirms (1 + 0 accepted)"),
+              std::string::npos)
+        << r.error().message;
+    EXPECT_EQ(seq.length(0), 20);
+    run_step();
     Keep mtp_keep;
     mtp_keep.rows[2] = 2;  // MTP layer 1's catch-up row and its draft row
-    auto r = eng.finish(std::span(&mtp_keep, 1));
+    r = eng.finish(std::span(&mtp_keep, 1));
     ASSERT_FALSE(r.has_value());
     EXPECT_NE(r.error().message.find("draft rows are never kept"), std::string::npos) << r.error().message;
     EXPECT_EQ(seq.length(0), 20);
+    // Keeping no trunk row: MTP layer 0 has then drafted from its last row already; the next decode step
+    // decodes without drafts, the one after drafts again.
+    run_step();
+    Keep none;
+    none.rows[0] = 0;
+    ASSERT_TRUE(eng.finish(std::span(&none, 1)).has_value());
+    EXPECT_EQ(seq.length(0), 20);
+    forcing.ids = {-1, -1, -1};
+    DecodeOptions d;
+    d.draft = 2;
+    d.max_new = 10;
+    auto first = decode(eng, seq, d);
+    ASSERT_TRUE(first.has_value()) << first.error().message;
+    EXPECT_EQ(first->drafted, 0);
+    auto second = decode(eng, seq, d);
+    ASSERT_TRUE(second.has_value()) << second.error().message;
+    EXPECT_EQ(second->drafted, 2);
     EXPECT_TRUE(eng.check_pages().has_value());
+}
+
+// A stop id ends the step's tokens where a step without drafts would stop, and the cache holds what it holds.
+TEST(Speculation, StopIdCutsTheDraftsWhereDecodingWithoutThemStops) {
+    const Model m = open_model(default_model());
+    ASSERT_TRUE(m.ckpt);
+    DraftForcing forcing;
+    const std::vector<int32_t> prompt = model::make_tokens(31, 16, 1000);
+    RunSpec base;
+    base.ctx = 80;
+    base.sampling = sampling(0.0f, 1.0f);
+    const Trace ref = generate(m, base, prompt, forcing);
+    ASSERT_EQ(ref.tokens.size(), 80u);
+    for (const size_t stop_at : {size_t{30}, size_t{47}, size_t{61}}) {
+        const int64_t stop = ref.tokens[stop_at];
+        // Where a decode loop without drafts stops: the first occurrence after the prompt's first sample.
+        size_t first = prompt.size() + 1;
+        while (ref.tokens[first] != stop) ++first;
+        for (const int accept : {-1, 3}) {
+            EngineOptions o;
+            o.ctx_size = base.ctx;
+            o.step_rows = 64;
+            o.mtp_layers = 3;
+            o.spec_draft = 3;
+            o.make_backend = [&forcing](int) -> Result<std::unique_ptr<Backend>> {
+                return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, &forcing));
+            };
+            auto e = Engine::create(*m.ckpt, m.cfg, o);
+            ASSERT_TRUE(e.has_value());
+            SequenceOptions so;
+            so.mtp_streams = 3;
+            so.sampling = base.sampling;
+            auto s = (*e)->create_sequence(so);
+            ASSERT_TRUE(s.has_value());
+            Sequence &seq = **s;
+            seq.tokens = prompt;
+            auto f = feed(**e, seq);
+            ASSERT_TRUE(f.has_value());
+            seq.tokens.push_back(*f);
+            const std::vector<int64_t> stops = {stop};
+            while (seq.tokens.back() != stop || seq.tokens.size() == prompt.size() + 1) {
+                ++forcing.step;
+                forcing.ids = accept < 0 ? std::array<int32_t, 3>{-1, -1, -1}
+                                         : drafts_accepting(ref.tokens, seq.tokens.size(), accept, m.cfg.vocab_size);
+                DecodeOptions d;
+                d.draft = 3;
+                d.max_new = 64;
+                d.stop_ids = stops;
+                auto r = decode(**e, seq, d);
+                ASSERT_TRUE(r.has_value()) << r.error().message;
+            }
+            ASSERT_EQ(seq.tokens.size(), first + 1) << "stop at " << stop_at;
+            EXPECT_TRUE(std::equal(seq.tokens.begin(), seq.tokens.end(), ref.tokens.begin()));
+            EXPECT_EQ(seq.length(0), static_cast<int64_t>(first));  // the stop token is not fed
+            // The trunk rows equal the reference's rows at the same positions.
+            std::vector<std::byte> k0, v0, k1, v1;
+            for (int64_t p = 0; p < seq.length(0); ++p) {
+                ASSERT_TRUE((*e)->kv_row(0, seq, 0, p, k0, v0).has_value());
+                ASSERT_TRUE(ref.engine->kv_row(0, *ref.seq, 0, p, k1, v1).has_value());
+                ASSERT_TRUE(k0 == k1 && v0 == v1) << "position " << p;
+            }
+        }
+    }
 }
 
 }  // namespace
