@@ -586,7 +586,7 @@ int run_bench(const BenchOptions &opt) {
     eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size : std::max({opt.n_prompt, opt.n_gen, 1});
     eo.step_rows = opt.step_rows;
     eo.sample_vocab = n_real;
-    if (auto ok = enable_speculation(eo, cfg, opt.spec_draft); !ok) return report_error(ok.error().message);
+    if (auto ok = enable_speculation(eo, cfg, opt.spec_draft, true); !ok) return report_error(ok.error().message);
     if (opt.spec_accept >= 0 && opt.spec_draft == 0) {
         return report_error("--spec-accept needs --spec-draft K > 0: it forces the drafts of the speculative tg test");
     }

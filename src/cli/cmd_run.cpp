@@ -34,6 +34,7 @@ struct RunOptions {
     int threads = 1;
     bool ignore_eos = false;
     int spec_draft = 0;
+    const CLI::Option *spec_option = nullptr;  // whether --spec-draft was given
 };
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -101,7 +102,9 @@ int run_generate(const RunOptions &opt) {
     eo.step_rows = opt.step_rows;
     // Only the tokenizer's ids are sampled: the embedding's padding rows past them have no text.
     eo.sample_vocab = std::min(cfg.vocab_size, tok->n_tokens());
-    if (auto ok = enable_speculation(eo, cfg, opt.spec_draft); !ok) return report_error(ok.error().message);
+    auto spec = enable_speculation(eo, cfg, opt.spec_draft, opt.spec_option->count() > 0);
+    if (!spec) return report_error(spec.error().message);
+    const int spec_draft = *spec;
     auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads);
     if (!loaded) return report_error(loaded.error().message);
     runtime::Engine &engine = *loaded->engine;
@@ -140,7 +143,7 @@ int run_generate(const RunOptions &opt) {
             }
             if (stop || generated == n_predict) break;
             runtime::DecodeOptions d;
-            d.draft = opt.spec_draft;
+            d.draft = spec_draft;
             d.max_new = n_predict - generated;
             d.stop_ids = stops;
             auto r = runtime::decode(engine, s, d);
@@ -154,8 +157,8 @@ int run_generate(const RunOptions &opt) {
 
     std::fputs(timing_line("prompt eval time", prompt_ms, n_prompt).c_str(), stderr);
     std::fputs(timing_line("       eval time", gen_ms, generated).c_str(), stderr);
-    if (opt.spec_draft > 0) {
-        std::fputs(fmt::format("     speculation = {} drafts: {}\n", opt.spec_draft, spec_summary(stats, opt.spec_draft))
+    if (spec_draft > 0) {
+        std::fputs(fmt::format("     speculation = {} drafts: {}\n", spec_draft, spec_summary(stats, spec_draft))
                        .c_str(),
                    stderr);
     }
@@ -217,7 +220,12 @@ Command add_run_command(CLI::App &app) {
     add_threads_option(*sub, opt->threads);
     sub->add_flag("--ignore-eos", opt->ignore_eos, "Keep generating past end-of-sequence tokens")
         ->envname("MEMRA_IGNORE_EOS");
-    add_spec_draft_option(*sub, opt->spec_draft, kDefaultSpecDraft);
+    opt->spec_option = add_spec_draft_option(*sub, opt->spec_draft, kDefaultSpecDraft);
+    sub->get_option("--spec-draft")
+        ->description("Speculative decoding: tokens the chained MTP layers draft per decode step, verified by the "
+                      "trunk in the same step (0 = off; the default is lowered to the model's MTP layers). Drafts "
+                      "change speed, never the output: a draft stands only if it equals the token the model samples "
+                      "there");
     return {sub, [opt]() { return run_generate(*opt); }};
 }
 

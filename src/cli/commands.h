@@ -123,13 +123,17 @@ Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model:
 // -ub/--ubatch-size.
 void add_engine_size_options(CLI::App &sub, int64_t &ctx_size, int64_t &step_rows);
 
-// The drafts per step `run` makes by default: see README "Speculative decoding" for the measurement.
-inline constexpr int kDefaultSpecDraft = 0;
+// The drafts per step `run` makes by default on a model with MTP layers: see README "Speculative decoding" for
+// the measurement behind it.
+inline constexpr int kDefaultSpecDraft = 1;
 // Speculative decoding (run, bench): --spec-draft K, the drafts the MTP layers make per decode step (0: off).
-void add_spec_draft_option(CLI::App &sub, int &spec_draft, int default_draft);
-// Gives the engine the MTP layers K drafts need (K = 0: none). Refused: K > 0 on a model with fewer MTP layers
-// (the message names the flag, K and the model's count).
-Result<void> enable_speculation(runtime::EngineOptions &options, const model::Step35Config &cfg, int spec_draft);
+CLI::Option *add_spec_draft_option(CLI::App &sub, int &spec_draft, int default_draft);
+// Gives the engine the MTP layers K drafts need (K = 0: none) and returns the K it runs. K asked for (`given`:
+// the flag or its variable was set) and more than the model's MTP layers is refused, naming the flag, K and the
+// model's count; a default K is lowered to the model's layers (0 without any) and to half the step budget
+// (options.step_rows, set before).
+Result<int> enable_speculation(runtime::EngineOptions &options, const model::Step35Config &cfg, int spec_draft,
+                               bool given);
 // "acceptance 0.62 0.41 0.30 per draft position, 2.33 tokens per step (57 steps)".
 std::string spec_summary(const runtime::SpecStats &stats, int spec_draft);
 

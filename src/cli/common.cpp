@@ -114,9 +114,9 @@ void add_tp_option(CLI::App &sub, int &tp) {
         ->capture_default_str();
 }
 
-void add_spec_draft_option(CLI::App &sub, int &spec_draft, int default_draft) {
+CLI::Option *add_spec_draft_option(CLI::App &sub, int &spec_draft, int default_draft) {
     spec_draft = default_draft;
-    sub.add_option("--spec-draft,--draft", spec_draft,
+    return sub.add_option("--spec-draft,--draft", spec_draft,
                    "Speculative decoding: tokens the chained MTP layers draft per decode step, verified by the "
                    "trunk in the same step (0 = off). Drafts change speed, never the output: a draft stands only "
                    "if it equals the token the model samples there")
@@ -125,9 +125,12 @@ void add_spec_draft_option(CLI::App &sub, int &spec_draft, int default_draft) {
         ->capture_default_str();
 }
 
-Result<void> enable_speculation(runtime::EngineOptions &options, const model::Step35Config &cfg, int spec_draft) {
-    if (spec_draft == 0) return {};
+Result<int> enable_speculation(runtime::EngineOptions &options, const model::Step35Config &cfg, int spec_draft,
+                               bool given) {
     const int layers = std::min(cfg.n_mtp_layers, model::kMaxMtp);
+    // A default K fits the model's MTP layers and the step budget (K drafts need 2K rows).
+    if (!given) spec_draft = static_cast<int>(std::min<int64_t>({spec_draft, layers, options.step_rows / 2}));
+    if (spec_draft == 0) return 0;
     if (spec_draft > layers) {
         return make_error("--spec-draft {}: the model has {} MTP layer(s) (num_nextn_predict_layers), each drafting "
                           "one token; use --spec-draft {} at most",
@@ -135,7 +138,7 @@ Result<void> enable_speculation(runtime::EngineOptions &options, const model::St
     }
     options.mtp_layers = spec_draft;  // the layers that draft; the rest would only catch up
     options.spec_draft = spec_draft;
-    return {};
+    return spec_draft;
 }
 
 std::string spec_summary(const runtime::SpecStats &stats, int spec_draft) {

@@ -992,9 +992,16 @@ TEST_F(CliTest, RunSpecDraftGivesTheSameTextAndReportsAcceptance) {
          {std::vector<std::string>{"--temp", "0"}, std::vector<std::string>{"--temp", "0.9", "-s", "5", "--top-k", "0"}}) {
         std::vector<std::string> base = {"run", "-p", "A list is a mutable sequence", "-n", "40", "--ignore-eos"};
         base.insert(base.end(), sampling.begin(), sampling.end());
-        const RunResult off = run_memra(base);
+        std::vector<std::string> off_args = base;
+        off_args.insert(off_args.end(), {"--spec-draft", "0"});
+        const RunResult off = run_memra(off_args);
         ASSERT_EQ(off.exit_code, 0) << describe(off);
         EXPECT_FALSE(contains(off.err, "speculation")) << describe(off);
+        // The default: one draft per step on a model with MTP layers.
+        const RunResult by_default = run_memra(base);
+        ASSERT_EQ(by_default.exit_code, 0) << describe(by_default);
+        EXPECT_EQ(by_default.out, off.out);
+        EXPECT_TRUE(contains(by_default.err, "     speculation = 1 drafts: acceptance ")) << describe(by_default);
         for (const char *k : {"1", "3"}) {
             std::vector<std::string> args = base;
             args.insert(args.end(), {"--spec-draft", k});
@@ -1006,10 +1013,24 @@ TEST_F(CliTest, RunSpecDraftGivesTheSameTextAndReportsAcceptance) {
             EXPECT_TRUE(contains(on.err, " per draft position, ")) << describe(on);
         }
     }
-    // The tiny checkpoint has one MTP layer: three drafts are refused, naming the flag and the count.
+    // The tiny checkpoint has one MTP layer: three drafts asked for (flag or variable) are refused, naming the
+    // flag and the count.
     const RunResult r = run_memra({"run", "-p", "Hi", "-n", "4", "--spec-draft", "3"}, tiny_env());
     EXPECT_EQ(r.exit_code, 1) << describe(r);
     EXPECT_TRUE(contains(r.err, "error: --spec-draft 3: the model has 1 MTP layer(s)")) << describe(r);
+    auto env = tiny_env();
+    env.push_back({"MEMRA_SPEC_DRAFT", "3"});
+    const RunResult from_env = run_memra({"run", "-p", "Hi", "-n", "4"}, env);
+    EXPECT_EQ(from_env.exit_code, 1) << describe(from_env);
+    EXPECT_TRUE(contains(from_env.err, "error: --spec-draft 3")) << describe(from_env);
+    // K drafts need a step budget of 2K rows: a default K fits itself to -ub, an asked-for one is refused.
+    const RunResult ub1 = run_memra({"run", "-p", "Hi", "-n", "3", "--temp", "0", "-ub", "1"});
+    EXPECT_EQ(ub1.exit_code, 0) << describe(ub1);
+    EXPECT_FALSE(contains(ub1.err, "speculation")) << describe(ub1);
+    const RunResult ub3 = run_memra({"run", "-p", "Hi", "-n", "3", "-ub", "3", "--spec-draft", "2"});
+    EXPECT_EQ(ub3.exit_code, 1) << describe(ub3);
+    EXPECT_TRUE(contains(ub3.err, "error: engine: 2 drafts per step need a step budget of at least 4 rows, found 3"))
+        << describe(ub3);
     const RunResult bad = run_memra({"run", "-p", "Hi", "--spec-draft", "4"});
     EXPECT_EQ(bad.exit_code, 2) << describe(bad);
     EXPECT_TRUE(contains(bad.err, "--spec-draft")) << describe(bad);
