@@ -1350,7 +1350,8 @@ private:
     }
 
     // Speculation (D8): per sampling, the MTP layers' own drafts and (with draft-forcing backends) drafts forced
-    // so that exactly 0 .. spec_draft stand, each run against decoding without drafts on the TP = 1 reference:
+    // so that exactly 0 .. spec_draft stand (greedy; at temperature 0.7, where the penalty window holds the
+    // drafts, all of them), each run against decoding without drafts on the TP = 1 reference:
     // every token, the logit row behind it, each rank's trunk KV bytes; the MTP layers' rows against the
     // teacher-forced pass; the forced acceptance itself.
     std::string speculation() {
@@ -1359,6 +1360,7 @@ private:
         for (size_t si = 0; si < samplings.size(); ++si) {
             const SpecRef &want = ref_.spec[si];
             for (int forced = -1; forced <= (o_.forcing != nullptr ? sc_.spec_draft : -1); ++forced) {
+                if (si > 0 && forced >= 0 && forced < sc_.spec_draft) continue;
                 const std::string label = forced < 0 ? "own drafts" : fmt::format("{} accepted", forced);
                 VerifyLine line = new_line(fmt::format("spec {} {}", samplings[si].first, label));
                 auto run = spec_decode(*e_, sc_, samplings[si].second, sc_.spec_draft, o_.forcing, &want.tokens,
