@@ -638,7 +638,7 @@ void Engine::pack_tables(std::span<const StepItem> items) {
                 const int64_t r = row[s]++;
                 const int64_t p = p0 + j;
                 const int64_t token_at = s == 0 ? p : p + 1;
-                // A draft row's token is written in the run (placeholder 0 until then).
+                // A draft row's token is the previous MTP layer's draft, which scatter_ids writes in the run.
                 i32_at(so[s].ids)[r] = token_at < static_cast<int64_t>(sq.tokens.size())
                                            ? sq.tokens[static_cast<size_t>(token_at)]
                                            : 0;

@@ -52,6 +52,19 @@ Model open_model(const fs::path &dir) {
     return m;
 }
 
+// An engine's options for these tests: one CPU thread per rank, each rank's drafts forced by `forcing`.
+EngineOptions spec_options(int64_t ctx, int mtp_layers, int spec_draft, DraftForcing &forcing) {
+    EngineOptions o;
+    o.ctx_size = ctx;
+    o.step_rows = 64;
+    o.mtp_layers = mtp_layers;
+    o.spec_draft = spec_draft;
+    o.make_backend = [&forcing](int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, &forcing));
+    };
+    return o;
+}
+
 struct RunSpec {
     int tp = 1;
     int draft = 0;  // 0: no MTP layers at all (the reference)
@@ -77,16 +90,10 @@ struct Trace {
 // Prefills `prompt`, then decodes until the context is full (every position used but the last token's).
 Trace generate(const Model &m, const RunSpec &rs, const std::vector<int32_t> &prompt, DraftForcing &forcing) {
     Trace t;
-    EngineOptions o;
+    EngineOptions o = spec_options(rs.ctx, rs.draft > 0 ? m.cfg.n_mtp_layers : 0, rs.draft, forcing);
     o.tp = rs.tp;
     o.k_format = o.v_format = rs.kv;
-    o.ctx_size = rs.ctx;
     o.step_rows = rs.step_rows;
-    o.mtp_layers = rs.draft > 0 ? m.cfg.n_mtp_layers : 0;
-    o.spec_draft = rs.draft;
-    o.make_backend = [&forcing](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, &forcing));
-    };
     auto engine = Engine::create(*m.ckpt, m.cfg, o);
     EXPECT_TRUE(engine.has_value()) << engine.error().message;
     if (!engine) return t;
@@ -271,14 +278,9 @@ TEST(Speculation, MtpRowsEqualATeacherForcedPass) {
     const Trace spec = generate(m, rs, model::make_tokens(6, 20, 1000), forcing);
     ASSERT_TRUE(spec.seq);
 
-    EngineOptions o;
+    EngineOptions o = spec_options(rs.ctx, 3, 0, forcing);
     o.k_format = o.v_format = rs.kv;
-    o.ctx_size = rs.ctx;
     o.step_rows = 48;  // chunks that cut the window anywhere
-    o.mtp_layers = 3;
-    o.make_backend = [](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(1));
-    };
     auto tf = Engine::create(*m.ckpt, m.cfg, o);
     ASSERT_TRUE(tf.has_value()) << tf.error().message;
     SequenceOptions so;
@@ -365,15 +367,8 @@ TEST(Speculation, DraftingSequencesInOneStepEqualEachAlone) {
         rs.sampling = samplings[i];
         alone.push_back(generate(m, rs, prompts[i], forcing).tokens);
     }
-    EngineOptions o;
-    o.ctx_size = 512;
+    EngineOptions o = spec_options(512, 3, 3, forcing);  // nothing forced: the MTP layers' own drafts
     o.max_seqs = 4;
-    o.step_rows = 64;
-    o.mtp_layers = 3;
-    o.spec_draft = 3;
-    o.make_backend = [](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(1));
-    };
     auto e = Engine::create(*m.ckpt, m.cfg, o);
     ASSERT_TRUE(e.has_value()) << e.error().message;
     std::vector<std::unique_ptr<Sequence>> seqs;
@@ -431,15 +426,8 @@ TEST(Speculation, RefusalsChangeNothing) {
     const Model m = open_model(default_model());
     ASSERT_TRUE(m.ckpt);
     DraftForcing forcing;
-    EngineOptions o;
-    o.ctx_size = 256;
-    o.step_rows = 64;
+    EngineOptions o = spec_options(256, 3, 2, forcing);
     o.max_seqs = 2;
-    o.mtp_layers = 3;
-    o.spec_draft = 2;
-    o.make_backend = [&forcing](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, &forcing));
-    };
     // The drafting step's budget: MTP layer 1 runs up to 3 catch-up rows and 1 draft row.
     EngineOptions small = o;
     small.step_rows = 3;
@@ -513,7 +501,11 @@ TEST(Speculation, RefusalsChangeNothing) {
         ASSERT_TRUE(eng.collect().has_value());
     };
     run_step();
-    if (eng.draft(0, 0) == eng.sampled(0, 0).id) GTEST_SKIP() << "the forced draft happens to be the model's token";
+    if (eng.accepted(0) > 0) {  // 5 is the model's token at that position: 6 is not
+        eng.abandon();
+        forcing.ids = {6, 6, 6};
+        run_step();
+    }
     EXPECT_EQ(eng.accepted(0), 0);
     Keep keep;
     keep.rows[0] = 2;
@@ -567,15 +559,7 @@ TEST(Speculation, StopIdCutsTheDraftsWhereDecodingWithoutThemStops) {
         size_t first = prompt.size() + 1;
         while (ref.tokens[first] != stop) ++first;
         for (const int accept : {-1, 3}) {
-            EngineOptions o;
-            o.ctx_size = base.ctx;
-            o.step_rows = 64;
-            o.mtp_layers = 3;
-            o.spec_draft = 3;
-            o.make_backend = [&forcing](int) -> Result<std::unique_ptr<Backend>> {
-                return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, &forcing));
-            };
-            auto e = Engine::create(*m.ckpt, m.cfg, o);
+            auto e = Engine::create(*m.ckpt, m.cfg, spec_options(base.ctx, 3, 3, forcing));
             ASSERT_TRUE(e.has_value());
             SequenceOptions so;
             so.mtp_streams = 3;
