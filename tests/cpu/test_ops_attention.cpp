@@ -2,11 +2,15 @@
 // the documented order (bits) over pools whose pages are out of order, at odd shapes (GQA groups 1-12, head_dim
 // 32-128, sequences spanning several pages, windowed and full); a query's bits do not depend on the other
 // queries and sequences of the call, the page ids or the thread count; missing pages, first_pos, the KV
-// formats (reading through a format is exactly decoding), kv_write's bytes, and the per-head sigmoid gate.
+// formats (reading through a format is exactly decoding), kv_write's bytes, and the per-head sigmoid gate. The
+// blocked (device) order likewise: a scalar spelling of it bit for bit over every KV format, blocks and splits
+// crossed by full and windowed rows, each of its rounding points and its split merge shown to change bits,
+// float64 within bf16 tolerance, and the same invariances.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -252,6 +256,119 @@ std::vector<float> reference_bits(const Case &c, bool with_gate) {
     return out;
 }
 
+// The case with every K and V row replaced by what the formats store: kv_decode(kv_encode(row)).
+Case as_stored(const Case &c, KvFormat k_format, KvFormat v_format) {
+    Case stored = c;
+    std::vector<std::byte> buf(static_cast<size_t>(c.row() * 4));
+    for (Seq &s : stored.seqs) {
+        for (int64_t p = 0; p < s.n_pos; ++p) {
+            kv_encode(k_format, s.k.data() + p * c.row(), c.row(), buf.data());
+            kv_decode(k_format, buf.data(), c.row(), s.k.data() + p * c.row());
+            kv_encode(v_format, s.v.data() + p * c.row(), c.row(), buf.data());
+            kv_decode(v_format, buf.data(), c.row(), s.v.data() + p * c.row());
+        }
+    }
+    return stored;
+}
+
+float rne_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// The rounding points and the split length of the blocked order (ops_attention.h). The defaults are the kernel's;
+// a reference with one point changed shows that the kernel implements that point (its bits differ from it).
+struct BlockedVariant {
+    bool round_p = true;            // P_p = bf16(e_p) before P * V
+    bool round_v = true;            // every value to bf16
+    bool round_f32_keys = true;     // f32 / bf16 cache keys to bf16
+    bool round_block_keys = false;  // q8_0 / q5_1 cache keys to bf16 (the kernel does not)
+    int64_t split = 512;            // positions per split, aligned to 0
+};
+
+// The blocked order spelled independently over plain arrays: `stored` holds the rows as the formats keep them
+// (as_stored) and k_format says which keys the order rounds. For each query and head: every visible score into
+// a vector, then each split from a fresh state over its blocks (explicit position ranges), the merge of the
+// splits left to right, one division, the gate.
+std::vector<float> reference_blocked(const Case &stored, KvFormat k_format, bool with_gate,
+                                     const BlockedVariant &var = {}) {
+    const Case &c = stored;
+    const int64_t H = c.shape.n_heads, G = c.shape.n_kv_heads, D = c.shape.head_dim;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const bool block_keys = k_format == KvFormat::kQ8_0 || k_format == KvFormat::kQ5_1;
+    const bool round_keys = block_keys ? var.round_block_keys : var.round_f32_keys;
+    std::vector<float> out;
+    for (int64_t i = 0; i < c.n_q(); ++i) {
+        const Query &qi = c.queries[static_cast<size_t>(i)];
+        const Seq &s = c.seqs[static_cast<size_t>(qi.seq)];
+        const int64_t lo = c.lowest_visible(qi.pos, 0);
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t g = h / (H / G);
+            const float *qv = c.q.data() + i * c.q_row() + h * D;
+            auto key = [&](int64_t p) {
+                std::vector<float> k(s.k.begin() + p * c.row() + g * D, s.k.begin() + p * c.row() + (g + 1) * D);
+                if (round_keys) {
+                    for (float &x : k) x = rne_bf16(x);
+                }
+                return k;
+            };
+            auto value = [&](int64_t p) {
+                std::vector<float> v(s.v.begin() + p * c.row() + g * D, s.v.begin() + p * c.row() + (g + 1) * D);
+                if (var.round_v) {
+                    for (float &x : v) x = rne_bf16(x);
+                }
+                return v;
+            };
+            std::vector<float> sc;  // sc[p - lo]
+            for (int64_t p = lo; p <= qi.pos; ++p) sc.push_back(canonical_dot(qv, key(p).data(), D) * c.shape.scale);
+            float big_m = neg_inf, big_l = 0.0f;
+            std::vector<float> big_acc;
+            for (int64_t t = lo / var.split; t <= qi.pos / var.split; ++t) {
+                const int64_t t0 = std::max(lo, t * var.split), t1 = std::min(qi.pos, t * var.split + var.split - 1);
+                float m = neg_inf, l = 0.0f;
+                std::vector<float> acc(static_cast<size_t>(D), 0.0f);
+                for (int64_t b = t0 / 128; b <= t1 / 128; ++b) {
+                    const int64_t b0 = std::max(t0, b * 128), b1 = std::min(t1, b * 128 + 127);
+                    float bm = neg_inf;
+                    for (int64_t p = b0; p <= b1; ++p) bm = std::max(bm, sc[static_cast<size_t>(p - lo)]);
+                    const float m_new = std::max(m, bm);
+                    if (m_new == neg_inf) continue;
+                    const float alpha = m == neg_inf ? 0.0f : exp_f32(m - m_new);
+                    std::vector<float> e;
+                    float sum = 0.0f;
+                    for (int64_t p = b0; p <= b1; ++p) {
+                        e.push_back(exp_f32(sc[static_cast<size_t>(p - lo)] - m_new));
+                        sum = sum + e.back();
+                    }
+                    l = l * alpha + sum;
+                    for (float &x : acc) x = x * alpha;
+                    for (int64_t p = b0; p <= b1; ++p) {
+                        const float e_p = e[static_cast<size_t>(p - b0)];
+                        const float w = var.round_p ? rne_bf16(e_p) : e_p;
+                        const std::vector<float> v = value(p);
+                        for (size_t d = 0; d < acc.size(); ++d) acc[d] = acc[d] + w * v[d];
+                    }
+                    m = m_new;
+                }
+                if (t0 == lo) {
+                    big_m = m;
+                    big_l = l;
+                    big_acc = acc;
+                    continue;
+                }
+                const float m_next = std::max(big_m, m);
+                const float a = exp_f32(big_m - m_next), b = exp_f32(m - m_next);
+                big_l = big_l * a + l * b;
+                for (size_t d = 0; d < acc.size(); ++d) big_acc[d] = big_acc[d] * a + acc[d] * b;
+                big_m = m_next;
+            }
+            for (const float x : big_acc) {
+                float r = x / big_l;
+                if (with_gate) r = r * sigmoid_f32(c.gate[static_cast<size_t>(i * H + h)]);
+                out.push_back(r);
+            }
+        }
+    }
+    return out;
+}
+
 // Sequences of 1, 17, 70 and 200 positions (1, 1, 2 and 4 pages), pages out of order and interleaved.
 const std::vector<int64_t> kLengths{1, 17, 70, 200};
 const std::vector<int32_t> kPages{9, 3, 5, 2, 7, 0, 11, 4};
@@ -433,16 +550,7 @@ TEST(OpsPagedAttention, ReadingThroughAFormatIsExactlyDecoding) {
                 if (kf == KvFormat::kF32 && vf == KvFormat::kF32) continue;
                 const Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, {17, 130}, {6, 1, 4, 0}, 800);
                 HostPool kv = fill_pool(c, kf, vf);
-                Case rounded = c;
-                std::vector<std::byte> buf(static_cast<size_t>(c.row() * 4));
-                for (Seq &s : rounded.seqs) {
-                    for (int64_t p = 0; p < s.n_pos; ++p) {
-                        kv_encode(kf, s.k.data() + p * c.row(), c.row(), buf.data());
-                        kv_decode(kf, buf.data(), c.row(), s.k.data() + p * c.row());
-                        kv_encode(vf, s.v.data() + p * c.row(), c.row(), buf.data());
-                        kv_decode(vf, buf.data(), c.row(), s.v.data() + p * c.row());
-                    }
-                }
+                const Case rounded = as_stored(c, kf, vf);
                 HostPool kv_f32 = fill_pool(rounded, KvFormat::kF32, KvFormat::kF32);
                 const std::vector<float> got = run(pool, c, kv, true);
                 MEMRA_EXPECT_SAME_BITS(got, run(pool, rounded, kv_f32, true))
@@ -473,6 +581,167 @@ TEST(OpsPagedAttention, GateIsSigmoidPerHead) {
             }
         }
         MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true), want) << g.n_heads;
+    }
+}
+
+// ---- The blocked (device) order: shape.blocked. ----
+
+// Sequences of 1100, 300 and 5 positions (18, 5 and 1 pages, shuffled), in blocked mode, queried on both sides of
+// the 128-position blocks and the 512-position splits. With window 200 the rows at 600, 700 and 1099 start
+// mid-block and mid-split (at 401, 501 and 900); with window 700 the row at 1099 spans three splits from 400.
+Case make_long_case(const Geometry &g, uint32_t seed) {
+    std::vector<int32_t> pages(24);
+    for (size_t b = 0; b < pages.size(); ++b) pages[b] = static_cast<int32_t>(b);
+    std::shuffle(pages.begin(), pages.end(), std::mt19937(seed));
+    Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, {1100, 300, 5}, pages, seed);
+    c.shape.blocked = true;
+    c.queries.clear();
+    for (const int64_t p : {0,   1,   127, 128, 129, 200, 255, 256,  383,  384,  511, 512,
+                            513, 600, 639, 640, 700, 767, 900, 1023, 1024, 1025, 1099}) {
+        c.queries.push_back(Query{0, p});
+    }
+    for (const int64_t p : {0, 127, 128, 299}) c.queries.push_back(Query{1, p});
+    c.queries.push_back(Query{2, 4});
+    return c;
+}
+
+// GQA groups 1, 9 and 12 (the last two past the kernel's batch of 8 query heads), head_dim 32-128, full causal
+// and windows of 200 and 700 (not multiples of 128).
+constexpr Geometry kBlockedGeometries[] = {{4, 4, 64, 0}, {18, 2, 64, 200}, {12, 1, 32, 700}, {8, 2, 128, 200}};
+
+TEST(OpsPagedAttentionBlocked, BitsFollowTheDocumentedOrder) {
+    ThreadPool pool(2);
+    const std::pair<KvFormat, KvFormat> formats[] = {
+        {KvFormat::kF32, KvFormat::kF32},   {KvFormat::kBf16, KvFormat::kBf16}, {KvFormat::kQ8_0, KvFormat::kQ8_0},
+        {KvFormat::kQ5_1, KvFormat::kQ5_1}, {KvFormat::kQ8_0, KvFormat::kBf16}, {KvFormat::kF32, KvFormat::kQ5_1}};
+    uint32_t seed = 2000;
+    for (const Geometry &g : kBlockedGeometries) {
+        const Case c = make_long_case(g, seed += 10);
+        for (const auto &[kf, vf] : formats) {
+            HostPool kv = fill_pool(c, kf, vf);
+            const Case stored = as_stored(c, kf, vf);
+            for (const bool with_gate : {false, true}) {
+                MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, with_gate), reference_blocked(stored, kf, with_gate))
+                    << kv_format_name(kf) << "/" << kv_format_name(vf) << " heads " << g.n_heads << "/" << g.n_kv_heads
+                    << " head_dim " << g.head_dim << " window " << g.window << " gate " << with_gate;
+            }
+        }
+    }
+    // The short sequences of the exact-order tests (one split, partial blocks) too.
+    for (const Geometry &g : kGeometries) {
+        Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, kLengths, kPages, seed += 10);
+        c.shape.blocked = true;
+        HostPool kv = fill_pool(c, KvFormat::kBf16, KvFormat::kQ8_0);
+        MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true),
+                               reference_blocked(as_stored(c, KvFormat::kBf16, KvFormat::kQ8_0), KvFormat::kBf16, true))
+            << g.n_heads << " " << g.head_dim;
+    }
+}
+
+TEST(OpsPagedAttentionBlocked, EveryRoundingPointAndTheSplitMergeChangeBits) {
+    // The kernel differs from the exact order and from the reference with any one point of the blocked order
+    // left out, so each is implemented (a test that passed with the point ignored would prove nothing).
+    ThreadPool pool(3);
+    const Case c = make_long_case(kBlockedGeometries[1], 3000);
+    Case exact = c;
+    exact.shape.blocked = false;
+    for (const auto &[kf, vf] :
+         {std::pair{KvFormat::kF32, KvFormat::kF32}, std::pair{KvFormat::kQ8_0, KvFormat::kQ5_1}}) {
+        HostPool kv = fill_pool(c, kf, vf);
+        const Case stored = as_stored(c, kf, vf);
+        const std::vector<float> got = run(pool, c, kv, true);
+        MEMRA_EXPECT_SAME_BITS(got, reference_blocked(stored, kf, true));
+        EXPECT_GT(bit_mismatches(got, run(pool, exact, kv, true)), 0) << kv_format_name(kf);
+        BlockedVariant no_p, no_v, no_split;
+        no_p.round_p = false;
+        no_v.round_v = false;
+        no_split.split = int64_t{1} << 40;  // one split holds every position: no merge
+        EXPECT_GT(bit_mismatches(got, reference_blocked(stored, kf, true, no_p)), 0) << kv_format_name(kf);
+        EXPECT_GT(bit_mismatches(got, reference_blocked(stored, kf, true, no_v)), 0) << kv_format_name(vf);
+        EXPECT_GT(bit_mismatches(got, reference_blocked(stored, kf, true, no_split)), 0) << kv_format_name(kf);
+        BlockedVariant keys;  // f32 keys unrounded; q8_0 keys rounded (the kernel does neither)
+        keys.round_f32_keys = false;
+        keys.round_block_keys = true;
+        EXPECT_GT(bit_mismatches(got, reference_blocked(stored, kf, true, keys)), 0) << kv_format_name(kf);
+    }
+}
+
+TEST(OpsPagedAttentionBlocked, MatchesFloat64WithinBf16Tolerance) {
+    // |out - out64| over weighted means of values in [-2, 2], float64 over the unrounded f32 rows: P, V and the
+    // keys enter as bf16 (relative step 2^-8), so the bound is 2e-2 relative to the values' magnitude 2. Observed
+    // worst case 9.7e-3 (head_dim 128, where the rounded keys move the scores most), 4.6e-3 at head_dim 32.
+    ThreadPool pool(3);
+    uint32_t seed = 4000;
+    for (const Geometry &g : kBlockedGeometries) {
+        const Case c = make_long_case(g, seed += 10);
+        HostPool kv = fill_pool(c, KvFormat::kF32, KvFormat::kF32);
+        const std::vector<float> got = run(pool, c, kv, false);
+        const std::vector<double> want = reference_f64(c);
+        ASSERT_EQ(got.size(), want.size());
+        double worst = 0.0;
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]));
+        EXPECT_LT(worst, 2e-2 * 2.0) << "heads " << g.n_heads << "/" << g.n_kv_heads << " head_dim " << g.head_dim
+                                     << " window " << g.window;
+        EXPECT_GT(worst, 1e-5);  // bf16 rounding is visible
+    }
+}
+
+TEST(OpsPagedAttentionBlocked, ThreadCountDoesNotChangeBits) {
+    for (const Geometry &g : kBlockedGeometries) {
+        const Case c = make_long_case(g, 5000);
+        HostPool kv = fill_pool(c, KvFormat::kBf16, KvFormat::kQ8_0);
+        ThreadPool one(1);
+        const std::vector<float> base = run(one, c, kv, true);
+        for (int threads : {2, 3}) {
+            ThreadPool pool(threads);
+            MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true), base) << threads << " heads " << g.n_heads;
+        }
+    }
+}
+
+TEST(OpsPagedAttentionBlocked, PageIdsDoNotChangeBits) {
+    ThreadPool pool(2);
+    const Case a = make_long_case(kBlockedGeometries[1], 6000);
+    Case b = a;
+    for (Seq &s : b.seqs) {
+        for (int32_t &p : s.pages) p = 40 - p;  // other ids, another order, a larger pool
+    }
+    HostPool kv_a = fill_pool(a, KvFormat::kF32, KvFormat::kQ5_1);
+    HostPool kv_b = fill_pool(b, KvFormat::kF32, KvFormat::kQ5_1);
+    const std::vector<float> out_a = run(pool, a, kv_a, true);
+    MEMRA_EXPECT_SAME_BITS(run(pool, b, kv_b, true), out_a);
+    Case swapped = a;
+    std::swap(swapped.seqs[0].pages[9], swapped.seqs[0].pages[14]);
+    EXPECT_GT(bit_mismatches(run(pool, swapped, kv_a, true), out_a), 0);
+}
+
+TEST(OpsPagedAttentionBlocked, AQueryDependsOnNothingElseInTheCall) {
+    // As for the exact order: each query alone, contiguous chunks of queries, and a decode step that finds only
+    // the rows written so far (the later ones NaN bytes) give the bits of the call holding every query.
+    ThreadPool pool(3);
+    for (const Geometry &g : {kBlockedGeometries[0], kBlockedGeometries[2]}) {
+        const Case c = make_long_case(g, 7000);
+        HostPool kv = fill_pool(c, KvFormat::kQ8_0, KvFormat::kBf16);
+        const std::vector<float> all = run(pool, c, kv, true);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < c.n_q(); ++i) {
+            bad += bit_mismatches(run_alone(pool, c, kv, i, true), rows_of(all, i, i + 1, c.q_row()));
+        }
+        EXPECT_EQ(bad, 0) << g.n_heads << " " << g.head_dim;
+        for (const auto &[q0, q1] : {std::pair<int64_t, int64_t>{0, 5}, {5, 20}, {20, 21}, {21, c.n_q()}}) {
+            MEMRA_EXPECT_SAME_BITS(run(pool, c, kv, true, 0, q0, q1), rows_of(all, q0, q1, c.q_row()));
+        }
+        for (int64_t i = 0; i < 23; ++i) {  // the queries of sequence 0
+            const int64_t P = c.queries[static_cast<size_t>(i)].pos;
+            Case written = c;
+            Seq &s = written.seqs[0];
+            s.n_pos = P + 1;
+            s.k.resize(static_cast<size_t>((P + 1) * c.row()));
+            s.v.resize(static_cast<size_t>((P + 1) * c.row()));
+            HostPool kv_p = fill_pool(written, KvFormat::kQ8_0, KvFormat::kBf16);
+            MEMRA_EXPECT_SAME_BITS(run_alone(pool, written, kv_p, i, true), rows_of(all, i, i + 1, c.q_row()))
+                << "position " << P;
+        }
     }
 }
 

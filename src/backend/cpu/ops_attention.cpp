@@ -1,4 +1,5 @@
-// Paged two-pass softmax attention and the KV write on the CPU (see ops_attention.h).
+// Paged attention on the CPU, in the two-pass exact order and the blocked device order, and the KV write
+// (see ops_attention.h).
 #include "backend/cpu/ops_attention.h"
 
 #include <algorithm>
@@ -17,6 +18,13 @@ namespace {
 constexpr int64_t kHeadBatch = 8;
 constexpr int64_t kScoreCache = 2048;
 constexpr int64_t kMaxHeadDim = 512;
+
+// The blocked (device) order: blocks of 128 positions and splits of 512, both aligned to position 0. A work
+// item keeps the scores of one split and its accumulators: 8 * 512 + 8 * 512 floats, 32 KiB of stack.
+constexpr int64_t kBlockRows = 128;
+constexpr int64_t kSplitRows = 512;
+
+float round_to_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 }  // namespace
 
@@ -86,6 +94,116 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
     const int64_t batches = (group + kHeadBatch - 1) / kHeadBatch;  // head batches per kv head
     const int64_t n_items = n_q * n_kv_heads * batches;
     const int64_t span = shape.window > 0 ? shape.window : 1024;
+    if (shape.blocked) {
+        const bool round_keys = layer.k_format == KvFormat::kF32 || layer.k_format == KvFormat::kBf16;
+        constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+        detail::parallel_rows(pool, n_items, span * head_dim * 3, [&](int64_t begin, int64_t end) {
+            float kbuf[kMaxHeadDim];
+            float vbuf[kMaxHeadDim];
+            float scores[kHeadBatch][kSplitRows];  // s_p of the split, then e_p once its block's max is known
+            float acc[kHeadBatch][kMaxHeadDim];    // the split's acc; the running ACC lives in out
+            float m[kHeadBatch];
+            float l[kHeadBatch];
+            float run_m[kHeadBatch];
+            float run_l[kHeadBatch];
+            for (int64_t item = begin; item < end; ++item) {
+                const int64_t i = item / (n_kv_heads * batches);
+                const int64_t g = (item / batches) % n_kv_heads;
+                const int64_t h0 = g * group + (item % batches) * kHeadBatch;
+                const int64_t nh = std::min(kHeadBatch, (g + 1) * group - h0);
+                const int64_t hi = q_pos[i];
+                const int64_t lo = visible_lo(hi);
+                const int32_t *bt = block_tables + q_seq[i] * bt_stride;
+                auto row = [&](int64_t p) {
+                    return layer.base + static_cast<int64_t>(bt[p / kKvPageRows]) * layer.page_bytes;
+                };
+                const float *qv[kHeadBatch];
+                for (int64_t j = 0; j < nh; ++j) qv[j] = q + i * q_stride + (h0 + j) * head_dim;
+                float *o = out + (i * n_heads + h0) * head_dim;  // heads h0 .. h0 + nh of query i: ACC, then out
+                for (int64_t s0 = lo; s0 <= hi;) {
+                    const int64_t s1 = std::min(hi, (s0 / kSplitRows + 1) * kSplitRows - 1);  // split [s0, s1]
+                    // The split's scores, each key decoded once.
+                    for (int64_t p = s0; p <= s1; ++p) {
+                        kv_decode(layer.k_format,
+                                  row(p) + layer.k_offset + (p % kKvPageRows) * layer.k_row_bytes + g * k_head_bytes,
+                                  head_dim, kbuf);
+                        if (round_keys) {
+                            for (int64_t d = 0; d < head_dim; ++d) kbuf[d] = round_to_bf16(kbuf[d]);
+                        }
+                        for (int64_t j = 0; j < nh; ++j) scores[j][p - s0] = dot_f32(qv[j], kbuf, head_dim) * scale;
+                    }
+                    for (int64_t j = 0; j < nh; ++j) {
+                        m[j] = kNegInf;
+                        l[j] = 0.0f;
+                        for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = 0.0f;
+                    }
+                    for (int64_t b0 = s0; b0 <= s1;) {
+                        const int64_t b1 = std::min(s1, (b0 / kBlockRows + 1) * kBlockRows - 1);  // block [b0, b1]
+                        bool live[kHeadBatch];
+                        bool any_live = false;
+                        for (int64_t j = 0; j < nh; ++j) {
+                            float *sj = scores[j];  // sj[p - s0] for p in [s0, s1]
+                            float bm = kNegInf;
+                            for (int64_t p = b0 - s0; p <= b1 - s0; ++p) bm = sj[p] > bm ? sj[p] : bm;
+                            const float m_new = bm > m[j] ? bm : m[j];
+                            live[j] = m_new != kNegInf;
+                            if (!live[j]) continue;
+                            any_live = true;
+                            const float alpha = m[j] == kNegInf ? 0.0f : exp_f32(m[j] - m_new);
+                            float b_sum = 0.0f;
+                            for (int64_t p = b0 - s0; p <= b1 - s0; ++p) {
+                                sj[p] = exp_f32(sj[p] - m_new);
+                                b_sum = b_sum + sj[p];
+                            }
+                            l[j] = l[j] * alpha + b_sum;
+                            for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = acc[j][d] * alpha;
+                            m[j] = m_new;
+                        }
+                        for (int64_t p = b0; any_live && p <= b1; ++p) {
+                            kv_decode(
+                                layer.v_format,
+                                row(p) + layer.v_offset + (p % kKvPageRows) * layer.v_row_bytes + g * v_head_bytes,
+                                head_dim, vbuf);
+                            for (int64_t d = 0; d < head_dim; ++d) vbuf[d] = round_to_bf16(vbuf[d]);
+                            for (int64_t j = 0; j < nh; ++j) {
+                                if (!live[j]) continue;
+                                const float pw = round_to_bf16(scores[j][p - s0]);
+                                float *aj = acc[j];
+                                for (int64_t d = 0; d < head_dim; ++d) aj[d] = aj[d] + pw * vbuf[d];
+                            }
+                        }
+                        b0 = b1 + 1;
+                    }
+                    // Merge the split into the running state, left to right.
+                    for (int64_t j = 0; j < nh; ++j) {
+                        float *oj = o + j * head_dim;
+                        if (s0 == lo) {
+                            run_m[j] = m[j];
+                            run_l[j] = l[j];
+                            for (int64_t d = 0; d < head_dim; ++d) oj[d] = acc[j][d];
+                            continue;
+                        }
+                        const float m_next = m[j] > run_m[j] ? m[j] : run_m[j];
+                        const float a = exp_f32(run_m[j] - m_next);
+                        const float b = exp_f32(m[j] - m_next);
+                        run_l[j] = run_l[j] * a + l[j] * b;
+                        for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * a + acc[j][d] * b;
+                        run_m[j] = m_next;
+                    }
+                    s0 = s1 + 1;
+                }
+                for (int64_t j = 0; j < nh; ++j) {
+                    float *oj = o + j * head_dim;
+                    for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] / run_l[j];
+                    if (gate != nullptr) {
+                        const float gv = sigmoid_f32(gate[i * gate_stride + h0 + j]);
+                        for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * gv;
+                    }
+                }
+            }
+        });
+        return;
+    }
     detail::parallel_rows(pool, n_items, span * head_dim * 3, [&](int64_t begin, int64_t end) {
         float kbuf[kMaxHeadDim];
         float vbuf[kMaxHeadDim];

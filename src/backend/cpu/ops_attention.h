@@ -21,6 +21,8 @@ struct AttentionShape {
     int64_t head_dim = 0;
     int64_t window = 0;      // sliding window W including the current position; 0 = full causal
     float scale = 0.0f;      // score scale, normally attention_scale(head_dim)
+    bool blocked = false;    // device numerics (ENGINE.md section 4): the blocked online-softmax order below;
+                             // false = the two-pass exact order
 };
 
 // float(1 / sqrt(double(head_dim))): HF's `head_dim ** -0.5` rounded to float32, computed on the host.
@@ -63,6 +65,31 @@ void kv_write(ThreadPool &pool, const PagedLayer &layer, int64_t row_elems, cons
 //   out[i, h, d] = o[d] / l
 //   gate (when gate != nullptr): out[i, h, d] = out[i, h, d] * sigmoid_f32(gate[i * gate_stride + h])
 // (the weights are normalised once at the end, by division, as flash attention does; no heap scratch.)
+//
+// shape.blocked (the `device` numerics of ENGINE.md section 4; the order of CUDA.md section 3.2, which a GPU
+// flash-attention kernel reproduces) replaces the passes above by a blocked online softmax. Keys are decoded as
+// stored and, for f32 and bf16 caches, each key value is then rounded to bf16 (f32_to_bf16, round to nearest
+// even; bf16 keys are unchanged by it); q8_0 / q5_1 keys are used as decoded. Every value, of every format, is
+// decoded and then rounded to bf16. The query is used as given (the caller has rounded it for the cache format).
+//   s_p  = dot_f32(q[i, h], k[p, g], head_dim) * scale      (as above, over the rounded keys)
+// Blocks of 128 positions and splits of 512, both aligned to absolute position 0: block b is
+// [128 b, 128 b + 128) and split t is [512 t, 512 t + 512), each intersected with [lo, P], so a split holds up
+// to 4 blocks and a windowed row may start with a partial split and a partial block.
+//   Split t, from a fresh state m = -inf, l = +0, acc[d] = +0; its blocks in increasing order:
+//     bm     = max of s_p over the block                    (increasing p; a NaN score is skipped, as in pass 1)
+//     m_new  = max(m, bm)                                   (a block with m_new = -inf is skipped entirely)
+//     alpha  = m == -inf ? 0 : exp_f32(m - m_new)
+//     e_p    = exp_f32(s_p - m_new);  P_p = bf16_to_f32(f32_to_bf16(e_p))
+//     l      = l * alpha + b_sum, b_sum = +0 + e_p + ...    (the unrounded e_p, p increasing over the block)
+//     acc[d] = acc[d] * alpha, then for p increasing: acc[d] = acc[d] + P_p * v[p, g, d]
+//                                                           (product rounded, then the add)
+//     m      = m_new
+//   The splits merge left to right into (M, L, ACC), which starts as the first split's (m, l, acc); split t:
+//     M' = max(M, m_t);  a = exp_f32(M - M');  b = exp_f32(m_t - M')
+//     L' = L * a + l_t * b;  ACC'[d] = ACC[d] * a + acc_t[d] * b   (each product rounded, then the add)
+//   out[i, h, d] = ACC[d] / L, then the gate as above.
+// (Each visible key is decoded once per work item and its scores kept for its split: at most 512 per head.)
+//
 // A work item is one (query, kv head): it decodes each visible key and value once for the query heads that
 // share them, which changes no per-head order.
 //
