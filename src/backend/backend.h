@@ -17,6 +17,16 @@
 
 namespace memra {
 
+// What a backend's products and attention compute (ENGINE.md section 4, DETERMINISM.md rule 10). Both modes
+// are deterministic and pass every gate.
+enum class Numerics : uint8_t {
+    kDevice,  // what tensor cores compute: bf16 activations before bf16-weight products, e4m3 groups of 128
+              // before FP8 experts, the blocked attention order with bf16 q/k, P and V (the default)
+    kExact,   // f32 activations everywhere: the reference of the model-math oracles (transformers, numpy)
+};
+
+inline const char *numerics_name(Numerics n) { return n == Numerics::kExact ? "exact" : "device"; }
+
 // ---- Weights as they lie in host memory (a mapped checkpoint): what the upload methods read. ----
 
 // A PyTorch linear weight [rows, cols] (out, in), row-major, or an embedding table [vocab, d_model].
@@ -28,6 +38,7 @@ struct HostMatrix {
     const float *scale_inv = nullptr;  // kF8E4M3 only: [ceil(rows / block_rows), ceil(cols / block_cols)] f32
     int64_t block_rows = 128;          // fp8 scale block (weight_block_size)
     int64_t block_cols = 128;
+    bool f32_activations = false;      // products keep f32 activations in every numerics mode (the router)
 };
 
 // A stacked expert bank [n_experts, rows, cols]; fp8 scales [n_experts, ceil(rows / 128), ceil(cols / 128)].
@@ -143,6 +154,7 @@ public:
 
     virtual const char *name() const = 0;
     virtual Device device() const = 0;
+    virtual Numerics numerics() const = 0;
 
     // ---- Prepare time (allocate, upload); never called on the hot path. ----
 

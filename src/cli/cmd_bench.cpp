@@ -53,6 +53,7 @@ struct BenchOptions {
     int n_gen = 128;     // tg test size; 0 skips it
     int reps = 5;        // timed runs per test
     int threads = 1;
+    Numerics numerics = Numerics::kDevice;
     std::string kv_k = "bf16";
     std::string kv_v = "bf16";
     int64_t ctx_size = 0;  // 0: the larger test's positions
@@ -200,7 +201,18 @@ struct BenchFacts {
     int threads = 0;  // per rank
     int tp = 1;
     std::string type_k, type_v;
+    std::string numerics;  // "device" or "exact"
+    std::string isa;       // device: the instruction path of its products (cpu::product_isa); exact: "-"
 };
+
+// "device (avx512-bf16)", "exact".
+std::string numerics_cell(const BenchFacts &f) { return f.numerics + (f.isa == "-" ? "" : " (" + f.isa + ")"); }
+
+BenchFacts numerics_facts(BenchFacts f, Numerics numerics) {
+    f.numerics = numerics_name(numerics);
+    f.isa = numerics == Numerics::kDevice ? cpu::product_isa_name(cpu::product_isa()) : "-";
+    return f;
+}
 
 // A Markdown table with padded columns: text left-aligned, numbers right-aligned (as llama-bench).
 std::string format_table(const std::vector<std::string> &header, const std::vector<bool> &right,
@@ -260,6 +272,9 @@ std::string markdown_table(const BenchFacts &f, const std::vector<TestResult> &t
         header.insert(header.end(), {"accept/pos", "tok/step"});
         right.insert(right.end(), {true, true});
     }
+    header.push_back("numerics");
+    right.push_back(false);
+    for (auto &row : rows) row.push_back(numerics_cell(f));
     return format_table(header, right, rows);
 }
 
@@ -273,6 +288,8 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
                            {"threads", f.threads},
                            {"type_k", f.type_k},
                            {"type_v", f.type_v},
+                           {"numerics", f.numerics},
+                           {"isa", f.isa},
                            {"test", t.name},
                            {"n_prompt", t.n_prompt},
                            {"n_gen", t.n_gen},
@@ -359,18 +376,20 @@ std::string experts_table(const BenchFacts &f, const BenchOptions &opt, const Ex
          fmt::format("{}", opt.tp), fmt::format("{}", r.threads),
          fmt::format("{}", opt.warmup), fmt::format("{}", opt.iterations), ms(r.mean_ms), ms(r.min_ms),
          ms(r.p50_ms), ms(r.p90_ms), ms(r.p95_ms), ms(r.p99_ms), ms(r.max_ms), fmt::format("{:.0f}", r.routes_per_s),
-         fmt::format("{:016x}", r.checksum)}};
+         fmt::format("{:016x}", r.checksum), numerics_cell(f)}};
     return format_table({"model", "dtype", "layer", "tokens", "top_k", "tp", "threads", "warm-up", "iters",
                          "mean ms", "min ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "routes/s",
-                         "checksum"},
+                         "checksum", "numerics"},
                         {false, false, true, true, true, true, true, true, true, true, true, true, true, true, true,
-                         true, true, false},
+                         true, true, false, false},
                         rows);
 }
 
 Json experts_json(const BenchFacts &f, const BenchOptions &opt, const ExpertsResult &r) {
     return Json::array({Json{{"model", f.model},
                              {"dtype", f.dtype},
+                             {"numerics", f.numerics},
+                             {"isa", f.isa},
                              {"test", "experts"},
                              {"layer", r.layer},
                              {"tokens", opt.tokens},
@@ -449,7 +468,7 @@ int run_experts_bench(const BenchOptions &opt) {
     std::vector<ExpertRank> ranks(static_cast<size_t>(opt.tp));
     for (int r = 0; r < opt.tp; ++r) {
         ExpertRank &rk = ranks[static_cast<size_t>(r)];
-        rk.backend = std::make_unique<cpu::CpuBackend>(res.threads);
+        rk.backend = std::make_unique<cpu::CpuBackend>(res.threads, opt.numerics);
         auto bound = whole ? model::bind_step35_model(*rk.backend, *ckpt, *cfg)
                            : model::bind_step35_model(*rk.backend, *ckpt, *cfg, plan, r);
         if (!bound) return report_error(bound.error().message);
@@ -536,6 +555,7 @@ int run_experts_bench(const BenchOptions &opt) {
     BenchFacts facts;
     facts.model = dir.string();
     facts.dtype = cfg->is_fp8() ? "fp8" : "bf16";
+    facts = numerics_facts(facts, opt.numerics);
     const std::string report = opt.output == "json" ? experts_json(facts, opt, res).dump(2) + "\n"
                                                     : experts_table(facts, opt, res);
     std::fwrite(report.data(), 1, report.size(), stdout);
@@ -579,6 +599,7 @@ int run_bench(const BenchOptions &opt) {
     facts.threads = std::max(1, opt.threads / opt.tp);
     facts.type_k = kv_format_name(in->k_format);
     facts.type_v = kv_format_name(in->v_format);
+    facts = numerics_facts(facts, opt.numerics);
     runtime::EngineOptions eo;
     eo.tp = opt.tp;
     eo.k_format = in->k_format;
@@ -593,7 +614,7 @@ int run_bench(const BenchOptions &opt) {
     DraftForcing draft_forcing;
     std::fprintf(stderr, "memra bench: loading %s, tp %d, threads %d per rank\n", dir.string().c_str(), opt.tp,
                  facts.threads);
-    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads, opt.spec_accept >= 0 ? &draft_forcing : nullptr);
+    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads, opt.numerics, opt.spec_accept >= 0 ? &draft_forcing : nullptr);
     if (!loaded) return report_error(fmt::format("--tp {}: {}", opt.tp, loaded.error().message));
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;
@@ -687,6 +708,7 @@ Command add_bench_command(CLI::App &app) {
         ->check(positive_int_validator())
         ->capture_default_str();
     add_threads_option(*sub, opt->threads);
+    add_numerics_option(*sub, opt->numerics);
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     sub->get_option("--ctx-size")->description("KV cache size in positions (default 0: the larger test's positions)");

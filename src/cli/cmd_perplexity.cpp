@@ -49,6 +49,7 @@ struct PerplexityOptions {
     std::string kv_v = "bf16";
     int tp = 1;
     int threads = 1;
+    Numerics numerics = Numerics::kDevice;
     bool mtp = false;
     std::string output = "text";
 };
@@ -221,7 +222,7 @@ int run_perplexity(const PerplexityOptions &opt) {
                            kv_format_name(in->k_format), kv_format_name(in->v_format), opt.tp, threads, mtp_note)
                    .c_str(),
                stderr);
-    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads);
+    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads, opt.numerics);
     if (!loaded) return report_error(fmt::format("--tp {}: {}", opt.tp, loaded.error().message));
     runtime::Engine &engine = *loaded->engine;
 
@@ -308,6 +309,7 @@ Command add_perplexity_command(CLI::App &app) {
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_tp_option(*sub, opt->tp);
     add_threads_option(*sub, opt->threads);
+    add_numerics_option(*sub, opt->numerics);
     sub->add_flag("--mtp", opt->mtp,
                   "Also run the model's MTP layers chained over each chunk (teacher-forced) and report each layer's "
                   "top-1 accuracy and perplexity on the token two ahead, over the scored half")

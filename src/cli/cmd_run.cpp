@@ -32,6 +32,7 @@ struct RunOptions {
     int64_t ctx_size = 4096;
     int64_t step_rows = runtime::kCpuStepRows;
     int threads = 1;
+    Numerics numerics = Numerics::kDevice;
     bool ignore_eos = false;
     int spec_draft = 0;
     const CLI::Option *spec_option = nullptr;  // whether --spec-draft was given
@@ -105,7 +106,7 @@ int run_generate(const RunOptions &opt) {
     auto spec = enable_speculation(eo, cfg, opt.spec_draft, opt.spec_option->count() > 0);
     if (!spec) return report_error(spec.error().message);
     const int spec_draft = *spec;
-    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads);
+    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads, opt.numerics);
     if (!loaded) return report_error(loaded.error().message);
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;
@@ -218,6 +219,7 @@ Command add_run_command(CLI::App &app) {
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     add_threads_option(*sub, opt->threads);
+    add_numerics_option(*sub, opt->numerics);
     sub->add_flag("--ignore-eos", opt->ignore_eos, "Keep generating past end-of-sequence tokens")
         ->envname("MEMRA_IGNORE_EOS");
     opt->spec_option = add_spec_draft_option(*sub, opt->spec_draft, kDefaultSpecDraft);

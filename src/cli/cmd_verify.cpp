@@ -29,6 +29,7 @@ struct VerifyCliOptions {
     int batch = 8;
     int layer = -1;
     int threads = default_threads();
+    Numerics numerics = Numerics::kDevice;
     std::string kv_k = "f32";
     std::string kv_v = "f32";
 };
@@ -85,15 +86,16 @@ int run_verify_command(const VerifyCliOptions &opt) {
     vo.k_format = kv_formats->first;
     vo.v_format = kv_formats->second;
     const int threads = opt.threads;
-    vo.make_reference_backend = [threads]() -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
+    const Numerics numerics = opt.numerics;
+    vo.make_reference_backend = [threads, numerics]() -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads, numerics));
     };
     // The native ranks can force speculation's drafts (the SPECULATION gate's acceptance patterns).
     auto forcing = std::make_shared<DraftForcing>();
     vo.forcing = forcing.get();
-    vo.make_rank_backend = [threads, forcing](int degree, int) -> Result<std::unique_ptr<Backend>> {
+    vo.make_rank_backend = [threads, numerics, forcing](int degree, int) -> Result<std::unique_ptr<Backend>> {
         return std::unique_ptr<Backend>(
-            std::make_unique<cpu::ForcedDraftBackend>(std::max(1, threads / degree), forcing.get()));
+            std::make_unique<cpu::ForcedDraftBackend>(std::max(1, threads / degree), numerics, forcing.get()));
     };
     vo.count_allocations = heap_allocations;
     vo.on_line = [](const runtime::VerifyLine &line) {
@@ -104,8 +106,9 @@ int run_verify_command(const VerifyCliOptions &opt) {
     std::string tps;
     for (const int t : vo.tp) tps += (tps.empty() ? "" : ",") + std::to_string(t);
     std::printf("memra verify %s: tp %s (routed experts expert-parallel); prefill %d, decode %d, batch 1..%d; kv "
-                "%s/%s; %d thread%s (split over the ranks)\n",
-                dir.string().c_str(), tps.c_str(), opt.tokens, opt.decode, opt.batch, opt.kv_k.c_str(), opt.kv_v.c_str(), threads, threads == 1 ? "" : "s");
+                "%s/%s; numerics %s; %d thread%s (split over the ranks)\n",
+                dir.string().c_str(), tps.c_str(), opt.tokens, opt.decode, opt.batch, opt.kv_k.c_str(),
+                opt.kv_v.c_str(), numerics_name(opt.numerics), threads, threads == 1 ? "" : "s");
     std::printf("counts per native step (plan, run, finish), rank 0: backend op launches, host -> backend and backend "
                 "-> host copies (syncs: those made before finish()), collectives; allocs: heap allocations on every "
                 "thread from plan() to finish()\n");
@@ -169,6 +172,7 @@ Command add_verify_command(CLI::App &app) {
         ->check(positive_int_validator())
         ->capture_default_str();
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
+    add_numerics_option(*sub, opt->numerics);
     return {sub, [opt]() { return run_verify_command(*opt); }};
 }
 

@@ -86,6 +86,8 @@ int default_threads();
 // perplexity: CPU ranks of one process).
 void add_threads_option(CLI::App &sub, int &threads);
 void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v);
+// --numerics device|exact (run, bench, perplexity, verify; MEMRA_NUMERICS): ENGINE.md section 4's two modes.
+void add_numerics_option(CLI::App &sub, Numerics &numerics);
 void add_tp_option(CLI::App &sub, int &tp);
 // The two formats those options name; the error names the option ("--kv-k: ...").
 Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string &kv_k,
@@ -114,9 +116,10 @@ struct CpuEngine {
 // Opens the checkpoint in `dir` and creates an engine (options without a backend factory) whose options.tp
 // CPU ranks share n_threads threads (at least one each). The error is the checkpoint's, the validation's or
 // the engine's message.
-// With `forcing`, the ranks are cpu::ForcedDraftBackend over it (bench --spec-accept).
+// The ranks compute in `numerics`; with `forcing`, they are cpu::ForcedDraftBackend over it (bench
+// --spec-accept).
 Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
-                                  runtime::EngineOptions options, int n_threads,
+                                  runtime::EngineOptions options, int n_threads, Numerics numerics,
                                   const DraftForcing *forcing = nullptr);
 
 // Options shared by the commands that drive the engine (run, bench, perplexity): -c/--ctx-size and

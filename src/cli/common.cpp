@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <exception>
 #include <limits>
+#include <map>
 #include <new>
 #include <optional>
 #include <system_error>
@@ -93,6 +94,18 @@ void add_threads_option(CLI::App &sub, int &threads) {
         ->capture_default_str();
 }
 
+void add_numerics_option(CLI::App &sub, Numerics &numerics) {
+    const std::map<std::string, Numerics> names = {{"device", Numerics::kDevice}, {"exact", Numerics::kExact}};
+    sub.add_option("--numerics", numerics,
+                   "what the products and attention compute: device (default) = what a GPU's tensor cores compute "
+                   "(bf16 activations before bf16-weight products, e4m3 per 128 values before FP8 experts, "
+                   "blocked attention with bf16 q/k, P and V); exact = f32 activations everywhere, the reference "
+                   "transformers and llama.cpp's f32 paths are checked against")
+        ->envname("MEMRA_NUMERICS")
+        ->transform(CLI::CheckedTransformer(names))
+        ->default_str("device");
+}
+
 void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v) {
     const std::vector<std::string> kv_formats = {"f32", "bf16", "q8_0", "q5_1"};
     sub.add_option("--kv-k,--cache-type-k", kv_k, "KV cache format of the keys (also -ctk)")
@@ -175,14 +188,17 @@ std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, con
 }
 
 Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
-                                  runtime::EngineOptions options, int n_threads, const DraftForcing *forcing) {
+                                  runtime::EngineOptions options, int n_threads, Numerics numerics,
+                                  const DraftForcing *forcing) {
     auto ckpt = io::Checkpoint::open(dir);
     if (!ckpt) return tl::unexpected(ckpt.error());
     CpuEngine out{std::move(*ckpt), nullptr};
     const int per_rank = std::max(1, n_threads / std::max(1, options.tp));
-    options.make_backend = [per_rank, forcing](int) -> Result<std::unique_ptr<Backend>> {
-        if (forcing != nullptr) return std::unique_ptr<Backend>(std::make_unique<cpu::ForcedDraftBackend>(per_rank, forcing));
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(per_rank));
+    options.make_backend = [per_rank, numerics, forcing](int) -> Result<std::unique_ptr<Backend>> {
+        if (forcing != nullptr) {
+            return std::unique_ptr<Backend>(std::make_unique<cpu::ForcedDraftBackend>(per_rank, numerics, forcing));
+        }
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(per_rank, numerics));
     };
     auto engine = runtime::Engine::create(out.ckpt, cfg, options);
     if (!engine) return tl::unexpected(engine.error());

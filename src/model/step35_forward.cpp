@@ -57,9 +57,9 @@ std::vector<KvPoolLayer> kv_pool_layers(const Step35Config &cfg, const std::vect
     return out;
 }
 
-RowRounding query_rounding(KvFormat k_format) {
+RowRounding query_rounding(KvFormat k_format, Numerics numerics) {
     switch (k_format) {
-    case KvFormat::kF32: return RowRounding::kNone;
+    case KvFormat::kF32: return numerics == Numerics::kDevice ? RowRounding::kBf16 : RowRounding::kNone;
     case KvFormat::kBf16: return RowRounding::kBf16;
     case KvFormat::kQ8_0:
     case KvFormat::kQ5_1: return RowRounding::kQ8;
@@ -415,7 +415,7 @@ Result<void> Step35Forward::attention_block(int layer, const StepTables &t, int 
     const KvPoolId pool = swa ? kv_.swa : kv_.full;
     const int pool_layer = kv_.pool_layer[li];
     be.kv_write(pool, pool_layer, k, v, swa ? s.slot_swa : s.slot_full);
-    be.round_rows(q, query_rounding(kv_.k_format));
+    be.round_rows(q, query_rounding(kv_.k_format, be.numerics()));
     const TensorView att = mat(att_, n, q_w);  // [n, n_heads * head_dim]
     const AttentionParams params{n_heads, n_kv_heads, g.head_dim,
                                  g.attn == AttnKind::kSliding ? int64_t{g.window} : 0};

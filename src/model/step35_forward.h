@@ -73,8 +73,9 @@ std::vector<KvPoolLayer> kv_pool_layers(const Step35Config &cfg, const std::vect
                                         const parallel::RankPlan *rank);
 
 // What attention rounds the query to for a K cache format: GGML's dot-product partner of the key type
-// (f32: none, bf16: bf16, q8_0 / q5_1: q8 blocks), so a cache type means what it means in llama.cpp.
-RowRounding query_rounding(KvFormat k_format);
+// (f32: none, bf16: bf16, q8_0 / q5_1: q8 blocks), so a cache type means what it means in llama.cpp; device
+// numerics round it to bf16 over an f32 cache too (q and k enter the scores as bf16, ENGINE.md section 4).
+RowRounding query_rounding(KvFormat k_format, Numerics numerics);
 
 // The rows of one stream of a step, as views into the step's table buffer on the backend (written by the
 // engine before run()). Host-side counts say how much of each view is used.

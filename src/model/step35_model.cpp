@@ -36,7 +36,8 @@ public:
     Binder(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg)
         : backend_(backend), ckpt_(ckpt), cfg_(cfg) {}
 
-    Result<MatrixId> matrix(const std::string &name, Cut cut = Cut::whole()) {
+    // f32_activations: the product keeps f32 activations in every numerics mode (the router).
+    Result<MatrixId> matrix(const std::string &name, Cut cut = Cut::whole(), bool f32_activations = false) {
         auto ref = ckpt_.get(name);
         if (!ref) return tl::unexpected(ref.error());
         const io::TensorInfo &info = *ref->info;
@@ -51,6 +52,7 @@ public:
         auto scale = fp8_scale(name, info.dtype, m.block_rows, m.block_cols);
         if (!scale) return tl::unexpected(scale.error());
         m.scale_inv = *scale;
+        m.f32_activations = f32_activations;
         if (cut.axis == Cut::Axis::kWhole) return wrap(name, backend_.upload_matrix(m));
         MatrixWindow w = MatrixWindow::whole(m);
         if (cut.axis == Cut::Axis::kRows) {
@@ -162,7 +164,7 @@ Result<LayerWeights> bind_layer(Binder &b, const Step35Config &cfg, const LayerG
     } else {
         // Routed experts whole: a rank binds its own, the whole model all of them.
         const parallel::Range experts = rl ? rl->experts : parallel::Range{};
-        MEMRA_BIND(w.moe.router, b.matrix(p + "moe.gate.weight"));
+        MEMRA_BIND(w.moe.router, b.matrix(p + "moe.gate.weight", Cut::whole(), /*f32_activations=*/true));
         MEMRA_BIND(w.moe.router_bias, b.vector(p + "moe.router_bias"));
         MEMRA_BIND(w.moe.gate, b.bank(p + "moe.gate_proj.weight", experts));
         MEMRA_BIND(w.moe.up, b.bank(p + "moe.up_proj.weight", experts));

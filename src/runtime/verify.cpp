@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "core/check.h"
+#include "core/device_numerics.h"
 #include "core/float_formats.h"
 #include "core/math.h"
 #include "model/step35_forward.h"
@@ -630,25 +631,45 @@ float bank_value(const OracleBank &b, int64_t e, int64_t r, int64_t c) {
     }
 }
 
-// y[r] = x . W_e[r] for every row r, in the canonical K loop written out from its definition (backend/cpu/
-// matmul.h, DETERMINISM.md rule 2): K cut into chunks at multiples of block_cols (128), each chunk the
-// 16-lane canonical dot (core/math.h dot_f32) of x with the chunk's widened weights, fp8 chunks multiplied
-// by their scale, the chunk results added in K order from +0. Plain scalar host code that shares nothing
-// with a backend's kernels, so the grouped products are checked against an independent computation.
-void oracle_product(const OracleBank &b, int64_t e, const float *x, float *y) {
-    std::vector<float> w(static_cast<size_t>(b.block_cols));
+// y[r] = x . W_e[r] for every row r, written out from the K loops' definitions (backend/cpu/matmul.h,
+// DETERMINISM.md rule 2). Exact numerics (or a bank device numerics leaves at f32 activations): K cut into
+// chunks at multiples of block_cols (128), each chunk the 16-lane canonical dot (core/math.h dot_f32) of x
+// with the chunk's widened weights, fp8 chunks multiplied by their scale, the chunk results added in K order
+// from +0. Device numerics: x rounded to bf16 (bf16 banks) or quantized to e4m3 per 128 (fp8 banks with
+// 128-wide blocks), then core/device_numerics.h's chunk dot over the whole K (bf16) or per 128-wide chunk
+// promoted by both scales (fp8), in FTZ/DAZ arithmetic. Plain scalar host code that shares nothing with a
+// backend's kernels, so the grouped products are checked against an independent computation.
+void oracle_product(const OracleBank &b, Numerics numerics, int64_t e, const float *x, float *y) {
     const int64_t col_blocks = (b.cols + b.block_cols - 1) / b.block_cols;
     const int64_t row_blocks = (b.rows + b.block_rows - 1) / b.block_rows;
+    const bool bf16_act = numerics == Numerics::kDevice && b.dtype == DType::kBF16;
+    const bool e4m3_act = numerics == Numerics::kDevice && b.dtype == DType::kF8E4M3 && b.block_cols == 128;
+    std::vector<float> xr(x, x + b.cols);
+    std::vector<float> xscale(static_cast<size_t>(col_blocks), 1.0f);
+    if (bf16_act) {
+        for (float &v : xr) v = bf16_to_f32(f32_to_bf16(v));
+    } else if (e4m3_act) {
+        for (int64_t c0 = 0; c0 < b.cols; c0 += 128) {
+            xscale[static_cast<size_t>(c0 / 128)] = e4m3_quantize_group(x + c0, std::min<int64_t>(128, b.cols - c0),
+                                                                        xr.data() + c0);
+        }
+    }
+    // bf16 activations: the whole K is one chunk; otherwise chunks of block_cols.
+    const int64_t edge = bf16_act ? b.cols : b.block_cols;
+    std::vector<float> w(static_cast<size_t>(edge));
     for (int64_t r = 0; r < b.rows; ++r) {
         float sum = 0.0f;
-        for (int64_t c0 = 0; c0 < b.cols; c0 += b.block_cols) {
-            const int64_t c1 = std::min(b.cols, c0 + b.block_cols);
+        for (int64_t c0 = 0; c0 < b.cols; c0 += edge) {
+            const int64_t c1 = std::min(b.cols, c0 + edge);
             for (int64_t c = c0; c < c1; ++c) w[static_cast<size_t>(c - c0)] = bank_value(b, e, r, c);
-            float chunk = dot_f32(x + c0, w.data(), c1 - c0);
+            const bool device = bf16_act || e4m3_act;
+            float chunk = device ? device_chunk_dot(xr.data() + c0, w.data(), c1 - c0)
+                                 : dot_f32(xr.data() + c0, w.data(), c1 - c0);
             if (b.scale_inv != nullptr) {
-                chunk = chunk * b.scale_inv[(e * row_blocks + r / b.block_rows) * col_blocks + c0 / b.block_cols];
+                const float ws = b.scale_inv[(e * row_blocks + r / b.block_rows) * col_blocks + c0 / b.block_cols];
+                chunk = e4m3_act ? fz_mul(chunk, fz_mul(xscale[static_cast<size_t>(c0 / 128)], ws)) : chunk * ws;
             }
-            sum = sum + chunk;
+            sum = device ? fz_add(sum, chunk) : sum + chunk;
         }
         y[r] = sum;
     }
@@ -669,8 +690,10 @@ float oracle_swiglu(float g, float u, float limit) {
 // the backend that produced them.
 class ExpertOracle {
 public:
-    static Result<ExpertOracle> create(const io::Checkpoint &ckpt, const Step35Config &cfg, int layer) {
+    static Result<ExpertOracle> create(const io::Checkpoint &ckpt, const Step35Config &cfg, int layer,
+                                       Numerics numerics) {
         ExpertOracle o;
+        o.numerics_ = numerics;
         const LayerGeometry &g = cfg.layers[static_cast<size_t>(layer)];
         o.g_ = g;
         o.d_ = cfg.d_model;
@@ -742,8 +765,8 @@ public:
             const int64_t e = ids[static_cast<size_t>(p)];
             const int64_t row = s.row_of_pair[static_cast<size_t>(p)];
             for (int64_t j = 0; j < d_; ++j) x[static_cast<size_t>(j)] = std::bit_cast<float>(a[(p / s.k) * d_ + j]);
-            oracle_product(gate_, e, x.data(), gv.data());
-            oracle_product(up_, e, x.data(), uv.data());
+            oracle_product(gate_, numerics_, e, x.data(), gv.data());
+            oracle_product(up_, numerics_, e, x.data(), uv.data());
             for (int64_t j = 0; j < de; ++j) {
                 const auto i = static_cast<size_t>(j);
                 av[i] = oracle_swiglu(gv[i], uv[i], g_.clamp_routed);
@@ -751,7 +774,7 @@ public:
                 s.up[static_cast<size_t>(row * de + j)] = std::bit_cast<uint32_t>(uv[i]);
                 s.act[static_cast<size_t>(row * de + j)] = std::bit_cast<uint32_t>(av[i]);
             }
-            oracle_product(down_, e, av.data(), dv.data());
+            oracle_product(down_, numerics_, e, av.data(), dv.data());
             for (int64_t j = 0; j < d_; ++j) {
                 s.down[static_cast<size_t>(row * d_ + j)] = std::bit_cast<uint32_t>(dv[static_cast<size_t>(j)]);
             }
@@ -783,6 +806,7 @@ public:
 private:
     LayerGeometry g_;
     int64_t d_ = 0;
+    Numerics numerics_ = Numerics::kExact;
     OracleBank gate_, up_, down_;
 };
 
@@ -974,7 +998,7 @@ Result<Reference> run_reference(const io::Checkpoint &ckpt, const Step35Config &
     Engine &engine = **made;
     std::optional<ExpertOracle> oracle;
     if (sc.layer_moe) {
-        auto built = ExpertOracle::create(ckpt, cfg, sc.layer);
+        auto built = ExpertOracle::create(ckpt, cfg, sc.layer, engine.backend(0).numerics());
         if (!built) return tl::unexpected(built.error());
         oracle.emplace(std::move(*built));
     }

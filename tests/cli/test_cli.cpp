@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "backend/cpu/matmul.h"
 #include "io/safetensors.h"
 
 extern char **environ;
@@ -1084,14 +1085,18 @@ TEST_F(CliTest, BenchPrintsALlamaBenchMarkdownTable) {
     const std::vector<std::string> lines = lines_of(r.out);
     ASSERT_EQ(lines.size(), 4u) << describe(r);
     EXPECT_EQ(table_cells(lines[0]),
-              (std::vector<std::string>{"model", "params", "dtype", "tp", "threads", "kv", "test", "t/s", "peak MiB"}));
+              (std::vector<std::string>{"model", "params", "dtype", "tp", "threads", "kv", "test", "t/s", "peak MiB",
+                                        "numerics"}));
     // Numbers right-aligned, text left-aligned, every row as wide as the header.
     EXPECT_EQ(table_cells(lines[1])[1].back(), ':') << lines[1];
     EXPECT_EQ(table_cells(lines[1])[2].back(), '-') << lines[1];
     const std::vector<std::string> tests = {"pp8", "tg4"};
     for (size_t i = 0; i < tests.size(); ++i) {
         const std::vector<std::string> cells = table_cells(lines[2 + i]);
-        ASSERT_EQ(cells.size(), 9u) << lines[2 + i];
+        ASSERT_EQ(cells.size(), 10u) << lines[2 + i];
+        EXPECT_TRUE(cells[9] == "device (avx512-bf16)" || cells[9] == "device (avx2-fma)" ||
+                    cells[9] == "device (portable)")
+            << cells[9];
         EXPECT_EQ(cells[0], tiny_model().string());
         EXPECT_EQ(cells[1], "8.86 M");  // the 8860672 parameters make-tiny reports
         EXPECT_EQ(cells[2], "bf16");
@@ -1125,8 +1130,10 @@ TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
     for (size_t i = 0; i < tests.size(); ++i) {
         const Json &t = report[i];
         const auto &[name, n_prompt, n_gen] = tests[i];
-        EXPECT_EQ(t.size(), 15u) << t.dump();
+        EXPECT_EQ(t.size(), 17u) << t.dump();
         EXPECT_EQ(t.at("tp"), 1);
+        EXPECT_EQ(t.at("numerics"), "device");
+        EXPECT_EQ(t.at("isa"), memra::cpu::product_isa_name(memra::cpu::product_isa()));
         EXPECT_GT(t.at("peak_rss_bytes").get<int64_t>(), int64_t{10} << 20);
         EXPECT_EQ(t.at("model"), tiny_model().string());
         EXPECT_EQ(t.at("n_params"), 8860672);
@@ -1227,7 +1234,7 @@ TEST_F(CliTest, BenchSpecDraftRunsTgSideBySideWithAcceptance) {
     const std::vector<std::string> lines = lines_of(r.out);
     ASSERT_EQ(lines.size(), 4u) << describe(r);
     const std::vector<std::string> header = table_cells(lines[0]);
-    ASSERT_EQ(header.size(), 11u) << describe(r);
+    ASSERT_EQ(header.size(), 12u) << describe(r);
     EXPECT_EQ(header[9], "accept/pos");
     EXPECT_EQ(header[10], "tok/step");
     const std::vector<std::string> plain = table_cells(lines[2]);
@@ -1294,9 +1301,10 @@ TEST_F(CliTest, BenchExpertsPrintsOneRowWithOrderedPercentiles) {
     EXPECT_EQ(table_cells(lines[0]),
               (std::vector<std::string>{"model", "dtype", "layer", "tokens", "top_k", "tp", "threads", "warm-up",
                                         "iters", "mean ms", "min ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms",
-                                        "max ms", "routes/s", "checksum"}));
+                                        "max ms", "routes/s", "checksum", "numerics"}));
     const std::vector<std::string> cells = table_cells(lines[2]);
-    ASSERT_EQ(cells.size(), 18u) << lines[2];
+    ASSERT_EQ(cells.size(), 19u) << lines[2];
+    EXPECT_EQ(cells[18].rfind("device (", 0), 0u) << cells[18];
     EXPECT_EQ(cells[0], tiny_model().string());
     EXPECT_EQ(cells[1], "bf16");
     const std::vector<std::string> facts = {"2", "8", "8", "1", "1", "1", "4"};
@@ -1330,7 +1338,7 @@ TEST_F(CliTest, BenchExpertsChecksumIsTheSameAtEveryDegreeAndStatisticsAreConsis
         return report.at(0);
     };
     const Json one = bench({});
-    EXPECT_EQ(one.size(), 23u) << one.dump();
+    EXPECT_EQ(one.size(), 25u) << one.dump();
     EXPECT_EQ(one.at("test"), "experts");
     EXPECT_EQ(one.at("layer"), 2);
     EXPECT_EQ(one.at("tokens"), 6);
@@ -1479,22 +1487,26 @@ TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegree) {
     struct Call {
         fs::path dir;
         std::string tp;
+        std::string numerics;  // each checkpoint in both modes (device: W8A8 experts on fp8, bf16 activations)
         int runs;
         int steps_per_run;  // prefill, decode, 4 transaction steps, the slide steps, MTP, speculation, 2 batch lines
     };
     // Speculation with one MTP layer: greedy and T 0.7 with the layer's own drafts, greedy with 0 or 1 forced to
     // stand, T 0.7 with 1.
     constexpr int kSpecLines = 2 + 2 + 1;
-    for (const Call &call : {Call{bf16, "1,2", 2, 13 + kSpecLines}, Call{bf16, "4,8", 2, 13 + kSpecLines},
-                             Call{fp8, "1,2", 2, 24 + kSpecLines}, Call{fp8, "4,8", 2, 24 + kSpecLines}}) {
-        const std::vector<std::string> args = {"verify",  call.dir.string(), "--tp", call.tp, "--tokens", "17",
-                                               "--decode", "1",               "--batch", "2", "-t",       "1"};
+    for (const Call &call :
+         {Call{bf16, "1,2", "device", 2, 13 + kSpecLines}, Call{bf16, "4,8", "exact", 2, 13 + kSpecLines},
+          Call{fp8, "1,2", "exact", 2, 24 + kSpecLines}, Call{fp8, "4,8", "device", 2, 24 + kSpecLines}}) {
+        const std::vector<std::string> args = {"verify",  call.dir.string(), "--tp",    call.tp, "--tokens",
+                                               "17",      "--decode",        "1",       "--batch", "2",
+                                               "-t",      "1",               "--numerics", call.numerics};
         const RunResult r = run_memra(args);
         EXPECT_EQ(r.exit_code, 0) << describe(r);
         EXPECT_EQ(r.err, "") << describe(r);
         EXPECT_TRUE(contains(r.out, fmt::format("memra verify {}: tp {} (routed experts expert-parallel); prefill 17, "
-                                                "decode 1, batch 1..2; kv f32/f32; 1 thread (split over the ranks)\n",
-                                                call.dir.string(), call.tp)))
+                                                "decode 1, batch 1..2; kv f32/f32; numerics {}; 1 thread (split over "
+                                                "the ranks)\n",
+                                                call.dir.string(), call.tp, call.numerics)))
             << describe(r);
         for (const std::string &gate : kVerifyGates) {
             const std::string line = gate_line(r.out, gate);

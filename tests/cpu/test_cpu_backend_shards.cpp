@@ -42,7 +42,7 @@ std::vector<float> download(CpuBackend &be, TensorView v) {
 }
 
 TEST(CpuBackendShards, WindowUploadsAreValidated) {
-    CpuBackend be(1);
+    CpuBackend be(1, Numerics::kExact);
     const std::vector<uint16_t> w = bf16_weights(8 * 64, 1);
     HostMatrix m{DType::kBF16, w.data(), 8, 64};
     auto expect_error = [](const auto &r, const std::string &fragment) {
@@ -90,7 +90,7 @@ TEST(CpuBackendShards, RowParallelShardsCombineToTheWholeProduct) {
     const HostMatrix m{DType::kBF16, w.data(), rows, cols};
     const std::vector<float> x = random_floats(static_cast<size_t>(n * cols), 5);
 
-    CpuBackend whole_be(2);
+    CpuBackend whole_be(2, Numerics::kExact);
     const MatrixId whole = *whole_be.upload_matrix(m);
     auto ws = whole_be.alloc(DType::kF32, {whole_be.canonical_workspace_floats(n, whole)});
     auto y = whole_be.alloc(DType::kF32, {n, rows});
@@ -101,7 +101,7 @@ TEST(CpuBackendShards, RowParallelShardsCombineToTheWholeProduct) {
         const int64_t k_local = cols / tp;
         std::vector<float> gathered(static_cast<size_t>(tp * n * rows));
         for (int64_t r = 0; r < tp; ++r) {
-            CpuBackend be(1);
+            CpuBackend be(1, Numerics::kExact);
             const MatrixId shard = *be.upload_matrix_window(m, MatrixWindow{0, rows, r * k_local, (r + 1) * k_local});
             EXPECT_EQ(be.canonical_workspace_floats(n, shard), (8 / tp) * n * rows);
             std::vector<float> x_local(static_cast<size_t>(n * k_local));
@@ -115,7 +115,7 @@ TEST(CpuBackendShards, RowParallelShardsCombineToTheWholeProduct) {
             const std::vector<float> part = download(be, *y_r);
             std::copy(part.begin(), part.end(), gathered.begin() + r * n * rows);
         }
-        CpuBackend be(1);
+        CpuBackend be(1, Numerics::kExact);
         auto all = upload(be, gathered, tp, n * rows);
         auto out = be.alloc(DType::kF32, {n, rows});
         be.reset_counters();
@@ -181,7 +181,7 @@ TEST(CpuBackendShards, GroupedProductsOverAnOwnersExperts) {
     const std::vector<float> x = random_floats(static_cast<size_t>(n_pairs * cols), 7);
     for (DType dt : {DType::kBF16, DType::kF8E4M3}) {
         const TestBank bank = make_bank(dt, n_experts, rows, cols, 6);
-        CpuBackend be(2);
+        CpuBackend be(2, Numerics::kExact);
         auto offsets = be.alloc(DType::kI32, {n_experts + 1});
         be.copy_from_host(off.data(), *offsets);
         const TensorView xv = upload(be, x, n_pairs, cols);
@@ -242,7 +242,7 @@ TEST(CpuBackendShards, GroupedProductsOverAnOwnersExperts) {
 }
 
 TEST(CpuBackendShards, JoinColShardsInterleavesRankSlices) {
-    CpuBackend be(1);
+    CpuBackend be(1, Numerics::kExact);
     // 3 shards of [2, 4]: shard s, row t, column j holds 100 s + 10 t + j.
     std::vector<float> host(24);
     for (int s = 0; s < 3; ++s) {

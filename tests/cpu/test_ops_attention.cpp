@@ -758,7 +758,7 @@ TEST(CpuBackendKv, KvWriteEncodesEveryRowIntoItsSlotAndNothingElse) {
     const KvFormat formats[] = {KvFormat::kF32, KvFormat::kBf16, KvFormat::kQ8_0, KvFormat::kQ5_1};
     for (KvFormat kf : formats) {
         for (KvFormat vf : {KvFormat::kQ5_1, KvFormat::kF32, KvFormat::kBf16}) {
-            CpuBackend be(2);
+            CpuBackend be(2, Numerics::kExact);
             // Layer 0: 2 heads of 64; layer 1: 3 heads of 32. 5 pages.
             const KvPoolSpec spec{kf, vf, 5, {KvPoolLayer{2, 64}, KvPoolLayer{3, 32}}};
             const KvPoolId id = *be.create_kv_pool(spec);
@@ -808,7 +808,7 @@ TEST(CpuBackendKv, PagedAttentionOpEqualsTheKernelOverTheSameRows) {
     HostPool host_kv = fill_pool(c, kf, vf);
     const std::vector<float> want = run(pool, c, host_kv, true);
 
-    CpuBackend be(3);
+    CpuBackend be(3, Numerics::kExact);
     const KvPoolId id = *be.create_kv_pool(host_kv.spec);
     std::vector<float> k, v;
     std::vector<int32_t> slots;

@@ -365,7 +365,7 @@ TEST(MoeBackend, PermuteOverAnExpertWindowIsThatSliceOfTheWholePermute) {
     const Sorted s = sort_pairs(r.ids, top_k, n_experts);
     const int64_t n_pairs = n_tokens * top_k;
     const std::vector<float> x = random_floats(static_cast<size_t>(n_tokens * d), 13);
-    CpuBackend be(3);
+    CpuBackend be(3, Numerics::kExact);
     const TensorView xv = to_backend(be, x, n_tokens, d);
     const TensorView sorted_pair = to_backend(be, s.sorted_pair);
     const TensorView offsets = to_backend(be, s.offsets);
@@ -419,7 +419,7 @@ TEST(MoeBackend, CombineThroughSourceRowsEqualsTheIdentityMapOverTokenSlotRows) 
                   y_scattered.begin() + perm[q] * d);
     }
     for (int threads : {1, 3}) {
-        CpuBackend be(threads);
+        CpuBackend be(threads, Numerics::kExact);
         const TensorView hv = to_backend(be, h, n_tokens, d);
         const TensorView wv = to_backend(be, weights, n_tokens, top_k);
         const TensorView sv = to_backend(be, shared, n_tokens, d);
@@ -465,7 +465,7 @@ TEST(MoeBackend, OwnersGatheredOutputsThroughSourceRowsEqualTheSortedCombine) {
     const int64_t n_pairs = n_tokens * top_k;
     const std::vector<float> x = random_floats(static_cast<size_t>(n_tokens * d), 20);
     const std::vector<float> h = random_floats(static_cast<size_t>(n_tokens * d), 21);
-    CpuBackend be(2);
+    CpuBackend be(2, Numerics::kExact);
     const TensorView ids = to_backend(be, r.ids);
     auto offsets = be.alloc(DType::kI32, {n_experts + 1});
     auto sorted_pair = be.alloc(DType::kI32, {n_pairs});
@@ -507,7 +507,7 @@ TEST(MoeBackend, OwnersGatheredOutputsThroughSourceRowsEqualTheSortedCombine) {
 
 TEST(MoeBackendDeathTest, CombineRefusesASourceRowOutsideTheBuffer) {
     GTEST_FLAG_SET(death_test_style, "threadsafe");
-    CpuBackend be(1);
+    CpuBackend be(1, Numerics::kExact);
     const TensorView hv = to_backend(be, std::vector<float>(2 * 3, 1.0f), 2, 3);
     const TensorView wv = to_backend(be, std::vector<float>(2 * 2, 1.0f), 2, 2);
     const TensorView y = to_backend(be, std::vector<float>(5 * 3, 1.0f), 5, 3);

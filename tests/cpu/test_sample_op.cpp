@@ -87,7 +87,7 @@ struct OpResult {
 };
 
 OpResult run_op(int threads, const std::vector<float> &logits, int32_t n_valid, const std::vector<SampleRow> &rows) {
-    CpuBackend be(threads);
+    CpuBackend be(threads, Numerics::kExact);
     EXPECT_TRUE(be.prepare_sampling(kVocab).has_value());
     auto lg = be.alloc(DType::kF32, {static_cast<int64_t>(logits.size()) / kVocab, kVocab});
     auto rv = be.alloc(DType::kU8, {static_cast<int64_t>(rows.size() * sizeof(SampleRow))});

@@ -70,7 +70,7 @@ struct Engine {
 
 std::unique_ptr<Engine> make_engine(const fs::path &dir, int threads = 1) {
     auto e = std::make_unique<Engine>();
-    e->backend = std::make_unique<cpu::CpuBackend>(threads);
+    e->backend = std::make_unique<cpu::CpuBackend>(threads, Numerics::kExact);
     auto cfg = load_step35_config(dir);
     EXPECT_TRUE(cfg.has_value()) << cfg.error().message;
     e->cfg = *cfg;
@@ -560,7 +560,7 @@ Result<void> make_ranks(RankSet &rs, const Engine &e, int tp, int64_t capacity) 
     rs.group.emplace(std::move(*group));
     rs.models.reserve(static_cast<size_t>(tp));
     for (int r = 0; r < tp; ++r) {
-        rs.backends.push_back(std::make_unique<cpu::CpuBackend>(1));
+        rs.backends.push_back(std::make_unique<cpu::CpuBackend>(1, Numerics::kExact));
         auto m = bind_step35_model(*rs.backends.back(), *e.ckpt, e.cfg, rs.plan, r);
         if (!m) return tl::unexpected(m.error());
         rs.models.push_back(std::move(*m));

@@ -1,13 +1,19 @@
 // memra_forward_tool: runs the Step-3.5 forward through the engine (CPU backend) for the Python oracles.
 //   memra_forward_tool MODEL_DIR IDS_FILE OUT_FILE [--all-positions] [--decode N] [--mtp] [--threads T]
-//                      [--kv-k FMT] [--kv-v FMT] [--ubatch N] [--tp T]
+//                      [--kv-k FMT] [--kv-v FMT] [--ubatch N] [--tp T] [--numerics device|exact]
+//                      [--taps DIR]
 // IDS_FILE holds the prompt as raw little-endian int32 ids. OUT_FILE gets raw float32 logits, [rows, vocab]:
 // the prompt's last position (every position with --all-positions), then one row per greedy decode step
 // (--decode N: each step feeds the token the engine sampled at temperature 0, the argmax with ties to the
 // lowest id). --mtp instead appends every MTP layer's logits, chained in one step with the prompt: MTP layer
 // k over positions k .. T-2 (row p takes the token at p + 1 and the hidden row of layer k - 1 at p - 1, the
 // trunk's at p for k = 0), layer after layer. --ubatch N prefills the prompt in steps of N rows (not with
-// --mtp, whose rows need their hidden sources in the same step). KV cache formats (f32 default, bf16, q8_0,
+// --mtp, whose rows need their hidden sources in the same step). --numerics (exact default) picks the CPU
+// backend's numerics (ENGINE.md section 4). --taps DIR also writes, for every trunk layer L, the per-token
+// intermediates of the prompt's prefill (model::Tap: layer_in, attn_norm, q, k, v, attn_gate, attn_out, o_proj,
+// residual, ffn_norm, router_logits, expert_ids, expert_weights, shared_out, layer_out) as DIR/L<L>_<tap>.bin,
+// raw [T, row] f32 (expert_ids: i32), each layer tapped in its own prefill of a fresh sequence: the inputs of
+// op-by-op teacher-forced comparisons. KV cache formats (f32 default, bf16, q8_0,
 // q5_1) apply to every layer. Prints the row count, the vocabulary size, the decoded ids and the work of the
 // last decode step (launches, host -> backend and backend -> host copies).
 #include <algorithm>
@@ -56,12 +62,22 @@ int main(int argc, char **argv) {
     int64_t threads = 1;
     int64_t ubatch = 0;  // 0: the whole prompt in one step
     int64_t tp = 1;
+    Numerics numerics = Numerics::kExact;  // the oracles' f32 reference; --numerics device for the device forward
+    std::string taps_dir;
     for (int i = 1; i < argc; ++i) {
         const std::string arg = argv[i];
         if (arg == "--all-positions") {
             all_positions = true;
         } else if (arg == "--mtp") {
             mtp = true;
+        } else if (arg == "--taps") {
+            if (i + 1 >= argc) return fail("--taps expects a directory");
+            taps_dir = argv[++i];
+        } else if (arg == "--numerics") {
+            if (i + 1 >= argc) return fail("--numerics expects device or exact");
+            const std::string v = argv[++i];
+            if (v != "device" && v != "exact") return fail(fmt::format("--numerics expects device or exact, found '{}'", v));
+            numerics = v == "device" ? Numerics::kDevice : Numerics::kExact;
         } else if (arg == "--kv-k" || arg == "--kv-v") {
             if (i + 1 >= argc) return fail(arg + " needs a value");
             auto format = parse_kv_format(argv[++i]);
@@ -82,10 +98,12 @@ int main(int argc, char **argv) {
     }
     if (positional.size() != 3) {
         return fail("usage: memra_forward_tool MODEL_DIR IDS_FILE OUT_FILE [--all-positions] [--decode N] "
-                    "[--mtp] [--threads T] [--kv-k FMT] [--kv-v FMT] [--ubatch N] [--tp T]");
+                    "[--mtp] [--threads T] [--kv-k FMT] [--kv-v FMT] [--ubatch N] [--tp T] [--numerics device|exact] "
+                    "[--taps DIR]");
     }
     if (mtp && n_decode > 0) return fail("--mtp and --decode cannot be combined");
     if (mtp && ubatch > 0) return fail("--mtp and --ubatch cannot be combined");
+    if (!taps_dir.empty() && (ubatch > 0 || tp > 1 || mtp)) return fail("--taps runs alone: no --ubatch, --tp or --mtp");
 
     std::ifstream in(positional[1], std::ios::binary);
     if (!in) return fail(fmt::format("{}: cannot open", positional[1]));
@@ -115,8 +133,8 @@ int main(int argc, char **argv) {
     eo.max_logit_rows = n_prompt * (1 + n_mtp);
     eo.mtp_layers = n_mtp;
     const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / tp));
-    eo.make_backend = [per_rank](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(per_rank));
+    eo.make_backend = [per_rank, numerics](int) -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(per_rank, numerics));
     };
     auto engine = runtime::Engine::create(*ckpt, *cfg, eo);
     if (!engine) return fail(engine.error().message);
@@ -166,10 +184,39 @@ int main(int argc, char **argv) {
         append(0, 0);
     }
 
-    std::ofstream o(positional[2], std::ios::binary | std::ios::trunc);
-    if (!o) return fail(fmt::format("{}: cannot create", positional[2]));
-    o.write(reinterpret_cast<const char *>(out.data()), static_cast<std::streamsize>(out.size() * sizeof(float)));
-    if (!o) return fail(fmt::format("{}: write failed", positional[2]));
+    const auto write = [&](const std::string &path, const std::vector<float> &v) {
+        std::ofstream o(path, std::ios::binary | std::ios::trunc);
+        o.write(reinterpret_cast<const char *>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+        return static_cast<bool>(o);
+    };
+    if (!write(positional[2], out)) return fail(fmt::format("{}: cannot write", positional[2]));
+    if (!taps_dir.empty()) {
+        seq->reset();  // one sequence at a time: each layer's tapped prefill takes a fresh one
+        const model::Tap row_taps[] = {model::Tap::kLayerIn,      model::Tap::kAttnNorm,      model::Tap::kQ,
+                                       model::Tap::kK,            model::Tap::kV,             model::Tap::kAttnGate,
+                                       model::Tap::kAttnOut,      model::Tap::kOProj,         model::Tap::kResidual,
+                                       model::Tap::kFfnNorm,      model::Tap::kRouterLogits,  model::Tap::kExpertIds,
+                                       model::Tap::kExpertWeights, model::Tap::kSharedOut,    model::Tap::kLayerOut};
+        bool written = true;
+        for (int layer = 0; layer < cfg->n_layers; ++layer) {
+            auto fresh = e.create_sequence(so);
+            if (!fresh) return fail(fresh.error().message);
+            (*fresh)->tokens = prompt;
+            e.forward(0).set_tap(layer, [&](model::Tap tap, TensorView v) {
+                if (std::find(std::begin(row_taps), std::end(row_taps), tap) == std::end(row_taps)) return;
+                std::ofstream o(fmt::format("{}/L{}_{}.bin", taps_dir, layer, model::tap_name(tap)),
+                                std::ios::binary | std::ios::trunc);
+                o.write(static_cast<const char *>(v.data), static_cast<std::streamsize>(n_prompt * v.row_elems() * 4));
+                written = written && static_cast<bool>(o);
+            });
+            runtime::StepItem it;
+            it.seq = fresh->get();
+            it.rows = n_prompt;
+            if (auto r = e.step(std::span(&it, 1)); !r) return fail(r.error().message);
+            e.forward(0).set_tap(-1, {});
+        }
+        if (!written) return fail(fmt::format("{}: cannot write the taps", taps_dir));
+    }
     const int64_t vocab = cfg->vocab_size;
     fmt::print("rows {} vocab {} decoded [{}] decode_launches {} decode_h2d {} decode_d2h {}\n",
                static_cast<int64_t>(out.size()) / vocab, vocab, fmt::join(generated, ", "), counts.backend.launches,

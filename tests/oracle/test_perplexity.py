@@ -102,7 +102,8 @@ class Scored:
 def memra_perplexity(model_dir, text_file):
     r = subprocess.run([memra_exe(), "perplexity", str(model_dir), "-f", str(text_file), "-c", str(CTX),
                         "--chunks", str(N_CHUNKS), "-ub", str(UBATCH), "-ctk", "f32", "-ctv", "f32", "--mtp",
-                        "-o", "json", "-t", "2"], capture_output=True, text=True, timeout=300)
+                        "-o", "json", "-t", "2", "--numerics", "exact"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 

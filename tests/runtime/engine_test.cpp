@@ -50,7 +50,7 @@ EngineOptions options(int threads = 1) {
     o.max_logit_rows = 128;
     o.mtp_layers = 1;
     o.make_backend = [threads](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads, Numerics::kDevice));
     };
     return o;
 }

@@ -60,7 +60,7 @@ EngineOptions spec_options(int64_t ctx, int mtp_layers, int spec_draft, DraftFor
     o.mtp_layers = mtp_layers;
     o.spec_draft = spec_draft;
     o.make_backend = [&forcing](int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, &forcing));
+        return std::unique_ptr<Backend>(std::make_unique<ForcedDraftBackend>(1, Numerics::kDevice, &forcing));
     };
     return o;
 }

@@ -34,7 +34,7 @@ using model::TinyDirs;
 // ---- Backends ----
 
 Result<std::unique_ptr<Backend>> cpu(int threads) {
-    return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads));
+    return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads, Numerics::kDevice));
 }
 
 // A grouped product whose first output value has its lowest mantissa bit flipped.
@@ -221,7 +221,7 @@ TEST_F(VerifyTest, EveryDegreeHasZeroMismatches) {
 TEST_F(VerifyTest, AReductionInAnotherOrderFails) {
     VerifyOptions o = short_options({2, 4});
     o.make_rank_backend = [](int, int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<SkewedCombineBackend>(1));
+        return std::unique_ptr<Backend>(std::make_unique<SkewedCombineBackend>(1, Numerics::kDevice));
     };
     auto report = verify("bf16", o);
     ASSERT_TRUE(report.has_value()) << report.error().message;
@@ -251,7 +251,7 @@ TEST_F(VerifyTest, SpeculationForcesEveryAcceptanceAndCatchesAMisfedDraft) {
     DraftForcing forcing;
     o.forcing = &forcing;
     o.make_rank_backend = [&forcing](int, int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::ForcedDraftBackend>(1, &forcing));
+        return std::unique_ptr<Backend>(std::make_unique<cpu::ForcedDraftBackend>(1, Numerics::kDevice, &forcing));
     };
     auto report = verify("bf16", o);
     ASSERT_TRUE(report.has_value()) << report.error().message;
@@ -268,7 +268,7 @@ TEST_F(VerifyTest, SpeculationForcesEveryAcceptanceAndCatchesAMisfedDraft) {
     EXPECT_EQ(forced_lines, 2 + 1);  // greedy 0 or 1 accepted, T 0.7 1 accepted (the tiny model has one MTP layer)
 
     o.make_rank_backend = [&forcing](int, int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<MisfedDraftBackend>(1, &forcing));
+        return std::unique_ptr<Backend>(std::make_unique<MisfedDraftBackend>(1, Numerics::kDevice, &forcing));
     };
     auto bad = verify("bf16", o);
     ASSERT_TRUE(bad.has_value()) << bad.error().message;
@@ -280,7 +280,7 @@ TEST_F(VerifyTest, SpeculationForcesEveryAcceptanceAndCatchesAMisfedDraft) {
 TEST_F(VerifyTest, AGroupedProductOffTheOracleFails) {
     VerifyOptions o = short_options({1});
     o.make_reference_backend = []() -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<FlippedGroupedBackend>(1));
+        return std::unique_ptr<Backend>(std::make_unique<FlippedGroupedBackend>(1, Numerics::kDevice));
     };
     auto report = verify("bf16", o);
     ASSERT_TRUE(report.has_value()) << report.error().message;
@@ -295,7 +295,7 @@ TEST_F(VerifyTest, AGroupedProductOffTheOracleFails) {
 TEST_F(VerifyTest, ARankOpThatAllocatesFailsTheHotPathGate) {
     VerifyOptions o = short_options({2});
     o.make_rank_backend = [](int, int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<AllocatingBackend>(1));
+        return std::unique_ptr<Backend>(std::make_unique<AllocatingBackend>(1, Numerics::kDevice));
     };
     auto report = verify("bf16", o);
     ASSERT_TRUE(report.has_value()) << report.error().message;

@@ -90,9 +90,10 @@ def bigram_baselines(docs, chunks, vocab, n_mtp):
     return out
 
 
-def memra_ppl(memra, model, text_file, ctx, chunks, threads, kv_k, kv_v, mtp=False):
+def memra_ppl(memra, model, text_file, ctx, chunks, threads, kv_k, kv_v, mtp=False, numerics="device"):
     cmd = [str(memra), "perplexity", str(model), "-f", str(text_file), "-c", str(ctx), "--chunks", str(chunks),
-           "-t", str(threads), "-ctk", kv_k, "-ctv", kv_v, "-o", "json"] + (["--mtp"] if mtp else [])
+           "-t", str(threads), "-ctk", kv_k, "-ctv", kv_v, "-o", "json", "--numerics", numerics] + \
+        (["--mtp"] if mtp else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"quality: {' '.join(cmd)} failed ({r.returncode}): {r.stderr}")

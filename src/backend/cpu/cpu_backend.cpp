@@ -83,7 +83,7 @@ Result<void> check_k_window(int64_t k0, int64_t k1, int64_t k) {
 
 }  // namespace
 
-CpuBackend::CpuBackend(int n_threads) : pool_(n_threads) {}
+CpuBackend::CpuBackend(int n_threads, Numerics numerics) : pool_(n_threads), numerics_(numerics) {}
 
 CpuBackend::~CpuBackend() = default;
 
@@ -106,6 +106,13 @@ Result<TensorView> CpuBackend::alloc(DType dtype, std::initializer_list<int64_t>
     if (!buf) return make_error("cpu alloc: out of memory allocating {} bytes", bytes);
     v.data = buf.get();
     buffers_.push_back(std::move(buf));
+    // Every activation a device product reads is a view into some f32 buffer, so the rounding scratch grows
+    // with the largest one (here, at prepare time; never on the hot path).
+    if (numerics_ == Numerics::kDevice && dtype == DType::kF32 && v.numel() > act_scratch_.codes_capacity) {
+        act_codes_.resize(static_cast<size_t>(v.numel()));
+        act_scales_.resize(static_cast<size_t>(v.numel()));
+        act_scratch_ = ActScratch{act_codes_.data(), v.numel(), act_scales_.data(), v.numel()};
+    }
     return v;
 }
 
@@ -133,6 +140,8 @@ Result<MatrixId> CpuBackend::upload_matrix_window(const HostMatrix &m, const Mat
     w.scale_inv = m.scale_inv;
     w.block_rows = m.block_rows;
     w.block_cols = m.block_cols;
+    w.act = numerics_ == Numerics::kDevice && m.dtype == DType::kBF16 && !m.f32_activations ? ActRounding::kBf16
+                                                                                             : ActRounding::kNone;
     if (win.row_begin != 0 || win.row_end != m.rows) w = weight_row_slice(w, win.row_begin, win.row_end);
     if (win.col_begin != 0 || win.col_end != m.cols) w = weight_k_window(w, win.col_begin, win.col_end);
     matrices_.push_back(w);
@@ -165,6 +174,10 @@ Result<BankId> CpuBackend::upload_bank_window(const HostBank &b, const BankWindo
     w.scale_inv = b.scale_inv;
     w.block_rows = b.block_rows;
     w.block_cols = b.block_cols;
+    if (numerics_ == Numerics::kDevice && b.dtype == DType::kBF16) w.act = ActRounding::kBf16;
+    if (numerics_ == Numerics::kDevice && b.dtype == DType::kF8E4M3 && b.block_cols == kE4m3Group) {
+        w.act = ActRounding::kE4m3x128;
+    }
     if (win.expert_begin != 0 || win.expert_end != b.n_experts) {
         w = weight_bank_window(w, win.expert_begin, win.expert_end);
     }
@@ -321,7 +334,7 @@ void CpuBackend::matmul(TensorView x, MatrixId w, TensorView y) {
     MEMRA_CHECK(x.row_elems() == m.cols && y.rows() == x.rows() && y.row_elems() == m.rows,
                 "matmul: x [{}, {}], W [{}, {}], y [{}, {}]", x.rows(), x.row_elems(), m.rows, m.cols, y.rows(),
                 y.row_elems());
-    cpu::matmul(pool_, f32(x), x.rows(), m, f32(y));
+    cpu::matmul(pool_, f32(x), x.rows(), m, f32(y), &act_scratch_);
 }
 
 void CpuBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) {
@@ -333,7 +346,7 @@ void CpuBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, Tensor
     MEMRA_CHECK(workspace.numel() >= matmul_canonical_workspace_floats(x.rows(), m),
                 "matmul_canonical: workspace of {} floats, {} needed", workspace.numel(),
                 matmul_canonical_workspace_floats(x.rows(), m));
-    cpu::matmul_canonical(pool_, f32(x), x.rows(), m, f32(y), f32(workspace));
+    cpu::matmul_canonical(pool_, f32(x), x.rows(), m, f32(y), f32(workspace), &act_scratch_);
 }
 
 void CpuBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) {
@@ -345,7 +358,8 @@ void CpuBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, Tens
         const int64_t r0 = off[bk.first_expert + e] - base;
         const int64_t r1 = off[bk.first_expert + e + 1] - base;
         if (r1 == r0) continue;
-        cpu::matmul(pool_, f32(x.row_slice(r0, r1)), r1 - r0, weight_bank_expert(bk, e), f32(y.row_slice(r0, r1)));
+        cpu::matmul(pool_, f32(x.row_slice(r0, r1)), r1 - r0, weight_bank_expert(bk, e), f32(y.row_slice(r0, r1)),
+                    &act_scratch_);
     }
 }
 
@@ -378,7 +392,8 @@ void CpuBackend::paged_attention(const AttentionParams &p, TensorView q, TensorV
     const bool gated = gate.data != nullptr;
     MEMRA_CHECK(!gated || (gate.rows() == q.rows() && gate.row_elems() == p.n_heads), "paged_attention: gate [{}, {}]",
                 gate.rows(), gate.row_elems());
-    const AttentionShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.window, attention_scale(p.head_dim)};
+    AttentionShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.window, attention_scale(p.head_dim)};
+    shape.blocked = numerics_ == Numerics::kDevice;
     cpu::paged_attention(pool_, shape, f32(q), row, i64(q_pos), i32(q_seq), q.rows(), pl,
                          i32(block_tables), block_tables.row_elems(), block_tables.rows(), first_pos,
                          gated ? f32(gate) : nullptr, p.n_heads, f32(out));

@@ -20,14 +20,17 @@ namespace memra::cpu {
 
 class CpuBackend : public Backend {
 public:
-    // n_threads >= 1 (MEMRA_CHECK): the pool size; results do not depend on it (D5).
-    explicit CpuBackend(int n_threads);
+    // n_threads >= 1 (MEMRA_CHECK): the pool size; results do not depend on it (D5). numerics: what the
+    // products and attention compute (device: bf16 / e4m3 activations at ENGINE.md section 4's points, the
+    // blocked attention order; exact: f32 activations, the two-pass attention).
+    CpuBackend(int n_threads, Numerics numerics);
     ~CpuBackend() override;
     CpuBackend(const CpuBackend &) = delete;
     CpuBackend &operator=(const CpuBackend &) = delete;
 
     const char *name() const override { return "cpu"; }
     Device device() const override { return Device::kCpu; }
+    Numerics numerics() const override { return numerics_; }
     int n_threads() const { return pool_.n_threads(); }
 
     Result<TensorView> alloc(DType dtype, std::initializer_list<int64_t> shape) override;
@@ -99,6 +102,11 @@ private:
     PagedLayer paged_layer(const KvPool &pool, int layer) const;
 
     ThreadPool pool_;
+    Numerics numerics_;
+    // Device numerics: the rounded activations of one product, sized by the largest f32 buffer (alloc).
+    std::vector<uint16_t> act_codes_;
+    std::vector<float> act_scales_;
+    ActScratch act_scratch_;
     std::vector<std::unique_ptr<std::byte[]>> buffers_;  // every alloc(), freed with the backend
     std::vector<WeightRef> matrices_;                    // views into host memory the caller keeps alive
     std::vector<WeightBankRef> banks_;

@@ -14,7 +14,8 @@ namespace memra::cpu {
 class ForcedDraftBackend : public CpuBackend {
 public:
     // forcing: read at every draft scatter; must outlive the backend.
-    ForcedDraftBackend(int n_threads, const DraftForcing *forcing) : CpuBackend(n_threads), forcing_(forcing) {}
+    ForcedDraftBackend(int n_threads, Numerics numerics, const DraftForcing *forcing)
+        : CpuBackend(n_threads, numerics), forcing_(forcing) {}
 
     // Stage k of a step scatters draft k: overwrite it first.
     void scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) override {

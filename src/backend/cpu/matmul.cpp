@@ -8,31 +8,20 @@
 #include <bit>
 #include <cstring>
 
+#include "backend/cpu/matmul_kernels.h"
 #include "core/check.h"
 #include "core/float_formats.h"
 
-// The 64-byte vector values below never cross a call boundary (all helpers are always_inline inside the
-// anonymous namespace), so GCC's note that passing them by value changed ABI in 4.6 does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace memra::cpu {
 namespace {
+
+using namespace detail;
 
 // Register tile: rows of W x tokens of x computed together. 4 x 4 x 16 lanes fill 16 AVX-512 registers.
 constexpr int kTileRows = 4;
 constexpr int kTileTokens = 4;
 // Rows of W kept hot (L2) while every token tile passes over them (prefill reuse).
 constexpr int64_t kRowBlock = 16;
-
-// -------------------------------------------------------------------------------------------------
-// 16 lanes as one GCC vector value: each operation is the same IEEE fp32 operation on every lane, and
-// the compiler maps a value onto one AVX-512, two AVX2 or four SSE registers. Nothing here reassociates.
-
-using F32x16 = float __attribute__((vector_size(64)));
-using U32x16 = uint32_t __attribute__((vector_size(64)));
-using I32x16 = int32_t __attribute__((vector_size(64)));
-using U16x16 = uint16_t __attribute__((vector_size(32)));
-using U8x16 = uint8_t __attribute__((vector_size(16)));
 
 [[gnu::always_inline]] inline F32x16 load_f32x16(const float *p) {
     F32x16 v;
@@ -41,16 +30,6 @@ using U8x16 = uint8_t __attribute__((vector_size(16)));
 }
 
 [[gnu::always_inline]] inline U32x16 splat(uint32_t u) { return U32x16{} + u; }
-
-// Bit reinterpretation between same-size vectors. Not std::bit_cast: g++ 12's UBSan instruments
-// __builtin_bit_cast of vector types as a load through a null pointer (a false report).
-template <class To, class From>
-[[gnu::always_inline]] inline To vec_bits(From v) {
-    static_assert(sizeof(To) == sizeof(From));
-    To t;
-    std::memcpy(&t, &v, sizeof(t));
-    return t;
-}
 
 // Exact widening of 16 stored elements, without branches so it stays in vector registers. Each lane
 // equals core/float_formats.h's scalar conversion bit for bit (pinned by the tests over every pattern).
@@ -118,50 +97,6 @@ template <DType kDt>
         return fp8_e4m3_to_f32(static_cast<const uint8_t *>(row)[k]);
     }
 }
-
-// One level of the lane tree for two vectors packed side by side: lane i of the result is the sum of
-// lanes 2i and 2i+1 of the 32-lane concatenation [a | b]. A pair never straddles a and b.
-[[gnu::always_inline]] inline F32x16 level(F32x16 a, F32x16 b) {
-    constexpr I32x16 kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    constexpr I32x16 kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    return __builtin_shuffle(a, b, kEven) + __builtin_shuffle(a, b, kOdd);
-}
-
-// The lane tree of matmul.h for 8 accumulators at once: out[g] = (((l0+l1)+(l2+l3))+...) of acc[g].
-// After level 1 each vector holds two accumulators' pair sums side by side, and so on up the tree;
-// every accumulator is reduced by exactly its own tree.
-[[gnu::always_inline]] inline void lane_tree8(const F32x16 *acc, float *out) {
-    // Level 1: pairs of lanes; 8 accumulators -> 4 vectors of [acc 2i: 8 sums | acc 2i+1: 8 sums].
-    const F32x16 l1a = level(acc[0], acc[1]);
-    const F32x16 l1b = level(acc[2], acc[3]);
-    const F32x16 l1c = level(acc[4], acc[5]);
-    const F32x16 l1d = level(acc[6], acc[7]);
-    // Level 2: 4 sums per accumulator; level 3: 2 per accumulator; level 4: 1.
-    const F32x16 l2a = level(l1a, l1b);
-    const F32x16 l2b = level(l1c, l1d);
-    const F32x16 l3 = level(l2a, l2b);
-    const F32x16 l4 = level(l3, l3);
-    for (int g = 0; g < 8; ++g) out[g] = l4[g];
-}
-
-// -------------------------------------------------------------------------------------------------
-// One task: the dot products of tokens x rows over a list of K segments. A segment is one K range
-// whose result goes to its own output (the whole K for matmul; one canonical block for partials).
-
-struct Task {
-    const WeightRef *w = nullptr;
-    const float *x = nullptr;     // [n_tokens, x_stride] f32; column 0 is K position seg_k0 of segment 0
-    int64_t x_stride = 0;
-    int64_t n_tokens = 0;
-    int64_t n0 = 0;               // first weight row
-    int64_t n_rows = 0;           // rows [n0, n0 + n_rows)
-    int64_t seg_k0 = 0;           // K start of segment 0
-    int64_t seg_len = 0;          // each segment's K length; segment s covers [seg_k0 + s * seg_len, + seg_len)
-    int64_t n_segs = 1;
-    float *y = nullptr;           // y[s * seg_out_stride + t * y_stride + (n - n0)]
-    int64_t y_stride = 0;
-    int64_t seg_out_stride = 0;
-};
 
 inline int64_t weight_elem_size(DType dt) { return static_cast<int64_t>(dtype_size(dt)); }
 
@@ -300,6 +235,10 @@ MEMRA_ISA_CLONES void run_fp8(const Task &task, int64_t rb, int64_t re, int64_t 
 #undef MEMRA_ISA_CLONES
 
 void run_range(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    if (task.xq != nullptr) {
+        run_device_range(task, rb, re, tb, te);
+        return;
+    }
     switch (task.w->dtype) {
         case DType::kF32: run_f32(task, rb, re, tb, te); return;
         case DType::kBF16: run_bf16(task, rb, re, tb, te); return;
@@ -325,6 +264,25 @@ void check_weight(const WeightRef &w) {
         MEMRA_CHECK(w.scale_inv != nullptr || w.rows * w.cols == 0, "matmul: F8_E4M3 weight [{}, {}] has no scale_inv",
                     w.rows, w.cols);
     }
+    MEMRA_CHECK(w.act != ActRounding::kBf16 || dt == DType::kBF16, "matmul: bf16 activations need BF16 weights, got {}",
+                dtype_name(dt));
+    MEMRA_CHECK(w.act != ActRounding::kE4m3x128 ||
+                    (dt == DType::kF8E4M3 && w.block_cols == kE4m3Group && weight_has_full_k(w)),
+                "matmul: e4m3 activation groups need F8_E4M3 weights with {}-wide scale blocks and every K column, got "
+                "{} with blocks of {} holding K [{}, {}) of {}",
+                kE4m3Group, dtype_name(dt), w.block_cols, w.k_begin, w.k_begin + w.cols, weight_k_full(w));
+}
+
+// Rounds the task's activations (x: [n_tokens, x_stride]) into scratch when w is a device product.
+void prepare_device_inputs(ThreadPool &pool, Task &task, const ActScratch *scratch) {
+    const ActRounding act = task.w->act;
+    if (act == ActRounding::kNone) return;
+    MEMRA_CHECK(scratch != nullptr, "matmul: a device product ({} activations) needs an activation scratch",
+                act == ActRounding::kBf16 ? "bf16" : "e4m3");
+    round_activations(pool, task.x, task.n_tokens, task.x_stride, act, *scratch);
+    task.xq = scratch->codes;
+    task.xs = scratch->scales;
+    task.xs_stride = (task.x_stride + kE4m3Group - 1) / kE4m3Group;
 }
 
 // Runs a task over the pool. Threads take contiguous row ranges when there are enough rows (each thread
@@ -380,6 +338,7 @@ WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert) {
     w.cols = bank.cols;
     w.block_rows = bank.block_rows;
     w.block_cols = bank.block_cols;
+    w.act = bank.act;
     w.data = static_cast<const uint8_t *>(bank.data) + expert * bank_expert_elems(bank) * weight_elem_size(bank.dtype);
     if (bank.scale_inv != nullptr) w.scale_inv = bank.scale_inv + expert * bank_scale_floats(bank);
     return w;
@@ -418,12 +377,13 @@ WeightRef weight_k_window(const WeightRef &w, int64_t k0, int64_t k1) {
     return s;
 }
 
-void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y) {
-    matmul_rows(pool, x, n_tokens, w, 0, w.rows, y, w.rows);
+void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y,
+            const ActScratch *scratch) {
+    matmul_rows(pool, x, n_tokens, w, 0, w.rows, y, w.rows, scratch);
 }
 
 void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, int64_t n0, int64_t n1,
-                 float *y, int64_t y_stride) {
+                 float *y, int64_t y_stride, const ActScratch *scratch) {
     check_weight(w);
     MEMRA_CHECK(weight_has_full_k(w), "matmul: a column-parallel product needs every K column, the weight holds "
                 "K [{}, {}) of {}", w.k_begin, w.k_begin + w.cols, weight_k_full(w));
@@ -443,6 +403,7 @@ void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const Weigh
     task.n_segs = 1;
     task.y = y;
     task.y_stride = y_stride;
+    prepare_device_inputs(pool, task, scratch);
     run_task(pool, task);
 }
 
@@ -467,8 +428,10 @@ BlockRange weight_canonical_blocks(const WeightRef &w) {
 }
 
 void matmul_block_partials(ThreadPool &pool, const float *x_blocks, int64_t n_tokens, const WeightRef &w,
-                           int64_t block_begin, int64_t block_end, float *partials) {
+                           int64_t block_begin, int64_t block_end, float *partials, const ActScratch *scratch) {
     check_weight(w);
+    MEMRA_CHECK(w.act != ActRounding::kE4m3x128, "row-parallel matmul: e4m3 activation groups span K blocks; only "
+                "whole-K products quantize them");
     const int64_t bs = canonical_block_size(w);
     MEMRA_CHECK(0 <= block_begin && block_begin < block_end && block_end <= kCanonicalBlocks,
                 "row-parallel matmul: block range [{}, {}) outside [0, {})", block_begin, block_end,
@@ -490,6 +453,7 @@ void matmul_block_partials(ThreadPool &pool, const float *x_blocks, int64_t n_to
     task.y = partials;
     task.y_stride = w.rows;
     task.seg_out_stride = n_tokens * w.rows;
+    prepare_device_inputs(pool, task, scratch);
     run_task(pool, task);
 }
 
@@ -514,9 +478,9 @@ int64_t matmul_canonical_workspace_floats(int64_t n_tokens, const WeightRef &w) 
 }
 
 void matmul_canonical(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y,
-                      float *workspace) {
+                      float *workspace, const ActScratch *scratch) {
     const BlockRange b = weight_canonical_blocks(w);
-    matmul_block_partials(pool, x, n_tokens, w, b.begin, b.end, workspace);
+    matmul_block_partials(pool, x, n_tokens, w, b.begin, b.end, workspace, scratch);
     canonical_tree_reduce(workspace, b.begin, b.end, n_tokens * w.rows, y);
 }
 

@@ -1,8 +1,11 @@
-// CPU matrix products y = x · Wᵀ: fp32 activations and accumulation, weights read in their checkpoint
-// dtype (f32, bf16, f16, fp8 e4m3 with block scales) and converted inside the kernel. Every kernel forms
-// each output element with the one canonical K loop below, so its bits depend only on its row of x, its
-// row of W and the K range: never on the token count, the thread count or the tiling (DETERMINISM.md
-// rules 1-3, D2, D3, D5). Row-parallel products add their 8 canonical K-block partials as a fixed tree.
+// CPU matrix products y = x · Wᵀ: fp32 accumulation, weights read in their checkpoint dtype (f32, bf16,
+// f16, fp8 e4m3 with block scales) and converted inside the kernel. What the activations are is the
+// weight's ActRounding (ENGINE.md section 4): f32 as computed (the `exact` numerics), or rounded to bf16 /
+// quantized to e4m3 per 128 K values first (the `device` numerics, the device K loop below). Every kernel
+// forms each output element with one canonical K loop, so its bits depend only on its row of x, its row of
+// W and the K range: never on the token count, the thread count, the tiling or the instruction set
+// (DETERMINISM.md rules 1-3, 10, D2, D3, D5). Row-parallel products add their 8 canonical K-block partials as
+// a fixed tree.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +36,60 @@ namespace memra::cpu {
 // of 160 inside K = 1280) begins with a partial chunk.
 inline constexpr int64_t kLanes = 16;
 
+// ---------------------------------------------------------------------------------------------
+// The device K loop (ActRounding kBf16 and kE4m3x128; bf16 and fp8 weights only). x is first rounded
+// (round_activations): each value to bf16 (kBf16), or each group of 128 K values from K = 0 (the last may be
+// partial) to e4m3 codes with one scale (kE4m3x128: core/device_numerics.h e4m3_quantize_group). The
+// dot product of a rounded row with W[n] over [k0, k1) is then, with every operation below in FTZ/DAZ
+// mode (a denormal input counts as zero, a result that is tiny after rounding becomes a zero of its sign;
+// round to nearest even), which is how the AVX512-BF16 instruction vdpbf16ps computes:
+//
+//   1. Chunks: kE4m3x128 cuts [k0, k1) at every multiple of 128 (the scale blocks of both operands);
+//      kBf16 takes [k0, k1) as one chunk.
+//   2. In a chunk [c0, c1), 16 lane accumulators start at +0. The chunk is read in groups of 32 elements
+//      from c0 (the last group zero-padded); in each group, in increasing group order, lane j adds
+//      element c0 + 32g + 2j + 1 and then element c0 + 32g + 2j, each as one fused multiply-add
+//      acc = acc + x[k] * w[k] (x[k] the bf16 value or e4m3 code, w[k] the stored weight element: the
+//      product of two such values is exact, so the add is the only rounding).
+//   3. The 16 lanes are reduced by the lane tree of the exact loop (step 3 above).
+//   4. kE4m3x128 only: the chunk sum is multiplied by (x_scale[t][c0 / 128] * scale_inv[row block][c0 / 128]).
+//   5. The running sum starts at +0 and each chunk result is added to it in increasing K order.
+//
+// Three instruction paths compute it (product_isa): AVX512-BF16 (vdpbf16ps), AVX2 + FMA (vfmadd231ps with
+// MXCSR FTZ/DAZ) and a portable scalar path that emulates both modes; all give the same bits.
+inline constexpr int64_t kDeviceGroup = 32;
+inline constexpr int64_t kE4m3Group = 128;
+
+// What a product's activations are rounded to before the product (ENGINE.md section 4).
+enum class ActRounding : uint8_t {
+    kNone,      // f32 activations, the exact K loop (exact numerics; f32/f16 weights; the router)
+    kBf16,      // bf16 (RNE), the device K loop (device numerics, bf16 weights)
+    kE4m3x128,  // e4m3 codes per 128 K values with one f32 scale each, the device K loop (device, fp8 experts)
+};
+
+// The instruction path of the device K loop.
+enum class ProductIsa : uint8_t { kPortable, kAvx2Fma, kAvx512Bf16 };
+
+// "portable", "avx2-fma", "avx512-bf16".
+const char *product_isa_name(ProductIsa isa);
+// The path device products run on: the best this CPU supports, unless force_product_isa chose another.
+ProductIsa product_isa();
+// Makes device products run on `isa` (tests and benchmarks). Refused (false, nothing changes) when the CPU
+// lacks it.
+bool force_product_isa(ProductIsa isa);
+// Whether this CPU can run `isa`.
+bool product_isa_supported(ProductIsa isa);
+
+// Where a device product keeps its rounded activations: codes[n_tokens * K] bf16 bits (kE4m3x128: the e4m3
+// code's value as bf16, exact) and, for kE4m3x128, scales[n_tokens * ceil(K / 128)]. A caller that owns no
+// device product may pass nullptr.
+struct ActScratch {
+    uint16_t *codes = nullptr;
+    int64_t codes_capacity = 0;
+    float *scales = nullptr;
+    int64_t scales_capacity = 0;
+};
+
 // Row-parallel products cut K into this many equal canonical blocks (DETERMINISM.md rule 2).
 inline constexpr int64_t kCanonicalBlocks = 8;
 
@@ -54,6 +111,8 @@ struct WeightRef {
     int64_t ld = 0;                    // elements between consecutive rows; 0 means cols (a dense matrix)
     int64_t k_begin = 0;               // absolute K position of column 0 (set by K windows)
     int64_t k_full = 0;                // K of the whole matrix; 0 means cols (no K window)
+    ActRounding act = ActRounding::kNone;  // kBf16 needs bf16 weights; kE4m3x128 fp8 weights with 128-wide
+                                           // scale blocks and every K column
 };
 
 // The row stride and whole-matrix K of w, resolving the 0 defaults.
@@ -76,6 +135,7 @@ struct WeightBankRef {
     int64_t block_rows = kFp8Block;
     int64_t block_cols = kFp8Block;
     int64_t first_expert = 0;  // global index of held expert 0: the grouped ops read offsets[first_expert + e]
+    ActRounding act = ActRounding::kNone;  // passed on to each expert's WeightRef
 };
 
 // Expert `expert` of a bank as a WeightRef (0 <= expert < n_experts: MEMRA_CHECK).
@@ -94,19 +154,26 @@ WeightRef weight_row_slice(const WeightRef &w, int64_t r0, int64_t r1);
 // it covers; column-parallel products refuse it.
 WeightRef weight_k_window(const WeightRef &w, int64_t k0, int64_t k1);
 
+// Rounds x [n_tokens, K] for a device product into scratch (MEMRA_CHECK capacity): kBf16 codes, or
+// kE4m3x128 codes and scales with groups from column 0. kNone is refused.
+void round_activations(ThreadPool &pool, const float *x, int64_t n_tokens, int64_t k, ActRounding act,
+                       const ActScratch &scratch);
+
 // ---------------------------------------------------------------------------------------------
 // Column-parallel products (q/k/v/gate, expert gate/up, router, lm_head): the canonical K loop over
 // the whole K = w.cols (w must hold every K column: MEMRA_CHECK). None of these allocates; threads split
 // output rows (or tokens when there are few rows), and every output element is computed by exactly one
 // thread.
 
-// x: [n_tokens, K] f32; y: [n_tokens, w.rows] f32. y[t, n] = dot(x[t, 0:K], W[n, 0:K]).
-void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y);
+// x: [n_tokens, K] f32; y: [n_tokens, w.rows] f32. y[t, n] = dot(x[t, 0:K], W[n, 0:K]). A device product
+// (w.act != kNone) rounds x into `scratch` first (MEMRA_CHECK that it is given and large enough).
+void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y,
+            const ActScratch *scratch = nullptr);
 
 // Output rows [n0, n1) of W only: y[t * y_stride + (n - n0)] = dot(x[t], W[n]), so a caller can fill a
 // column range of a wider output. x: [n_tokens, K] f32; y: [n_tokens, y_stride] f32, y_stride >= n1 - n0.
 void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, int64_t n0, int64_t n1,
-                 float *y, int64_t y_stride);
+                 float *y, int64_t y_stride, const ActScratch *scratch = nullptr);
 
 // ---------------------------------------------------------------------------------------------
 // Row-parallel products (attention o_proj, dense and expert down_proj): K is cut into kCanonicalBlocks
@@ -125,7 +192,8 @@ int64_t canonical_block_size(const WeightRef &w);
 //           (for all 8 blocks, the full x row; for a TP rank, its local shard).
 // partials: [block_end - block_begin, n_tokens, w.rows] f32.
 void matmul_block_partials(ThreadPool &pool, const float *x_blocks, int64_t n_tokens, const WeightRef &w,
-                           int64_t block_begin, int64_t block_end, float *partials);
+                           int64_t block_begin, int64_t block_end, float *partials,
+                           const ActScratch *scratch = nullptr);
 
 // Reduces the partials of an aligned subtree of the canonical tree: blocks [block_begin, block_end) with
 // size 1, 2, 4 or 8 and block_begin a multiple of the size (MEMRA_CHECK), by the tree's own levels.
@@ -152,6 +220,6 @@ int64_t matmul_canonical_workspace_floats(int64_t n_tokens, const WeightRef &w);
 // x: [n_tokens, w.cols] f32 (the held K columns); y: [n_tokens, w.rows] f32;
 // workspace: matmul_canonical_workspace_floats() floats.
 void matmul_canonical(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, float *y,
-                      float *workspace);
+                      float *workspace, const ActScratch *scratch = nullptr);
 
 }  // namespace memra::cpu
