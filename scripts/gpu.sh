@@ -34,6 +34,15 @@ build-gpu/memra make-tiny "$out/tiny-model" --force >/dev/null &&
 verify_tiny_rc=$?
 rm -rf "$out/tiny-model"
 build-gpu/memra bench -p 512 -n 64 -r 3 >"$out/engine_bench.log" 2>&1
+# Numerics side by side, thread scaling on this host's cores (default model): device (this CPU's instruction
+# path) and exact, one invocation each per thread count.
+grep -o -w -E 'avx512_bf16|amx_bf16|avx512f|avx2' /proc/cpuinfo | sort | uniq -c >"$out/cpu_flags.txt"
+lscpu | grep -E 'Model name|^CPU\(s\)' >>"$out/cpu_flags.txt"
+for t in 1 2 4 8 16; do
+    for n in device exact; do
+        build-gpu/memra bench -p 512 -n 128 -r 3 -t "$t" --numerics "$n" >>"$out/numerics_bench.log" 2>/dev/null
+    done
+done
 # Speculative decoding side by side (this host's cores): real text, bench tg, forced acceptance.
 bash scripts/spec_bench.sh build-gpu/memra "$out/spec" 16 >"$out/spec_bench.md" 2>"$out/spec_bench.err"
 spec_rc=$?
@@ -54,6 +63,8 @@ grep -E '\| (pp|tg)[0-9]+ ' "$out/engine_bench.log" | awk -F'|' '{for (i = 1; i 
 grep -iE '^bm_' "$out/bench.log" |
     awk '{x=""; for (i = 4; i <= NF; i++) if ($i ~ /bytes_per_second|vs_memcpy/) x = x " " $i;
           printf "| %s | %s %s%s |\n", $1, $2, $3, x}'
+echo "| cpu | $(tr '\n' ' ' <"$out/cpu_flags.txt") |"
+grep -E '\| (pp|tg)[0-9]+ ' "$out/numerics_bench.log" | awk -F'|' '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i); printf "| numerics %s %s -t %s | %s t/s |\n", $11, $8, $6, $9}'
 echo "| spec bench (rc $spec_rc) | table below |"
 echo
 cat "$out/spec_bench.md"

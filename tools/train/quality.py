@@ -109,6 +109,8 @@ def main(argv=None):
     ap.add_argument("-c", "--ctx", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--numerics", choices=["device", "exact"], default="device",
+                    help="memra's numerics for every run (ENGINE.md section 4)")
     args = ap.parse_args(argv)
     cfg = json.loads((args.model / "config.json").read_text())
     tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
@@ -124,17 +126,19 @@ def main(argv=None):
         rows = []
         for kv_k, kv_v in KV_PAIRS:
             r = memra_ppl(args.memra, args.model, text_file, args.ctx, args.chunks, args.threads, kv_k, kv_v,
-                          mtp=(kv_k, kv_v) == ("bf16", "bf16"))
+                          mtp=(kv_k, kv_v) == ("bf16", "bf16"), numerics=args.numerics)
             rows.append({"experts": "fp8", "kv_k": kv_k, "kv_v": kv_v, **r})
             print(f"quality: fp8 {kv_k}/{kv_v}: PPL {r['ppl']:.4f} +/- {r['ppl_stderr']:.4f}", file=sys.stderr)
         bf16_dir = dequantize_checkpoint(args.model, tmp / "bf16")
-        r = memra_ppl(args.memra, bf16_dir, text_file, args.ctx, args.chunks, args.threads, "bf16", "bf16")
+        r = memra_ppl(args.memra, bf16_dir, text_file, args.ctx, args.chunks, args.threads, "bf16", "bf16",
+                      numerics=args.numerics)
         rows.append({"experts": "bf16", "kv_k": "bf16", "kv_v": "bf16", **r})
-    report = {"model": str(args.model), "ctx": args.ctx, "chunks": int(chunks.shape[0]), "baselines": base,
+    report = {"model": str(args.model), "numerics": args.numerics, "ctx": args.ctx, "chunks": int(chunks.shape[0]), "baselines": base,
               "runs": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"Held-out: {chunks.shape[0]} chunks of {args.ctx} tokens, {base['scored_tokens']} scored tokens; "
+    print(f"Numerics {args.numerics}. Held-out: {chunks.shape[0]} chunks of {args.ctx} tokens, "
+          f"{base['scored_tokens']} scored tokens; "
           f"bigram PPL {base['bigram_ppl']:.2f} (lambda {base['bigram_lambda']:.2f})\n")
     print("| experts | KV K / V | PPL | vs bigram |")
     print("| --- | --- | --- | --- |")

@@ -25,6 +25,9 @@ namespace memra::cpu {
 // ---------------------------------------------------------------------------------------------
 // Activation rounding.
 
+// At most this many values are rounded without the pool (a few microseconds).
+constexpr int64_t kSerialRoundingValues = int64_t{1} << 15;
+
 void round_activations(ThreadPool &pool, const float *x, int64_t n_tokens, int64_t k, ActRounding act,
                        const ActScratch &scratch) {
     MEMRA_CHECK(act != ActRounding::kNone, "round_activations: f32 activations are not rounded");
@@ -37,8 +40,7 @@ void round_activations(ThreadPool &pool, const float *x, int64_t n_tokens, int64
                     (scratch.scales != nullptr && scratch.scales_capacity >= n_tokens * groups),
                 "matmul: the activation scratch holds {} scales, the product needs {}", scratch.scales_capacity,
                 n_tokens * groups);
-    if (n_tokens == 0) return;
-    pool.parallel_for(n_tokens, [&](int64_t begin, int64_t end) {
+    const auto round_rows = [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
             const float *xr = x + t * k;
             uint16_t *codes = scratch.codes + t * k;
@@ -55,7 +57,13 @@ void round_activations(ThreadPool &pool, const float *x, int64_t n_tokens, int64
                 for (int64_t i = 0; i < len; ++i) codes[g0 + i] = f32_to_bf16(values[i]);
             }
         }
-    });
+    };
+    // A few rows (decode) round on the calling thread: cheaper than waking the pool a second time per product.
+    if (n_tokens * k <= kSerialRoundingValues) {
+        round_rows(0, n_tokens);
+    } else {
+        pool.parallel_for(n_tokens, round_rows);
+    }
 }
 
 namespace detail {
