@@ -96,11 +96,14 @@ void weight_group_bf16(const void *row, int64_t k, int64_t n, uint16_t *out) {
 // The portable path: FTZ/DAZ arithmetic emulated (core/device_numerics.h).
 
 struct PortablePath {
+    static constexpr int kTileRows = 4;
+    static constexpr int kTileTokens = 4;
     using Acc = std::array<float, 16>;
     struct Group {
         uint16_t v[kDeviceGroup];
     };
     static Acc zero() { return Acc{}; }
+    static void prefetch(const void *) {}
     static Group load_x(const uint16_t *p, int64_t n) {
         Group g{};
         std::memcpy(g.v, p, static_cast<size_t>(n) * 2);
@@ -129,28 +132,6 @@ struct PortablePath {
     static float mul(float a, float b) { return fz_mul(a, b); }
 };
 
-// The lane tree of up to 16 SIMD accumulators (each 16 lanes in 64 bytes, lane order), under MXCSR FTZ/DAZ.
-template <class Acc>
-[[gnu::always_inline]] inline void simd_reduce(const Acc *acc, int n, float *out) {
-    static_assert(sizeof(Acc) == sizeof(F32x16), "an accumulator is 16 float lanes");
-    F32x16 lanes[16] = {};
-    for (int a = 0; a < n; ++a) std::memcpy(&lanes[a], &acc[a], sizeof(F32x16));
-    float sums[16];
-    lane_tree8(lanes, sums);
-    if (n > 8) lane_tree8(lanes + 8, sums + 8);
-    std::memcpy(out, sums, static_cast<size_t>(n) * sizeof(float));
-}
-
-// What the SIMD paths share: the lane tree and plain scalar operations (MXCSR gives them FTZ/DAZ).
-struct SimdOps {
-    template <class Acc>
-    static void reduce(const Acc *acc, int n, float *out) {
-        simd_reduce(acc, n, out);
-    }
-    static float add(float a, float b) { return a + b; }
-    static float mul(float a, float b) { return a * b; }
-};
-
 namespace portable {
 #include "backend/cpu/matmul_device_tile.inc"
 }  // namespace portable
@@ -160,7 +141,29 @@ namespace portable {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+// The lane tree of matmul.h, ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) + (the same over l8..l15), for the 16 lanes
+// lo = l0..l7, hi = l8..l15. hadd(lo, hi) = [p0 p1 p4 p5 p2 p3 p6 p7] with p_i = l_2i + l_2i+1 (addition is
+// commutative, so hadd's operand order does not show); hadd again gives [q0 q2 q0 q2 q1 q3 q1 q3], q_j = p_2j +
+// p_2j+1; its halves added give [q0+q1, q2+q3, ..]; those two added are the sum.
+MEMRA_SIMD float lane_sum16(__m256 lo, __m256 hi) {
+    const __m256 p = _mm256_hadd_ps(lo, hi);
+    const __m256 q = _mm256_hadd_ps(p, p);
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+// What the SIMD paths share: plain scalar operations (MXCSR gives them FTZ/DAZ).
+struct SimdOps {
+    // Prefetching never faults, so an address past the weight is harmless.
+    MEMRA_SIMD static void prefetch(const void *p) { _mm_prefetch(static_cast<const char *>(p), _MM_HINT_T0); }
+    static float add(float a, float b) { return a + b; }
+    static float mul(float a, float b) { return a * b; }
+};
+
 struct Avx2Path : SimdOps {
+    // 2 x 2 accumulators of two registers each: half of AVX2's 16, the rest for the converted operands.
+    static constexpr int kTileRows = 4;
+    static constexpr int kTileTokens = 1;
     struct Acc {
         __m256 lo, hi;  // lanes 0-7, 8-15
     };
@@ -214,6 +217,9 @@ struct Avx2Path : SimdOps {
     MEMRA_SIMD static __m256 odd(__m256i v) {
         return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
     }
+    MEMRA_SIMD static void reduce(const Acc *acc, int n, float *out) {
+        for (int a = 0; a < n; ++a) out[a] = lane_sum16(acc[a].lo, acc[a].hi);
+    }
     MEMRA_SIMD static void fma(Acc &acc, const Group &x, const Group &w) {
         acc.lo = _mm256_fmadd_ps(odd(x.lo), odd(w.lo), acc.lo);
         acc.lo = _mm256_fmadd_ps(even(x.lo), even(w.lo), acc.lo);
@@ -228,8 +234,10 @@ namespace avx2 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")
 struct Avx512Bf16Path : SimdOps {
+    static constexpr int kTileRows = 4;  // 16 of the 32 registers accumulate
+    static constexpr int kTileTokens = 4;
     using Acc = __m512;
     using Group = __m512i;  // 32 bf16: the pairs of lanes 0-15
     MEMRA_SIMD static Acc zero() { return _mm512_setzero_ps(); }
@@ -259,6 +267,13 @@ struct Avx512Bf16Path : SimdOps {
     MEMRA_SIMD static void fma(Acc &acc, const Group &x, const Group &w) {
         acc = _mm512_dpbf16_ps(acc, vec_bits<__m512bh>(x), vec_bits<__m512bh>(w));
     }
+    MEMRA_SIMD static void reduce(const Acc *acc, int n, float *out) {
+        for (int a = 0; a < n; ++a) {
+            alignas(64) float l[16];
+            _mm512_store_ps(l, acc[a]);
+            out[a] = lane_sum16(_mm256_load_ps(l), _mm256_load_ps(l + 8));
+        }
+    }
 };
 
 namespace avx512 {
@@ -286,7 +301,7 @@ namespace avx512 {
     }
 }
 
-[[gnu::target("avx512f,avx512bw,avx512vl,avx512bf16"), gnu::noinline]] void run_avx512bf16(const Task &task,
+[[gnu::target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16"), gnu::noinline]] void run_avx512bf16(const Task &task,
                                                                                           int64_t rb, int64_t re,
                                                                                           int64_t tb, int64_t te) {
     if (task.w->dtype == DType::kBF16) {
@@ -360,7 +375,7 @@ bool product_isa_supported(ProductIsa isa) {
 #if MEMRA_X86
         case ProductIsa::kAvx2Fma: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         case ProductIsa::kAvx512Bf16:
-            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            return __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 #endif
         default: return false;
