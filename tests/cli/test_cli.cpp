@@ -1494,9 +1494,16 @@ TEST_F(CliTest, VerifyTinyCheckpointsAtEveryDegree) {
     // Speculation with one MTP layer: greedy and T 0.7 with the layer's own drafts, greedy with 0 or 1 forced to
     // stand, T 0.7 with 1.
     constexpr int kSpecLines = 2 + 2 + 1;
-    for (const Call &call :
-         {Call{bf16, "1,2", "device", 2, 13 + kSpecLines}, Call{bf16, "4,8", "exact", 2, 13 + kSpecLines},
-          Call{fp8, "1,2", "exact", 2, 24 + kSpecLines}, Call{fp8, "4,8", "device", 2, 24 + kSpecLines}}) {
+    std::vector<Call> calls = {Call{bf16, "1,2", "device", 2, 13 + kSpecLines},
+                               Call{bf16, "4,8", "exact", 2, 13 + kSpecLines},
+                               Call{fp8, "1,2", "exact", 2, 24 + kSpecLines},
+                               Call{fp8, "4,8", "device", 2, 24 + kSpecLines}};
+#if defined(__SANITIZE_ADDRESS__)
+    // The sanitizer build runs the device calls only (the newer code; 4 calls took 246 s there): exact numerics
+    // at every degree are the release build's.
+    std::erase_if(calls, [](const Call &c) { return c.numerics == "exact"; });
+#endif
+    for (const Call &call : calls) {
         const std::vector<std::string> args = {"verify",  call.dir.string(), "--tp",    call.tp, "--tokens",
                                                "17",      "--decode",        "1",       "--batch", "2",
                                                "-t",      "1",               "--numerics", call.numerics};
