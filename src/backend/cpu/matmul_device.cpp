@@ -171,14 +171,15 @@ struct Avx2Path : SimdOps {
         __m256i lo, hi;  // 16 bf16 each: the pairs of lanes 0-7, 8-15
     };
     MEMRA_SIMD static Acc zero() { return Acc{_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    MEMRA_SIMD static Group load32(const uint16_t *p) {
+        return Group{_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)),
+                     _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p + 16))};
+    }
     MEMRA_SIMD static Group load_x(const uint16_t *p, int64_t n) {
-        if (n == kDeviceGroup) {
-            return Group{_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)),
-                         _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p + 16))};
-        }
+        if (n == kDeviceGroup) return load32(p);
         alignas(32) uint16_t buf[kDeviceGroup] = {};
         std::memcpy(buf, p, static_cast<size_t>(n) * 2);
-        return load_x(buf, kDeviceGroup);
+        return load32(buf);
     }
     template <DType kDt>
     MEMRA_SIMD static Group load_w(const void *row, int64_t k, int64_t n) {
@@ -190,7 +191,7 @@ struct Avx2Path : SimdOps {
         }
         alignas(32) uint16_t buf[kDeviceGroup];
         weight_group_bf16<kDt>(row, k, n, buf);
-        return load_x(buf, kDeviceGroup);
+        return load32(buf);
     }
     // 16 e4m3 codes -> 16 bf16 bit patterns (exact).
     MEMRA_SIMD static __m256i e4m3_to_bf16(__m128i codes) {
