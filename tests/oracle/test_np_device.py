@@ -3,13 +3,11 @@ rounding and the e4m3 group quantizer against hand-written bit-level / scalar im
 against its formula, the blocked attention order (CUDA.md 3.2) against float64 softmax attention and a per-row
 scalar version of the order (and each rounding point shown to matter), and the whole forward on a random tiny
 checkpoint built here (BF16 and FP8 experts): device against exact mode (the measured distances are printed, to
-size the engine's tolerances), teacher-forced layers, and exact mode bit for bit what it was before device mode."""
+size the engine's tolerances) and teacher-forced layers. (Exact mode stays pinned by test_forward_np.py and
+test_hf_oracle.py: memra's exact engine and transformers against it.)"""
 import bisect
 import os
-import subprocess
-import types
 from fractions import Fraction
-from pathlib import Path
 
 # Thousands of tiny products: BLAS worker threads only add wake-up latency, which on a busy machine outweighs the
 # products (measured with a compile on both cores: 45 s with OpenBLAS's default threads, 12 s with one). Takes
@@ -26,8 +24,6 @@ from np_step35 import (  # noqa: E402
     llama_cpp_kv_round, quantize_e4m3_groups, w8a8_matmul)
 from oracle_util import rel_err  # noqa: E402
 
-# The commit before device mode: exact mode must give the bits np_step35.py gave there.
-BASE_COMMIT = "c09c198208feda91c9d982bc6e77ffda51416092"
 E4M3 = ml_dtypes.float8_e4m3fn
 
 
@@ -553,36 +549,3 @@ def test_quantized_kv_keeps_q_and_k(ckpt, ids):
     b = Step35Numpy(CFG, ckpt["bf16"], attn_round=plain, numerics="device").block(x, 0)
     assert not np.array_equal(a, b)
     assert rel_err(a, b) < 1e-2
-
-
-def base_module():
-    """np_step35.py as of BASE_COMMIT, imported under another name."""
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(["git", "-C", str(root), "show", f"{BASE_COMMIT}:tests/oracle/np_step35.py"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"np_step35.py of {BASE_COMMIT[:12]} not readable through git: {proc.stderr.strip()}")
-    module = types.ModuleType("np_step35_base")
-    exec(compile(proc.stdout, "np_step35_base.py", "exec"), module.__dict__)
-    return module
-
-
-@pytest.mark.parametrize("variant", ["bf16", "fp8"])
-def test_exact_mode_unchanged(variant, ckpt, ids):
-    """Exact mode gives the logits, MTP logits and statistics of the file before device mode, bit for bit, in
-    float32 and float64 and with a quantized-cache attn_round."""
-    old = base_module()
-    w32 = float32_weights(ckpt[variant])
-    prompt = ids[:40]
-    kv_round = llama_cpp_kv_round(ggml_q8_0_round, ggml_q5_1_round)
-    for dtype, attn_round in ((np.float32, None), (np.float64, None), (np.float32, kv_round)):
-        new_m = Step35Numpy(CFG, w32, dtype, attn_round)
-        old_m = old.Step35Numpy(CFG, w32, dtype, attn_round)
-        assert np.array_equal(new_m.logits(prompt), old_m.logits(prompt))
-        for a, b in zip(new_m.mtp_chain_logits(prompt, 1), old_m.mtp_chain_logits(prompt, 1)):
-            assert np.array_equal(a, b)
-        assert (new_m.selections, new_m.bias_changed, new_m.clamped) == \
-            (old_m.selections, old_m.bias_changed, old_m.clamped)
-    if variant == "bf16":  # raw load_checkpoint tuples too (exact mode would take FP8 codes unscaled)
-        assert np.array_equal(Step35Numpy(CFG, ckpt[variant]).logits(prompt[:8]),
-                              old.Step35Numpy(CFG, ckpt[variant]).logits(prompt[:8]))
