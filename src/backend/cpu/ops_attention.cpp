@@ -92,6 +92,27 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
     const float scale = shape.scale;
 
     const int64_t batches = (group + kHeadBatch - 1) / kHeadBatch;  // head batches per kv head
+    // One work item of either order: query i, kv head g, query heads [h0, h0 + nh), visible positions [lo, hi].
+    struct WorkItem {
+        int64_t i, g, h0, nh, hi, lo;
+        const int32_t *bt;
+        const PagedLayer *layer;
+        std::byte *page(int64_t p) const {
+            return layer->base + static_cast<int64_t>(bt[p / kKvPageRows]) * layer->page_bytes;
+        }
+    };
+    auto work_item = [&](int64_t item) {
+        WorkItem w{};
+        w.i = item / (n_kv_heads * batches);
+        w.g = (item / batches) % n_kv_heads;
+        w.h0 = w.g * group + (item % batches) * kHeadBatch;
+        w.nh = std::min(kHeadBatch, (w.g + 1) * group - w.h0);
+        w.hi = q_pos[w.i];
+        w.lo = visible_lo(w.hi);
+        w.bt = block_tables + q_seq[w.i] * bt_stride;
+        w.layer = &layer;
+        return w;
+    };
     const int64_t n_items = n_q * n_kv_heads * batches;
     const int64_t span = shape.window > 0 ? shape.window : 1024;
     if (shape.blocked) {
@@ -107,16 +128,9 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
             float run_m[kHeadBatch];
             float run_l[kHeadBatch];
             for (int64_t item = begin; item < end; ++item) {
-                const int64_t i = item / (n_kv_heads * batches);
-                const int64_t g = (item / batches) % n_kv_heads;
-                const int64_t h0 = g * group + (item % batches) * kHeadBatch;
-                const int64_t nh = std::min(kHeadBatch, (g + 1) * group - h0);
-                const int64_t hi = q_pos[i];
-                const int64_t lo = visible_lo(hi);
-                const int32_t *bt = block_tables + q_seq[i] * bt_stride;
-                auto row = [&](int64_t p) {
-                    return layer.base + static_cast<int64_t>(bt[p / kKvPageRows]) * layer.page_bytes;
-                };
+                const WorkItem w = work_item(item);
+                const int64_t i = w.i, g = w.g, h0 = w.h0, nh = w.nh, hi = w.hi, lo = w.lo;
+                auto row = [&](int64_t p) { return w.page(p); };
                 const float *qv[kHeadBatch];
                 for (int64_t j = 0; j < nh; ++j) qv[j] = q + i * q_stride + (h0 + j) * head_dim;
                 float *o = out + (i * n_heads + h0) * head_dim;  // heads h0 .. h0 + nh of query i: ACC, then out
@@ -211,16 +225,9 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
         float m[kHeadBatch];
         float l[kHeadBatch];
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t i = item / (n_kv_heads * batches);
-            const int64_t g = (item / batches) % n_kv_heads;
-            const int64_t h0 = g * group + (item % batches) * kHeadBatch;
-            const int64_t nh = std::min(kHeadBatch, (g + 1) * group - h0);
-            const int64_t hi = q_pos[i];
-            const int64_t lo = visible_lo(hi);
-            const int32_t *bt = block_tables + q_seq[i] * bt_stride;
-            auto row = [&](int64_t p) {
-                return layer.base + static_cast<int64_t>(bt[p / kKvPageRows]) * layer.page_bytes;
-            };
+            const WorkItem w = work_item(item);
+            const int64_t i = w.i, g = w.g, h0 = w.h0, nh = w.nh, hi = w.hi, lo = w.lo;
+            auto row = [&](int64_t p) { return w.page(p); };
             auto decode_key = [&](int64_t p) {
                 kv_decode(layer.k_format,
                           row(p) + layer.k_offset + (p % kKvPageRows) * layer.k_row_bytes + g * k_head_bytes,
