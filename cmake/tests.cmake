@@ -36,7 +36,7 @@ if(TARGET memra_cli_tests)
 endif()
 add_dependencies(memra_text_tests memra_cli)  # its tiny-tokenizer suite runs `memra make-tiny`
 if(MEMRA_HAVE_CUDA)
-    memra_test_dir(cuda memra_cuda)
+    memra_test_dir(cuda memra_cuda memra_cpu)
 endif()
 
 # Oracle tools: small executables the Python suites drive (tests/oracle/*_tool.cpp).

@@ -10,36 +10,13 @@
 #include <gtest/gtest.h>
 
 #include "backend/cuda/convert.h"
+#include "cuda/cuda_test_util.h"
 #include "core/float_formats.h"
 #include "core/fp8_block.h"
 #include "core/quant_blocks.h"
 
 namespace memra {
 namespace {
-
-// An owning device allocation of `bytes` bytes.
-class DeviceBuffer {
-public:
-    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-        EXPECT_EQ(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes), cudaSuccess);
-    }
-    ~DeviceBuffer() { cudaFree(ptr_); }
-    DeviceBuffer(const DeviceBuffer &) = delete;
-    DeviceBuffer &operator=(const DeviceBuffer &) = delete;
-
-    void upload(const void *host) { ASSERT_EQ(cudaMemcpy(ptr_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess); }
-    void download(void *host) const {
-        ASSERT_EQ(cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-    }
-    template <class T>
-    T *as() const {
-        return static_cast<T *>(ptr_);
-    }
-
-private:
-    void *ptr_ = nullptr;
-    size_t bytes_;
-};
 
 uint32_t bits(float f) { return f32_as_u32(f); }
 
@@ -77,7 +54,7 @@ void expect_same_bits(const std::vector<float> &got, const std::vector<float> &w
 }
 
 TEST(CudaConvert, Bf16ToF32AllCodes) {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+    MEMRA_SKIP_WITHOUT_GPU();
     const std::vector<uint16_t> in = all_u16();
     DeviceBuffer d_in(in.size() * 2), d_out(in.size() * 4);
     d_in.upload(in.data());
@@ -90,7 +67,7 @@ TEST(CudaConvert, Bf16ToF32AllCodes) {
 }
 
 TEST(CudaConvert, F16ToF32AllCodes) {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+    MEMRA_SKIP_WITHOUT_GPU();
     const std::vector<uint16_t> in = all_u16();
     DeviceBuffer d_in(in.size() * 2), d_out(in.size() * 4);
     d_in.upload(in.data());
@@ -103,7 +80,7 @@ TEST(CudaConvert, F16ToF32AllCodes) {
 }
 
 TEST(CudaConvert, Fp8ToF32AllCodes) {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+    MEMRA_SKIP_WITHOUT_GPU();
     std::vector<uint8_t> in(256);
     for (uint32_t c = 0; c < 256; ++c) in[c] = static_cast<uint8_t>(c);
     DeviceBuffer d_in(in.size()), d_out(in.size() * 4);
@@ -116,7 +93,7 @@ TEST(CudaConvert, Fp8ToF32AllCodes) {
 }
 
 TEST(CudaConvert, F32ToBf16AndF16) {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+    MEMRA_SKIP_WITHOUT_GPU();
     const std::vector<float> in = probe_floats();
     const auto n = static_cast<int64_t>(in.size());
     DeviceBuffer d_in(in.size() * 4), d_out(in.size() * 2);
@@ -133,7 +110,7 @@ TEST(CudaConvert, F32ToBf16AndF16) {
 }
 
 TEST(CudaConvert, F32ToFp8BothModes) {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+    MEMRA_SKIP_WITHOUT_GPU();
     const std::vector<float> in = probe_floats();
     const auto n = static_cast<int64_t>(in.size());
     DeviceBuffer d_in(in.size() * 4), d_out(in.size());
@@ -149,7 +126,7 @@ TEST(CudaConvert, F32ToFp8BothModes) {
 }
 
 TEST(CudaConvert, Fp8BlockDequantWithPartialBlocks) {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+    MEMRA_SKIP_WITHOUT_GPU();
     for (auto [rows, cols] : {std::pair<int64_t, int64_t>{200, 300}, {1, 1}, {129, 4097}, {256, 128}}) {
         std::mt19937 rng(static_cast<uint32_t>(rows * 7 + cols));
         std::vector<uint8_t> q(rows * cols);
@@ -172,7 +149,7 @@ TEST(CudaConvert, Fp8BlockDequantWithPartialBlocks) {
 }
 
 TEST(CudaConvert, Q8_0AndQ5_1DequantOverRandomBlocks) {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+    MEMRA_SKIP_WITHOUT_GPU();
     constexpr int64_t kBlocks = 1 << 15;  // random bytes: every code, and every kind of fp16 scale
     constexpr int64_t kN = kBlocks * kQuantBlock;
     std::mt19937 rng(5);
@@ -201,7 +178,7 @@ TEST(CudaConvert, Q8_0AndQ5_1DequantOverRandomBlocks) {
 }
 
 TEST(CudaConvert, LaunchersRejectBadArguments) {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+    MEMRA_SKIP_WITHOUT_GPU();
     DeviceBuffer d_a(64 * 4), d_b(64 * 4);
     EXPECT_EQ(cuda_bf16_to_f32(d_a.as<uint16_t>(), d_b.as<float>(), -1, nullptr), cudaErrorInvalidValue);
     EXPECT_EQ(cuda_f32_to_f16(nullptr, d_b.as<uint16_t>(), 4, nullptr), cudaErrorInvalidValue);
