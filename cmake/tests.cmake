@@ -32,11 +32,11 @@ memra_test_dir(cli memra)
 if(TARGET memra_cli_tests)
     add_dependencies(memra_cli_tests memra_cli default_model)
     # test_run_guarded.cpp calls the CLI's run_guarded directly; the rest of the suite runs the binary.
-    target_sources(memra_cli_tests PRIVATE ${PROJECT_SOURCE_DIR}/src/cli/common.cpp)
+    target_sources(memra_cli_tests PRIVATE ${PROJECT_SOURCE_DIR}/src/cli/common.cpp ${PROJECT_SOURCE_DIR}/src/cli/progress.cpp)
 endif()
 add_dependencies(memra_text_tests memra_cli)  # its tiny-tokenizer suite runs `memra make-tiny`
 if(MEMRA_HAVE_CUDA)
-    memra_test_dir(cuda memra_cuda memra_cpu)
+    memra_test_dir(cuda memra_cuda memra_cpu memra_runtime)
 endif()
 
 # Oracle tools: small executables the Python suites drive (tests/oracle/*_tool.cpp).

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (device tool), over a copy of the tree with .deps carried
-# (scripts/gpu_deps.sh makes it): builds with CUDA for sm_90a, runs every test (GPU tests included)
-# and the benchmarks (`memra verify` and `memra bench` on this host's CPU cores included), and prints
-# a short table last. Logs go to $OUT (or ./gpu-out).
-#   device run:  bash scripts/gpu.sh      (carry: [".deps"])
+# Runs ON the GPU machine (device tool), over a copy of the tree with .deps carried (scripts/gpu_deps.sh makes
+# it): builds with CUDA for sm_90a, runs the GPU tests (every kernel against its CPU twin, the whole model on the
+# GPU against the CPU), `memra run` / `verify` / `bench --device cuda` on the embedded default model and on the
+# release-width preset (generated here), and prints a short table last. Logs go to $OUT (or ./gpu-out).
+#   device run:  bash scripts/gpu.sh            (carry: [".deps"])
+#   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -12,60 +13,89 @@ deps=$PWD/.deps/root
 export CMAKE_PREFIX_PATH=$deps/usr
 export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+memra=build-gpu/memra
+tmp=${TMPDIR:-/tmp}/memra-gpu
+mkdir -p "$tmp"
 
 t0=$(date +%s)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMRA_WERROR=ON \
       -DMEMRA_PYTHON=/bin/false >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
 t1=$(date +%s)
 
-# Unit tests only: the Python oracles need the project's venv, which lives on the CPU machines.
-ctest --test-dir build-gpu -L unit -j8 --output-on-failure >"$out/ctest.log" 2>&1
-ctest_rc=$?
-gpu_tests=$(build-gpu/memra_cuda_tests --gtest_brief=1 2>&1 | tee "$out/cuda_tests.log" | tail -3)
-skipped=$(grep -c "SKIPPED" "$out/cuda_tests.log")
+# The release-width preset: 4 layers (3 dense + 1 MoE), 32 experts, 1 MTP layer.
+release=$tmp/release
+$memra make-tiny "$release" --preset release --force >"$out/make_tiny_release.log" 2>&1
+t2=$(date +%s)
 
-# The engine on this host's cores: the determinism gates with every thread (on the default model, whose heads
-# plan at TP 1 and 2, and on make-tiny's tiny preset, which plans at TP 1, 2, 4 and 8), and llama-bench speed.
-build-gpu/memra verify >"$out/verify.log" 2>&1
+# Every kernel against its CPU twin, the whole model against the CPU (MEMRA_RELEASE_MODEL adds the release preset).
+MEMRA_RELEASE_MODEL=$release build-gpu/memra_cuda_tests >"$out/cuda_tests.log" 2>&1
+cuda_rc=$?
+gpu_tests=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cuda_tests.log" | tr '\n' ' ')
+build-gpu/memra_cli_tests --gtest_filter='*Device*' >"$out/cli_device_tests.log" 2>&1
+cli_rc=$?
+t3=$(date +%s)
+
+# Generation: the GPU's greedy text must be the CPU's.
+prompt="Once upon a time"
+$memra run -p "$prompt" -n 48 --temp 0 --ignore-eos --device cuda >"$out/run_cuda.txt" 2>"$out/run_cuda.log"
+run_rc=$?
+$memra run -p "$prompt" -n 48 --temp 0 --ignore-eos --device cpu >"$out/run_cpu.txt" 2>"$out/run_cpu.log"
+cmp -s "$out/run_cuda.txt" "$out/run_cpu.txt" && run_same=yes || run_same=no
+$memra run "$release" -p "$prompt" -n 16 --temp 0 --ignore-eos --device cuda >"$out/run_release.txt" 2>"$out/run_release.log"
+run_release_rc=$?
+
+# The determinism gates on the GPU (TP ranks as in-process ranks sharing it).
+timeout 300 $memra verify --device cuda >"$out/verify_cuda.log" 2>&1
 verify_rc=$?
-build-gpu/memra make-tiny "$out/tiny-model" --force >/dev/null &&
-    build-gpu/memra verify "$out/tiny-model" >"$out/verify_tiny.log" 2>&1
-verify_tiny_rc=$?
-rm -rf "$out/tiny-model"
-build-gpu/memra bench -p 512 -n 64 -r 3 >"$out/engine_bench.log" 2>&1
-# Numerics side by side, thread scaling on this host's cores (default model): device (this CPU's instruction
-# path) and exact, one invocation each per thread count.
-grep -o -w -E 'avx512_bf16|amx_bf16|avx512f|avx2' /proc/cpuinfo | sort | uniq -c >"$out/cpu_flags.txt"
-lscpu | grep -E 'Model name|^CPU\(s\)' >>"$out/cpu_flags.txt"
-for t in 1 2 4 8 16; do
-    for n in device exact; do
-        build-gpu/memra bench -p 512 -n 128 -r 3 -t "$t" --numerics "$n" >>"$out/numerics_bench.log" 2>/dev/null
-    done
-done
-# Speculative decoding side by side (this host's cores): real text, bench tg, forced acceptance.
-bash scripts/spec_bench.sh build-gpu/memra "$out/spec" 16 >"$out/spec_bench.md" 2>"$out/spec_bench.err"
-spec_rc=$?
+timeout 300 $memra verify "$release" --device cuda --tp 1,2,4,8 >"$out/verify_release.log" 2>&1
+verify_release_rc=$?
+t4=$(date +%s)
 
-for b in build-gpu/memra_bench_*; do
-    [ -x "$b" ] && "$b" --benchmark_min_time=0.2 --benchmark_format=console >>"$out/bench.log" 2>&1
-done
+# Speed (reported, not gated): prefill and decode at batch 1, 8 and 64 on the release-width preset.
+$memra bench "$release" --device cuda -p 512 -n 64 -r 3 --parallel 8 -o json >"$out/bench_release_8.json" 2>"$out/bench_release.log"
+bench_rc=$?
+$memra bench "$release" --device cuda -p 0 -n 32 -r 2 --parallel 64 -o json >"$out/bench_release_64.json" 2>>"$out/bench_release.log"
+bench64_rc=$?
+$memra bench --device cuda -p 512 -n 64 -r 3 -o json >"$out/bench_default.json" 2>>"$out/bench_release.log"
+t5=$(date +%s)
+
+cpu_rc=0
+if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
+    ctest --test-dir build-gpu -L unit -j8 --output-on-failure >"$out/ctest.log" 2>&1 || cpu_rc=1
+    for t in 1 2 4 8 16; do
+        for n in device exact; do
+            $memra bench --device cpu -p 512 -n 128 -r 3 -t "$t" --numerics "$n" >>"$out/numerics_bench.log" 2>/dev/null
+        done
+    done
+    MEMRA_DEVICE=cpu bash scripts/spec_bench.sh $memra "$out/spec" 16 >"$out/spec_bench.md" 2>"$out/spec_bench.err" || cpu_rc=1
+    for b in build-gpu/memra_bench_*; do
+        [ -x "$b" ] && "$b" --benchmark_min_time=0.2 --benchmark_format=console >>"$out/bench.log" 2>&1
+    done
+fi
+
+bench_rows() {  # file -> "| bench <model> <test> | t/s |" rows
+    python3 - "$1" <<'EOF' 2>/dev/null
+import json, sys
+for t in json.load(open(sys.argv[1])):
+    print(f"| bench {t['model'].split('/')[-1]} {t['test']} | {t['avg_ts']:.1f} t/s (sd {t['stddev_ts']:.1f}) |")
+EOF
+}
 
 echo
 echo "| step | result |"
 echo "| --- | --- |"
 echo "| build (s) | $((t1 - t0)) |"
-echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
-echo "| cuda tests | $(echo "$gpu_tests" | grep -E 'PASSED|FAILED' | tr '\n' ' ') skipped lines: $skipped |"
-echo "| memra verify (rc $verify_rc) | $(tail -1 "$out/verify.log") |"
-echo "| memra verify tiny (rc $verify_tiny_rc) | $(tail -1 "$out/verify_tiny.log") |"
-grep -E '\| (pp|tg)[0-9]+ ' "$out/engine_bench.log" | awk -F'|' '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i); printf "| memra bench %s, -t %s | %s t/s, peak %s MiB |\n", $8, $6, $9, $10}'
-grep -iE '^bm_' "$out/bench.log" |
-    awk '{x=""; for (i = 4; i <= NF; i++) if ($i ~ /bytes_per_second|vs_memcpy/) x = x " " $i;
-          printf "| %s | %s %s%s |\n", $1, $2, $3, x}'
-echo "| cpu | $(tr '\n' ' ' <"$out/cpu_flags.txt") |"
-grep -E '\| (pp|tg)[0-9]+ ' "$out/numerics_bench.log" | awk -F'|' '{for (i = 1; i <= NF; i++) gsub(/^ +| +$/, "", $i); printf "| numerics %s %s -t %s | %s t/s |\n", $11, $8, $6, $9}'
-echo "| spec bench (rc $spec_rc) | table below |"
-echo
-cat "$out/spec_bench.md"
-[ $ctest_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $verify_tiny_rc -eq 0 ] && [ $spec_rc -eq 0 ]
+echo "| make-tiny release (s, rc) | $((t2 - t1)) $(tail -1 "$out/make_tiny_release.log" | cut -c1-120) |"
+echo "| cuda tests (rc $cuda_rc, $((t3 - t2)) s) | $gpu_tests |"
+echo "| cli --device tests (rc $cli_rc) | $(grep -E '^\[  (PASSED|FAILED) ' "$out/cli_device_tests.log" | tr '\n' ' ') |"
+echo "| run default cuda (rc $run_rc) | same text as cpu: $run_same; $(grep -E 'eval time' "$out/run_cuda.log" | tail -1 | cut -c1-100) |"
+echo "| run release cuda (rc $run_release_rc) | $(grep -E 'eval time' "$out/run_release.log" | tail -1 | cut -c1-100) |"
+echo "| verify default cuda (rc $verify_rc) | $(tail -1 "$out/verify_cuda.log") |"
+echo "| verify release cuda (rc $verify_release_rc, $((t4 - t3)) s incl. runs) | $(tail -1 "$out/verify_release.log") |"
+for f in bench_release_8 bench_release_64 bench_default; do bench_rows "$out/$f.json"; done
+echo "| bench rc | $bench_rc $bench64_rc ($((t5 - t4)) s) |"
+[ "${MEMRA_GPU_CPU:-0}" = 1 ] && echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
+grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
+[ $cuda_rc -eq 0 ] && [ $cli_rc -eq 0 ] && [ $run_rc -eq 0 ] && [ "$run_same" = yes ] && [ $verify_rc -eq 0 ] &&
+    [ $verify_release_rc -eq 0 ] && [ $cpu_rc -eq 0 ]

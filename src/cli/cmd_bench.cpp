@@ -54,6 +54,7 @@ struct BenchOptions {
     int reps = 5;        // timed runs per test
     int threads = 1;
     Numerics numerics = Numerics::kDevice;
+    DeviceChoice device = DeviceChoice::kAuto;  // the pp/tg tests; the experts test runs on the CPU
     std::string kv_k = "bf16";
     std::string kv_v = "bf16";
     int64_t ctx_size = 0;  // 0: the larger test's positions
@@ -63,6 +64,7 @@ struct BenchOptions {
     bool print_tokens = false;
     int spec_draft = 0;
     int spec_accept = -1;  // >= 0: drafts forced so that this many are accepted per step
+    int parallel = 1;      // tg: sequences decoding together, one step for all of them
 
     // --experts: the routed-experts test instead of pp / tg.
     bool experts = false;
@@ -161,6 +163,38 @@ Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceO
     return ms;
 }
 
+// tg at `parallel` > 1 sequences: each starts from `first` and decodes n_gen tokens, all of them in one engine
+// step per token (batched decode); the time of those steps. tokens: sequence 0's tokens (every sequence decodes the
+// same ones: batch invariance).
+Result<double> time_batched_generation(runtime::Engine &engine, const runtime::SequenceOptions &so, int32_t first,
+                                       int64_t n_gen, int parallel, std::vector<int32_t> &tokens) {
+    std::vector<std::unique_ptr<runtime::Sequence>> seqs;
+    for (int i = 0; i < parallel; ++i) {
+        auto seq = engine.create_sequence(so);
+        if (!seq) return tl::unexpected(seq.error());
+        (*seq)->tokens.reserve(static_cast<size_t>(n_gen) + 1);
+        (*seq)->tokens.push_back(first);
+        seqs.push_back(std::move(*seq));
+    }
+    std::vector<runtime::StepItem> items(static_cast<size_t>(parallel));
+    double ms = 0.0;
+    for (int64_t done = 0; done < n_gen; ++done) {
+        for (int i = 0; i < parallel; ++i) {
+            runtime::StepItem &it = items[static_cast<size_t>(i)];
+            it = runtime::StepItem{};
+            it.seq = seqs[static_cast<size_t>(i)].get();
+            it.rows = 1;
+            it.sample = true;
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        if (auto ok = engine.step(items); !ok) return tl::unexpected(ok.error());
+        ms += ms_since(t0);
+        for (int i = 0; i < parallel; ++i) seqs[static_cast<size_t>(i)]->tokens.push_back(engine.sampled(static_cast<size_t>(i)).id);
+    }
+    tokens = seqs[0]->tokens;
+    return ms;
+}
+
 // The process's peak resident memory so far, in bytes (getrusage: ru_maxrss is in KiB on Linux).
 int64_t peak_rss_bytes() {
     rusage ru{};
@@ -172,6 +206,7 @@ struct TestResult {
     std::string name;  // "pp512", "tg128", "tg128 spec3"
     int n_prompt = 0;
     int n_gen = 0;
+    int parallel = 1;  // sequences decoding together (tg)
     int spec_draft = 0;
     runtime::SpecStats spec;  // the timed runs' decode steps
     std::vector<double> samples_ms;  // one per timed run
@@ -182,7 +217,7 @@ struct TestResult {
 
 // Like llama-bench: statistics over each run's tokens/s, not tokens over the summed time.
 void summarize(TestResult &t) {
-    const double n_tokens = static_cast<double>(t.n_prompt + t.n_gen);
+    const double n_tokens = static_cast<double>(t.n_prompt + int64_t{t.n_gen} * t.parallel);
     std::vector<double> ts;
     for (const double ms : t.samples_ms) ts.push_back(ms > 0.0 ? 1000.0 * n_tokens / ms : 0.0);
     double sum = 0.0;
@@ -202,15 +237,17 @@ struct BenchFacts {
     int tp = 1;
     std::string type_k, type_v;
     std::string numerics;  // "device" or "exact"
-    std::string isa;       // device: the instruction path of its products (cpu::product_isa); exact: "-"
+    std::string isa;       // device: the instruction path of its products (cpu::product_isa, or "cuda"); exact: "-"
 };
 
 // "device (avx512-bf16)", "exact".
 std::string numerics_cell(const BenchFacts &f) { return f.numerics + (f.isa == "-" ? "" : " (" + f.isa + ")"); }
 
-BenchFacts numerics_facts(BenchFacts f, Numerics numerics) {
+BenchFacts numerics_facts(BenchFacts f, Numerics numerics, Device device = Device::kCpu) {
     f.numerics = numerics_name(numerics);
-    f.isa = numerics == Numerics::kDevice ? cpu::product_isa_name(cpu::product_isa()) : "-";
+    f.isa = device == Device::kCuda ? "cuda"
+            : numerics == Numerics::kDevice ? cpu::product_isa_name(cpu::product_isa())
+                                            : "-";
     return f;
 }
 
@@ -293,6 +330,7 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
                            {"test", t.name},
                            {"n_prompt", t.n_prompt},
                            {"n_gen", t.n_gen},
+                           {"parallel", t.parallel},
                            {"reps", reps},
                            {"samples_ms", t.samples_ms},
                            {"avg_ts", t.avg_ts},
@@ -599,12 +637,16 @@ int run_bench(const BenchOptions &opt) {
     facts.threads = std::max(1, opt.threads / opt.tp);
     facts.type_k = kv_format_name(in->k_format);
     facts.type_v = kv_format_name(in->v_format);
-    facts = numerics_facts(facts, opt.numerics);
+    auto device = resolve_device(opt.device, opt.numerics);
+    if (!device) return report_error(device.error().message);
+    facts = numerics_facts(facts, opt.numerics, *device);
     runtime::EngineOptions eo;
     eo.tp = opt.tp;
     eo.k_format = in->k_format;
     eo.v_format = in->v_format;
-    eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size : std::max({opt.n_prompt, opt.n_gen, 1});
+    eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size
+                                   : std::max({int64_t{opt.n_prompt}, (int64_t{opt.n_gen} + 1) * opt.parallel, int64_t{1}});
+    eo.max_seqs = opt.parallel;
     eo.step_rows = opt.step_rows;
     eo.sample_vocab = n_real;
     if (auto ok = enable_speculation(eo, cfg, opt.spec_draft, true); !ok) return report_error(ok.error().message);
@@ -612,9 +654,11 @@ int run_bench(const BenchOptions &opt) {
         return report_error("--spec-accept needs --spec-draft K > 0: it forces the drafts of the speculative tg test");
     }
     DraftForcing draft_forcing;
-    std::fprintf(stderr, "memra bench: loading %s, tp %d, threads %d per rank\n", dir.string().c_str(), opt.tp,
-                 facts.threads);
-    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads, opt.numerics, opt.spec_accept >= 0 ? &draft_forcing : nullptr);
+    std::fprintf(stderr, "memra bench: loading %s, tp %d, %s\n", dir.string().c_str(), opt.tp,
+                 *device == Device::kCuda ? "device cuda" : fmt::format("threads {} per rank", facts.threads).c_str());
+    auto loaded = load_engine(dir, cfg, eo,
+                              BackendChoice{*device, opt.threads, opt.numerics,
+                                            opt.spec_accept >= 0 ? &draft_forcing : nullptr});
     if (!loaded) return report_error(fmt::format("--tp {}: {}", opt.tp, loaded.error().message));
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;
@@ -675,6 +719,27 @@ int run_bench(const BenchOptions &opt) {
         tests.push_back(std::move(t));
     }
 
+    if (opt.n_gen > 0 && opt.parallel > 1) {
+        TestResult t;
+        t.name = fmt::format("tg{} x{}", opt.n_gen, opt.parallel);
+        t.n_gen = opt.n_gen;
+        t.parallel = opt.parallel;
+        std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
+        std::vector<int32_t> batched_tokens;
+        for (int rep = -1; rep < opt.reps; ++rep) {
+            auto ms = time_batched_generation(engine, so, tokens.gen_first, opt.n_gen, opt.parallel, batched_tokens);
+            if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
+            if (rep >= 0) t.samples_ms.push_back(*ms);
+        }
+        if (batched_tokens != plain_tokens) {
+            return report_error(fmt::format("{}: the tokens differ from tg{} alone (batch invariance broken)", t.name,
+                                            opt.n_gen));
+        }
+        summarize(t);
+        t.peak_rss = peak_rss_bytes();
+        tests.push_back(std::move(t));
+    }
+
     const std::string report =
         opt.output == "json" ? json_report(facts, tests, opt.reps).dump(2) + "\n" : markdown_table(facts, tests);
     std::fwrite(report.data(), 1, report.size(), stdout);
@@ -703,12 +768,19 @@ Command add_bench_command(CLI::App &app) {
         ->envname("MEMRA_N_GEN")
         ->check(CLI::Range(0, kMaxInt))
         ->capture_default_str();
+    sub->add_option("--parallel", opt->parallel,
+                    "tgN at B sequences: also time B sequences decoding N tokens together, one engine step per token "
+                    "(batched decode; tokens/s counts every sequence's tokens)")
+        ->envname("MEMRA_BENCH_PARALLEL")
+        ->check(CLI::Range(1, 4096))
+        ->capture_default_str();
     sub->add_option("-r,--repetitions", opt->reps, "Timed runs per test, after one untimed warm-up run")
         ->envname("MEMRA_REPETITIONS")
         ->check(positive_int_validator())
         ->capture_default_str();
     add_threads_option(*sub, opt->threads);
     add_numerics_option(*sub, opt->numerics);
+    add_device_option(*sub, opt->device);
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     sub->get_option("--ctx-size")->description("KV cache size in positions (default 0: the larger test's positions)");

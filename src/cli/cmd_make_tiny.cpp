@@ -44,6 +44,16 @@ Command add_make_tiny_command(CLI::App &app) {
                     "preset's")
         ->check(CLI::Range(int64_t{0}, int64_t{3}))
         ->capture_default_str();
+    sub->add_option("--layers", opts->layers,
+                    "Trunk layers (num_hidden_layers), replacing the preset's; MoE layers run from the preset's first "
+                    "MoE layer to the last; 0 keeps the preset's")
+        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyLayers))
+        ->capture_default_str();
+    sub->add_option("--experts", opts->experts,
+                    "Routed experts (moe_num_experts, at least the preset's top-k), replacing the preset's (288: the "
+                    "release's); 0 keeps the preset's")
+        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyExperts))
+        ->capture_default_str();
     sub->add_flag("-f,--force", opts->force, "Replace the generator's own files in a non-empty OUT_DIR");
 
     return {sub, [opts, out_dir]() {

@@ -50,6 +50,7 @@ struct PerplexityOptions {
     int tp = 1;
     int threads = 1;
     Numerics numerics = Numerics::kDevice;
+    DeviceChoice device = DeviceChoice::kAuto;
     bool mtp = false;
     std::string output = "text";
 };
@@ -214,15 +215,18 @@ int run_perplexity(const PerplexityOptions &opt) {
     eo.step_rows = std::min(opt.step_rows, opt.ctx_size);
     eo.max_logit_rows = eo.step_rows * (1 + n_mtp);
     eo.mtp_layers = n_mtp;
-    const int threads = std::max(1, opt.threads / opt.tp);
+    auto device = resolve_device(opt.device, opt.numerics);
+    if (!device) return report_error(device.error().message);
+    const std::string where = *device == Device::kCuda ? std::string("device cuda")
+                                                       : fmt::format("threads {} per rank", std::max(1, opt.threads / opt.tp));
     const std::string mtp_note = n_mtp > 0 ? fmt::format(", {} MTP layer(s)", n_mtp) : "";
     std::fputs(fmt::format("memra perplexity: {}: {} tokens, {} chunks of {} (scoring the tokens at positions {} .. "
-                           "{} of each), KV {}/{}, tp {}, threads {} per rank{}\n",
+                           "{} of each), KV {}/{}, tp {}, {}{}\n",
                            dir.string(), n_tokens, n_chunks, opt.ctx_size, opt.ctx_size / 2 + 1, opt.ctx_size - 1,
-                           kv_format_name(in->k_format), kv_format_name(in->v_format), opt.tp, threads, mtp_note)
+                           kv_format_name(in->k_format), kv_format_name(in->v_format), opt.tp, where, mtp_note)
                    .c_str(),
                stderr);
-    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads, opt.numerics);
+    auto loaded = load_engine(dir, cfg, eo, BackendChoice{*device, opt.threads, opt.numerics});
     if (!loaded) return report_error(fmt::format("--tp {}: {}", opt.tp, loaded.error().message));
     runtime::Engine &engine = *loaded->engine;
 
@@ -310,6 +314,7 @@ Command add_perplexity_command(CLI::App &app) {
     add_tp_option(*sub, opt->tp);
     add_threads_option(*sub, opt->threads);
     add_numerics_option(*sub, opt->numerics);
+    add_device_option(*sub, opt->device);
     sub->add_flag("--mtp", opt->mtp,
                   "Also run the model's MTP layers chained over each chunk (teacher-forced) and report each layer's "
                   "top-1 accuracy and perplexity on the token two ahead, over the scored half")

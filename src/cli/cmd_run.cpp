@@ -33,6 +33,7 @@ struct RunOptions {
     int64_t step_rows = runtime::kCpuStepRows;
     int threads = 1;
     Numerics numerics = Numerics::kDevice;
+    DeviceChoice device = DeviceChoice::kAuto;
     bool ignore_eos = false;
     int spec_draft = 0;
     const CLI::Option *spec_option = nullptr;  // whether --spec-draft was given
@@ -106,7 +107,9 @@ int run_generate(const RunOptions &opt) {
     auto spec = enable_speculation(eo, cfg, opt.spec_draft, opt.spec_option->count() > 0);
     if (!spec) return report_error(spec.error().message);
     const int spec_draft = *spec;
-    auto loaded = load_cpu_engine(dir, cfg, eo, opt.threads, opt.numerics);
+    auto device = resolve_device(opt.device, opt.numerics);
+    if (!device) return report_error(device.error().message);
+    auto loaded = load_engine(dir, cfg, eo, BackendChoice{*device, opt.threads, opt.numerics});
     if (!loaded) return report_error(loaded.error().message);
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;
@@ -220,6 +223,7 @@ Command add_run_command(CLI::App &app) {
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     add_threads_option(*sub, opt->threads);
     add_numerics_option(*sub, opt->numerics);
+    add_device_option(*sub, opt->device);
     sub->add_flag("--ignore-eos", opt->ignore_eos, "Keep generating past end-of-sequence tokens")
         ->envname("MEMRA_IGNORE_EOS");
     opt->spec_option = add_spec_draft_option(*sub, opt->spec_draft, kDefaultSpecDraft);

@@ -17,6 +17,9 @@
 #include "cli/alloc_count.h"
 #include "cli/commands.h"
 #include "runtime/verify.h"
+#ifdef MEMRA_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace memra::cli {
 namespace {
@@ -30,6 +33,7 @@ struct VerifyCliOptions {
     int layer = -1;
     int threads = default_threads();
     Numerics numerics = Numerics::kDevice;
+    DeviceChoice device = DeviceChoice::kAuto;
     std::string kv_k = "f32";
     std::string kv_v = "f32";
 };
@@ -85,18 +89,24 @@ int run_verify_command(const VerifyCliOptions &opt) {
     vo.layer = opt.layer;
     vo.k_format = kv_formats->first;
     vo.v_format = kv_formats->second;
+    auto device = resolve_device(opt.device, opt.numerics);
+    if (!device) return report_error(device.error().message);
     const int threads = opt.threads;
     const Numerics numerics = opt.numerics;
-    vo.make_reference_backend = [threads, numerics]() -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(threads, numerics));
-    };
+    const BackendChoice reference{*device, threads, numerics};
+    vo.make_reference_backend = [make = backend_factory(reference)]() { return make(0); };
     // The native ranks can force speculation's drafts (the SPECULATION gate's acceptance patterns).
     auto forcing = std::make_shared<DraftForcing>();
     vo.forcing = forcing.get();
-    vo.make_rank_backend = [threads, numerics, forcing](int degree, int) -> Result<std::unique_ptr<Backend>> {
-        return std::unique_ptr<Backend>(
-            std::make_unique<cpu::ForcedDraftBackend>(std::max(1, threads / degree), numerics, forcing.get()));
+    vo.make_rank_backend = [reference, forcing](int degree, int rank) -> Result<std::unique_ptr<Backend>> {
+        BackendChoice ranks = reference;
+        ranks.n_threads = std::max(1, reference.n_threads / degree);
+        ranks.forcing = forcing.get();
+        return backend_factory(ranks)(rank);
     };
+#ifdef MEMRA_HAVE_CUDA
+    if (*device == Device::kCuda) vo.rank_copy = cuda::cuda_rank_copy;
+#endif
     vo.count_allocations = heap_allocations;
     vo.on_line = [](const runtime::VerifyLine &line) {
         std::printf("%s\n", runtime::format_verify_line(line).c_str());
@@ -106,9 +116,12 @@ int run_verify_command(const VerifyCliOptions &opt) {
     std::string tps;
     for (const int t : vo.tp) tps += (tps.empty() ? "" : ",") + std::to_string(t);
     std::printf("memra verify %s: tp %s (routed experts expert-parallel); prefill %d, decode %d, batch 1..%d; kv "
-                "%s/%s; numerics %s; %d thread%s (split over the ranks)\n",
+                "%s/%s; numerics %s; %s\n",
                 dir.string().c_str(), tps.c_str(), opt.tokens, opt.decode, opt.batch, opt.kv_k.c_str(),
-                opt.kv_v.c_str(), numerics_name(opt.numerics), threads, threads == 1 ? "" : "s");
+                opt.kv_v.c_str(), numerics_name(opt.numerics),
+                *device == Device::kCuda
+                    ? "device cuda (every rank on GPU 0)"
+                    : fmt::format("{} thread{} (split over the ranks)", threads, threads == 1 ? "" : "s").c_str());
     std::printf("counts per native step (plan, run, finish), rank 0: backend op launches, host -> backend and backend "
                 "-> host copies (syncs: those made before finish()), collectives; allocs: heap allocations on every "
                 "thread from plan() to finish()\n");
@@ -173,6 +186,7 @@ Command add_verify_command(CLI::App &app) {
         ->capture_default_str();
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_numerics_option(*sub, opt->numerics);
+    add_device_option(*sub, opt->device);
     return {sub, [opt]() { return run_verify_command(*opt); }};
 }
 

@@ -88,6 +88,15 @@ void add_threads_option(CLI::App &sub, int &threads);
 void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v);
 // --numerics device|exact (run, bench, perplexity, verify; MEMRA_NUMERICS): ENGINE.md section 4's two modes.
 void add_numerics_option(CLI::App &sub, Numerics &numerics);
+// --device cpu|cuda (MEMRA_DEVICE): where the engine runs; unset = auto.
+enum class DeviceChoice { kAuto, kCpu, kCuda };
+void add_device_option(CLI::App &sub, DeviceChoice &device);
+// Whether this build has the CUDA backend and a GPU is visible.
+bool cuda_available();
+// The device a command runs on: auto is cuda when cuda_available(), else cpu. Refused, naming the flag: cuda in a
+// build without CUDA or with no visible GPU; exact numerics on cuda (the GPU computes device numerics only).
+Result<Device> resolve_device(DeviceChoice choice, Numerics numerics);
+inline const char *device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 void add_tp_option(CLI::App &sub, int &tp);
 // The two formats those options name; the error names the option ("--kv-k: ...").
 Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string &kv_k,
@@ -106,21 +115,29 @@ struct EngineInputs {
 std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, const std::string &kv_k,
                                                const std::string &kv_v);
 
-// The engine on CPU ranks over a checkpoint: what run, bench and perplexity execute. Members are destroyed in
-// reverse order: the engine's weights are views into the checkpoint's mmap.
-struct CpuEngine {
+// The engine over a checkpoint: what run, bench and perplexity execute. Members are destroyed in reverse order:
+// a CPU engine's weights are views into the checkpoint's mmap.
+struct LoadedEngine {
     io::Checkpoint ckpt;
     std::unique_ptr<runtime::Engine> engine;
 };
 
-// Opens the checkpoint in `dir` and creates an engine (options without a backend factory) whose options.tp
-// CPU ranks share n_threads threads (at least one each). The error is the checkpoint's, the validation's or
-// the engine's message.
-// The ranks compute in `numerics`; with `forcing`, they are cpu::ForcedDraftBackend over it (bench
-// --spec-accept).
-Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
-                                  runtime::EngineOptions options, int n_threads, Numerics numerics,
-                                  const DraftForcing *forcing = nullptr);
+// What the engine's ranks run on.
+struct BackendChoice {
+    Device device = Device::kCpu;  // cpu: options.tp CPU ranks; cuda: options.tp ranks sharing GPU 0
+    int n_threads = 1;             // CPU threads, split over the ranks (at least one each)
+    Numerics numerics = Numerics::kDevice;
+    const DraftForcing *forcing = nullptr;  // speculation's drafts replaced (bench --spec-accept)
+};
+
+// Opens the checkpoint in `dir` and creates an engine (options without a backend factory) on `backends`. On
+// cuda, a checkpoint larger than the GPU's free memory is refused before anything is uploaded, and the upload
+// shows its progress on stderr. The error is the checkpoint's, the validation's, the device's or the engine's
+// message.
+Result<LoadedEngine> load_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
+                                 runtime::EngineOptions options, const BackendChoice &backends);
+// A backend factory for rank r of `backends` (verify's native ranks and reference), without upload progress.
+runtime::BackendFactory backend_factory(const BackendChoice &backends);
 
 // Options shared by the commands that drive the engine (run, bench, perplexity): -c/--ctx-size and
 // -ub/--ubatch-size.

@@ -8,6 +8,7 @@
 #include <exception>
 #include <limits>
 #include <map>
+#include <memory>
 #include <new>
 #include <optional>
 #include <system_error>
@@ -18,6 +19,11 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "cli/progress.h"
+#ifdef MEMRA_HAVE_CUDA
+#include "backend/cuda/convert.h"
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace memra::cli {
 
@@ -106,6 +112,40 @@ void add_numerics_option(CLI::App &sub, Numerics &numerics) {
         ->default_str("device");
 }
 
+void add_device_option(CLI::App &sub, DeviceChoice &device) {
+    const std::map<std::string, DeviceChoice> names = {{"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
+    sub.add_option("--device", device,
+                   "where the engine runs: cuda (GPU 0; device numerics; -t is unused) or cpu (default: cuda when "
+                   "this build has CUDA and a GPU is visible, else cpu)")
+        ->envname("MEMRA_DEVICE")
+        ->transform(CLI::CheckedTransformer(names));
+}
+
+bool cuda_available() {
+#ifdef MEMRA_HAVE_CUDA
+    return cuda_device_count() > 0;
+#else
+    return false;
+#endif
+}
+
+Result<Device> resolve_device(DeviceChoice choice, Numerics numerics) {
+    // Exact numerics exist on the CPU only: auto picks it, an explicit cuda is refused.
+    if (choice == DeviceChoice::kCpu || numerics == Numerics::kExact) {
+        if (choice == DeviceChoice::kCuda) {
+            return make_error("--device cuda: the GPU computes --numerics device only; exact runs with --device cpu");
+        }
+        return Device::kCpu;
+    }
+    if (cuda_available()) return Device::kCuda;
+    if (choice == DeviceChoice::kAuto) return Device::kCpu;
+#ifdef MEMRA_HAVE_CUDA
+    return make_error("--device cuda: no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
+#else
+    return make_error("--device cuda: this memra was built without the CUDA backend (no nvcc at configure time)");
+#endif
+}
+
 void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v) {
     const std::vector<std::string> kv_formats = {"f32", "bf16", "q8_0", "q5_1"};
     sub.add_option("--kv-k,--cache-type-k", kv_k, "KV cache format of the keys (also -ctk)")
@@ -187,19 +227,63 @@ std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, con
     return EngineInputs{kv_formats->first, kv_formats->second, std::move(dir), std::move(*cfg)};
 }
 
-Result<CpuEngine> load_cpu_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
-                                  runtime::EngineOptions options, int n_threads, Numerics numerics,
-                                  const DraftForcing *forcing) {
-    auto ckpt = io::Checkpoint::open(dir);
-    if (!ckpt) return tl::unexpected(ckpt.error());
-    CpuEngine out{std::move(*ckpt), nullptr};
-    const int per_rank = std::max(1, n_threads / std::max(1, options.tp));
-    options.make_backend = [per_rank, numerics, forcing](int) -> Result<std::unique_ptr<Backend>> {
+runtime::BackendFactory backend_factory(const BackendChoice &backends) {
+    const int per_rank = std::max(1, backends.n_threads);
+    const Numerics numerics = backends.numerics;
+    const DraftForcing *forcing = backends.forcing;
+#ifdef MEMRA_HAVE_CUDA
+    if (backends.device == Device::kCuda) {
+        return [numerics, forcing](int) -> Result<std::unique_ptr<Backend>> {
+            auto be = cuda::CudaBackend::create(0, numerics, forcing);
+            if (!be) return tl::unexpected(be.error());
+            return std::unique_ptr<Backend>(std::move(*be));
+        };
+    }
+#endif
+    return [per_rank, numerics, forcing](int) -> Result<std::unique_ptr<Backend>> {
         if (forcing != nullptr) {
             return std::unique_ptr<Backend>(std::make_unique<cpu::ForcedDraftBackend>(per_rank, numerics, forcing));
         }
         return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(per_rank, numerics));
     };
+}
+
+Result<LoadedEngine> load_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
+                                 runtime::EngineOptions options, const BackendChoice &backends) {
+    auto ckpt = io::Checkpoint::open(dir);
+    if (!ckpt) return tl::unexpected(ckpt.error());
+    LoadedEngine out{std::move(*ckpt), nullptr};
+    BackendChoice per_rank = backends;
+    per_rank.n_threads = std::max(1, backends.n_threads / std::max(1, options.tp));
+    options.make_backend = backend_factory(per_rank);
+#ifdef MEMRA_HAVE_CUDA
+    if (backends.device == Device::kCuda) {
+        // Every rank shares GPU 0; together they hold at least the checkpoint's bytes.
+        auto gpu = cuda::gpu_info(0);
+        if (!gpu) return tl::unexpected(gpu.error());
+        const auto weights = static_cast<int64_t>(out.ckpt.total_bytes());
+        if (weights > gpu->free_bytes) {
+            return make_error("cuda: the model's weights need {:.1f} GiB but {} has {:.1f} GiB free of {:.1f} GiB; use "
+                              "--device cpu or a larger GPU",
+                              static_cast<double>(weights) / (1 << 30), gpu->name,
+                              static_cast<double>(gpu->free_bytes) / (1 << 30),
+                              static_cast<double>(gpu->total_bytes) / (1 << 30));
+        }
+        options.rank_copy = cuda::cuda_rank_copy;
+        auto progress = std::make_shared<std::function<void(int64_t)>>(upload_progress_printer(weights));
+        auto uploaded = std::make_shared<int64_t>(0);
+        options.make_backend = [numerics = backends.numerics, forcing = backends.forcing, progress,
+                                uploaded](int) -> Result<std::unique_ptr<Backend>> {
+            auto be = cuda::CudaBackend::create(0, numerics, forcing);
+            if (!be) return tl::unexpected(be.error());
+            (*be)->set_upload_observer([progress, uploaded](int64_t bytes) {
+                *uploaded += bytes;
+                (*progress)(*uploaded);
+            });
+            return std::unique_ptr<Backend>(std::move(*be));
+        };
+    }
+#endif
     auto engine = runtime::Engine::create(out.ckpt, cfg, options);
     if (!engine) return tl::unexpected(engine.error());
     out.engine = std::move(*engine);

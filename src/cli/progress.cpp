@@ -1,7 +1,10 @@
 // Shard progress printer (see progress.h).
 #include "cli/progress.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <memory>
+#include <string>
 #include <unistd.h>
 
 namespace memra::cli {
@@ -19,6 +22,30 @@ io::ShardProgress shard_progress_printer() {
             if (done == total) std::fputc('\n', stderr);
         } else {
             std::fprintf(stderr, "Loading safetensors shards: %zu/%zu %s\n", done, total, name.c_str());
+        }
+        std::fflush(stderr);
+    };
+}
+
+std::function<void(int64_t done)> upload_progress_printer(int64_t total) {
+    const bool tty = isatty(STDERR_FILENO) != 0;
+    auto last_tenth = std::make_shared<int64_t>(-1);
+    return [tty, total, last_tenth](int64_t done) {
+        const int64_t t = total > 0 ? total : 1;
+        const int64_t tenth = std::min<int64_t>(10, done * 10 / t);
+        const double mib = 1.0 / (1024.0 * 1024.0);
+        if (tty) {
+            constexpr int64_t kWidth = 30;
+            const int64_t filled = std::min(kWidth, done * kWidth / t);
+            std::fprintf(stderr, "\rUploading weights to the GPU: [%s%s] %.0f/%.0f MiB\x1b[K",
+                         std::string(static_cast<size_t>(filled), '#').c_str(),
+                         std::string(static_cast<size_t>(kWidth - filled), ' ').c_str(), static_cast<double>(done) * mib,
+                         static_cast<double>(total) * mib);
+            if (done >= total) std::fputc('\n', stderr);
+        } else if (tenth > *last_tenth) {
+            *last_tenth = tenth;
+            std::fprintf(stderr, "Uploading weights to the GPU: %.0f/%.0f MiB\n", static_cast<double>(done) * mib,
+                         static_cast<double>(total) * mib);
         }
         std::fflush(stderr);
     };

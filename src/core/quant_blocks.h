@@ -99,6 +99,86 @@ MEMRA_HD void q8_1_dequant_block(const BlockQ8_1 &b, float *y) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Quantization of one block of 32 values (the arithmetic of the row quantizers below, documented there),
+// MEMRA_HD so kv_write and the query rounding on the GPU share the host's code.
+
+namespace detail {
+
+MEMRA_HD float quant_abs(float v) { return u32_as_f32(f32_as_u32(v) & 0x7fffffffu); }
+
+MEMRA_HD bool quant_is_nan(float v) { return v != v; }
+
+// max |x| over one block; a NaN anywhere makes the result NaN (numpy's max semantics).
+MEMRA_HD float quant_block_amax(const float *x) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) {
+        const float a = quant_abs(x[j]);
+        if (a > amax || quant_is_nan(a)) amax = a;
+    }
+    return amax;
+}
+
+// A float code converted to a byte as numpy's float32 -> int8/uint8 cast does on x86: truncation
+// toward zero, keeping the low 8 bits; NaN, +-Inf and anything beyond int32 give 0 (floats that large
+// are multiples of 256, and x86's "integer indefinite" result has a zero low byte).
+MEMRA_HD uint8_t quant_code_byte(float v) {
+    if (!(quant_abs(v) < 2147483648.0f)) return 0;
+    return static_cast<uint8_t>(static_cast<uint32_t>(static_cast<int32_t>(v)));
+}
+
+// Round half away from zero (C roundf, gguf's np_roundf); non-finite values pass through to quant_code_byte.
+MEMRA_HD float quant_round_half_away(float v) {
+    if (!(quant_abs(v) < 8388608.0f)) return v;  // NaN, Inf, or already an integer (>= 2^23)
+    const int32_t t = static_cast<int32_t>(v);
+    const float frac = quant_abs(v) - quant_abs(static_cast<float>(t));  // exact below 2^23
+    if (frac >= 0.5f) return static_cast<float>(v < 0.0f ? t - 1 : t + 1);
+    return static_cast<float>(t);
+}
+
+// Shared by q8_0 and q8_1: the scale d (unrounded) and the 32 codes.
+MEMRA_HD float quantize_q8_codes(const float *x, int8_t *qs) {
+    const float d = quant_block_amax(x) / 127.0f;
+    const float id = d == 0.0f ? 0.0f : 1.0f / d;
+    for (int j = 0; j < 32; ++j) {
+        qs[j] = static_cast<int8_t>(quant_code_byte(quant_round_half_away(x[j] * id)));
+    }
+    return d;
+}
+
+}  // namespace detail
+
+// x[32] -> one q8_0 block (quantize_row_q8_0 of one block).
+MEMRA_HD void quantize_block_q8_0(const float *x, BlockQ8_0 &y) {
+    y.d = f32_to_f16(detail::quantize_q8_codes(x, y.qs));
+}
+
+// x[32] -> one q5_1 block (quantize_row_q5_1 of one block).
+MEMRA_HD void quantize_block_q5_1(const float *x, BlockQ5_1 &y) {
+    // min and max, first one on ties; once a NaN is seen it sticks (numpy's min/max).
+    float lo = x[0];
+    float hi = x[0];
+    for (int j = 1; j < 32; ++j) {
+        if (!detail::quant_is_nan(lo) && !(x[j] >= lo)) lo = x[j];
+        if (!detail::quant_is_nan(hi) && !(x[j] <= hi)) hi = x[j];
+    }
+    const float d = (hi - lo) / 31.0f;
+    const float id = d == 0.0f ? 0.0f : 1.0f / d;
+    uint8_t q[32];
+    for (int j = 0; j < 32; ++j) {
+        const uint8_t c = detail::quant_code_byte((x[j] - lo) * id + 0.5f);
+        q[j] = c > 31 ? 31 : c;
+    }
+    uint32_t qh = 0;
+    for (int j = 0; j < 16; ++j) {
+        y.qs[j] = static_cast<uint8_t>((q[j] & 0xfu) | ((q[j + 16] & 0xfu) << 4));
+    }
+    for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>((q[j] >> 4) & 1u) << j;
+    for (int k = 0; k < 4; ++k) y.qh[k] = static_cast<uint8_t>(qh >> (8 * k));
+    y.d = f32_to_f16(d);
+    y.m = f32_to_f16(lo);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Rows: x / y hold n floats, n a multiple of 32 (MEMRA_CHECK), and n / 32 blocks.
 //
 // Quantizer arithmetic (all f32, each step rounded, fp16 by round-to-nearest-even):

@@ -43,67 +43,14 @@ Result<void> validate_sampling_params(const SamplingParams &p) {
 }
 
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
-    constexpr uint64_t kM0 = 0xD2511F53u;
-    constexpr uint64_t kM1 = 0xCD9E8D57u;
-    constexpr uint32_t kW0 = 0x9E3779B9u;  // golden ratio
-    constexpr uint32_t kW1 = 0xBB67AE85u;  // sqrt(3) - 1
-    for (int round = 0; round < 10; ++round) {
-        if (round > 0) {
-            k[0] += kW0;
-            k[1] += kW1;
-        }
-        const uint64_t p0 = kM0 * c[0];
-        const uint64_t p1 = kM1 * c[2];
-        const auto hi0 = static_cast<uint32_t>(p0 >> 32);
-        const auto lo0 = static_cast<uint32_t>(p0);
-        const auto hi1 = static_cast<uint32_t>(p1 >> 32);
-        const auto lo1 = static_cast<uint32_t>(p1);
-        c = {hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0};
-    }
+    philox4x32_10_words(c.data(), k[0], k[1]);
     return c;
-}
-
-float log_f32(float x) {
-    if (x != x) return x + x;
-    if (x < 0.0f) return u32_as_f32(0x7fc00000u);
-    if (x == 0.0f) return u32_as_f32(0xff800000u);
-    if (x == u32_as_f32(0x7f800000u)) return x;
-    int e = 0;
-    if (x < u32_as_f32(0x00800000u)) {  // subnormal: scale into the normal range (exact)
-        x = x * 8388608.0f;
-        e = -23;
-    }
-    const uint32_t bits = f32_as_u32(x);
-    e += static_cast<int>(bits >> 23) - 127;
-    float m = u32_as_f32((bits & 0x007fffffu) | 0x3f800000u);  // [1, 2)
-    if (m > 1.41421356f) {  // centre the mantissa on 1: m in [sqrt(1/2), sqrt(2)]
-        m = m * 0.5f;
-        e += 1;
-    }
-    // log m = 2 atanh(s), s = (m - 1) / (m + 1), |s| <= 0.1716: the odd series to s^11 leaves < 1e-10.
-    const float s = (m - 1.0f) / (m + 1.0f);
-    const float z = s * s;
-    float q = 1.0f / 11.0f;
-    q = q * z + 1.0f / 9.0f;
-    q = q * z + 1.0f / 7.0f;
-    q = q * z + 1.0f / 5.0f;
-    q = q * z + 1.0f / 3.0f;
-    const float log_m = 2.0f * (s + (s * z) * q);
-    const float kLn2Hi = u32_as_f32(0x3f317200u);  // 15 significant bits: e * kLn2Hi is exact
-    const float kLn2Lo = u32_as_f32(0x35bfbe8eu);
-    const auto ef = static_cast<float>(e);
-    return ef * kLn2Hi + (log_m + ef * kLn2Lo);
 }
 
 float philox_uniform(uint64_t seed, uint64_t choice, int64_t position, int32_t id) {
     MEMRA_CHECK(position >= 0 && position <= int64_t{0xffffffff}, "position {} outside [0, 2^32)", position);
     MEMRA_CHECK(id >= 0, "token id {} < 0", id);
-    const std::array<uint32_t, 4> counter = {static_cast<uint32_t>(id) / 4u, static_cast<uint32_t>(position),
-                                             static_cast<uint32_t>(choice), static_cast<uint32_t>(choice >> 32)};
-    const std::array<uint32_t, 2> key = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
-    const uint32_t word = philox4x32_10(counter, key)[static_cast<size_t>(id) % 4];
-    // 23 bits + 0.5 fit a float exactly: u in [2^-24, 1 - 2^-24], never 0 or 1.
-    return (static_cast<float>(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
+    return philox_uniform_unchecked(seed, choice, position, id);
 }
 
 float gumbel_noise(uint64_t seed, uint64_t choice, int64_t position, int32_t id) {

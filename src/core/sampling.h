@@ -13,51 +13,16 @@
 #include <vector>
 
 #include "core/result.h"
+#include "core/sampling_hd.h"
 
 namespace memra {
 
-// The filter chain, in this order (each step sees the previous step's output):
-//   1. penalties over the last penalty_last_n context tokens (llama.cpp semantics): a logit l of a token seen
-//      c > 0 times becomes (l > 0 ? l / repetition_penalty : l * repetition_penalty)
-//      - c * frequency_penalty - presence_penalty;
-//   2. temperature: l / temperature (0 = greedy: the argmax of the penalised logits, ties to the lower id;
-//      the filters and the seed then play no part);
-//   3. top-k: the k largest (ties to the lower id);
-//   4. top-p: the shortest prefix, in descending probability (softmax over the top-k survivors), whose
-//      cumulative probability reaches top_p;
-//   5. min-p: tokens whose probability is at least min_p times the largest one.
-// This is the order of Hugging Face and vLLM (temperature first). llama.cpp's default chain applies the
-// temperature last, after top-k / top-p / min-p; the two agree at temperature 1 and for top-k alone.
-struct SamplingParams {
-    float temperature = 0.8f;        // >= 0; 0 = greedy
-    int32_t top_k = 40;              // >= 0; 0 = off
-    float top_p = 0.95f;             // (0, 1]; 1 = off
-    float min_p = 0.05f;             // [0, 1]; 0 = off
-    float repetition_penalty = 1.0f; // > 0; 1 = off
-    float presence_penalty = 0.0f;   // finite; 0 = off
-    float frequency_penalty = 0.0f;  // finite; 0 = off
-    int32_t penalty_last_n = 64;     // context tokens the penalties look at; 0 = none, -1 = the whole context
-    uint64_t seed = 0;
-
-    // The context tokens the penalties read: 0 when every penalty is off, else penalty_last_n of them (-1:
-    // the whole context) and never more than the context holds.
-    int64_t penalty_context(int64_t context) const {
-        const bool active = repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f;
-        if (!active) return 0;
-        return penalty_last_n < 0 ? context : std::min<int64_t>(context, penalty_last_n);
-    }
-};
-
-// Refuses values outside the ranges above, naming the field, the range and the value found.
+// Refuses values outside SamplingParams' ranges (core/sampling_hd.h), naming the field, the range and the value found.
 Result<void> validate_sampling_params(const SamplingParams &params);
 
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC11): 10 rounds of the
 // 4x32 multiply-xor bijection over a 128-bit counter under a 64-bit key.
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
-
-// Natural log for x > 0 (x = 0 -> -Inf, x < 0 or NaN -> NaN, +Inf -> +Inf) from IEEE float operations
-// only (no libm, no FMA), so the Gumbel noise has the same bits wherever it is computed. Error about 1 ulp.
-float log_f32(float x);
 
 // The uniform in (0, 1) behind token `id` at (seed, choice, position): Philox counter
 // (id / 4, position, choice low, choice high), key (seed low, seed high), output word id % 4, whose top 23
@@ -67,39 +32,10 @@ float philox_uniform(uint64_t seed, uint64_t choice, int64_t position, int32_t i
 // The standard Gumbel noise -log(-log(u)) of that uniform.
 float gumbel_noise(uint64_t seed, uint64_t choice, int64_t position, int32_t id);
 
-// Most top alternatives a sampled token reports (OpenAI's top_logprobs limit).
-inline constexpr int32_t kMaxTopLogprobs = 20;
-
-// Log-probabilities under the model's raw distribution (log softmax of the logits, before penalties and
-// temperature, as vLLM reports by default): of the chosen token and of the n_top most likely ones.
-struct TokenLogprobs {
-    float chosen = 0.0f;
-    int32_t n_top = 0;
-    int32_t top_ids[kMaxTopLogprobs] = {};  // descending logit, ties to the lower id
-    float top_logprobs[kMaxTopLogprobs] = {};
-};
+// The log-probabilities of a chosen token and of the most likely ones (TokenLogprobs, core/sampling_hd.h).
 // logits: the row over the ids that may be sampled (NaN counts as -Inf); 0 <= chosen < logits.size();
 // 0 <= n_top <= kMaxTopLogprobs. The sum of exp(l - max) runs in increasing id order. Allocates nothing.
 void token_logprobs(std::span<const float> logits, int32_t chosen, int32_t n_top, TokenLogprobs &out);
-
-// One row a sampling op draws from, as the engine writes it into a step's tables (plain bytes, the same on
-// host and device).
-struct SampleRow {
-    SamplingParams params;     // validated at the boundary
-    uint64_t choice = 0;       // the random stream: (params.seed, choice, position)
-    int64_t position = 0;      // where the sampled token will sit, in [0, 2^32)
-    int32_t logit_row = 0;     // the row of the logits buffer
-    int32_t history_begin = 0;  // the penalty context: history[history_begin, + history_len)
-    int32_t history_len = 0;
-    int32_t top_logprobs = -1;  // -1: no log-probabilities; 0 .. kMaxTopLogprobs alternatives
-};
-
-// What a sampling op writes for one row; read back by the step's one device -> host copy.
-struct SampledToken {
-    int32_t id = 0;
-    int32_t has_logprobs = 0;
-    TokenLogprobs logprobs;
-};
 
 class Sampler {
 public:

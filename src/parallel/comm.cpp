@@ -86,12 +86,14 @@ struct RankState {
     bool saw_abort = false;   // an operation of this rank failed because the group was aborted
 };
 
+void host_copy(void *dst, const void *src, size_t n) { std::memcpy(dst, src, n); }
+
 }  // namespace
 
 struct InProcessGroup::State {
     class RankComm;
 
-    explicit State(int n_ranks);
+    State(int n_ranks, ByteCopy byte_copy);
 
     Result<void> collective(int me, const CollectiveDesc &desc, std::byte *dst);
     Result<void> check_collective(int slot, int64_t index) const;
@@ -112,6 +114,7 @@ struct InProcessGroup::State {
     tl::unexpected<Error> aborted_error(int me, const char *op);
 
     int n = 0;
+    ByteCopy copy;  // how bytes move between ranks' buffers
     std::mutex mu;
     std::unique_ptr<RankState[]> ranks;  // [n]
     std::vector<RankComm> comms;         // [n]
@@ -230,7 +233,8 @@ private:
     int rank_;
 };
 
-InProcessGroup::State::State(int n_ranks) : n(n_ranks), ranks(std::make_unique<RankState[]>(n_ranks)) {
+InProcessGroup::State::State(int n_ranks, ByteCopy byte_copy)
+    : n(n_ranks), copy(byte_copy != nullptr ? byte_copy : host_copy), ranks(std::make_unique<RankState[]>(n_ranks)) {
     // A full exchange with every peer is one send and one recv per peer.
     for (int r = 0; r < n; ++r) ranks[r].ops.reserve(2 * static_cast<size_t>(n));
     comms.reserve(static_cast<size_t>(n));
@@ -415,10 +419,10 @@ Result<void> InProcessGroup::State::collective(int me, const CollectiveDesc &des
         for (int r = 0; r < n; ++r) {
             const CollectiveDesc &d = ranks[r].desc[slot];
             std::byte *out = dst + static_cast<size_t>(r) * d.bytes;
-            if (d.bytes > 0 && d.src != out) std::memcpy(out, d.src, d.bytes);
+            if (d.bytes > 0 && d.src != out) copy(out, d.src, d.bytes);
         }
     } else if (me != desc.root && desc.bytes > 0) {
-        std::memcpy(dst, ranks[desc.root].desc[slot].src, desc.bytes);
+        copy(dst, ranks[desc.root].desc[slot].src, desc.bytes);
     }
 
     lock.lock();
@@ -480,7 +484,7 @@ Result<void> InProcessGroup::State::run_group(int me, const char *op) {
         // The sender cannot return while its entry is kCopying, so its buffer outlives the copy.
         match->state = P2pState::kCopying;
         lock.unlock();
-        if (o.bytes > 0) std::memcpy(o.dst, match->src, o.bytes);
+        if (o.bytes > 0) copy(o.dst, match->src, o.bytes);
         lock.lock();
         match->state = P2pState::kDone;
         ranks[o.peer].cv.notify_one();
@@ -563,11 +567,11 @@ InProcessGroup::~InProcessGroup() {
     if (state_) state_->stop_rank_threads();  // else moved from
 }
 
-Result<InProcessGroup> InProcessGroup::create(int n_ranks) {
+Result<InProcessGroup> InProcessGroup::create(int n_ranks, ByteCopy copy) {
     if (n_ranks < 1 || n_ranks > kMaxRanks) {
         return make_error("in-process group: expected 1 to {} ranks, found {}", kMaxRanks, n_ranks);
     }
-    auto state = std::make_unique<State>(n_ranks);
+    auto state = std::make_unique<State>(n_ranks, copy);
     for (int r = 0; r < n_ranks; ++r) {
         try {
             state->workers.emplace_back([s = state.get(), r] { s->rank_thread(r); });

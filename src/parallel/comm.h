@@ -77,8 +77,13 @@ public:
 // for. An aborted group stays aborted.
 class InProcessGroup {
 public:
+    // How the group moves bytes between ranks' buffers: std::memcpy for host memory (nullptr), or a copy that
+    // also reaches device memory (ranks sharing one GPU: cuda::cuda_rank_copy, which orders after the work
+    // queued on the device). Must be callable from every rank thread at once.
+    using ByteCopy = void (*)(void *dst, const void *src, size_t n);
+
     // 1 <= n_ranks <= kMaxRanks.
-    static Result<InProcessGroup> create(int n_ranks);
+    static Result<InProcessGroup> create(int n_ranks, ByteCopy copy = nullptr);
 
     // A bound only to refuse absurd requests before allocating; each rank is a thread.
     static constexpr int kMaxRanks = 4096;

@@ -166,7 +166,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
     e->swa_ = kv::PagePool(static_cast<int32_t>(swa_pages));
 
     if (o.tp > 1) {
-        auto group = parallel::InProcessGroup::create(o.tp);
+        auto group = parallel::InProcessGroup::create(o.tp, o.rank_copy);
         if (!group) return wrap_error("engine", group.error());
         e->group_.emplace(std::move(*group));
     }

@@ -64,6 +64,9 @@ struct EngineOptions {
                                           // rows between steps); 0: max_seqs
     int32_t sample_vocab = 0;             // ids [0, n) may be sampled (the tokenizer's real ids); 0: every id
     BackendFactory make_backend;
+    // How tp > 1 ranks exchange their backend buffers (parallel::InProcessGroup::ByteCopy): nullptr for host
+    // buffers, cuda::cuda_rank_copy for ranks sharing a GPU.
+    parallel::InProcessGroup::ByteCopy rank_copy = nullptr;
 };
 
 // Which trunk rows of a step item compute logits.

@@ -949,10 +949,12 @@ void emit(VerifyReport &report, const VerifyOptions &o, VerifyLine line) {
 
 // An engine for the scenario on tp ranks, every rank's backend from make(rank).
 Result<std::unique_ptr<Engine>> scenario_engine(const io::Checkpoint &ckpt, const Step35Config &cfg,
-                                                const Scenario &sc, int tp, BackendFactory make) {
+                                                const Scenario &sc, int tp, BackendFactory make,
+                                                parallel::InProcessGroup::ByteCopy rank_copy) {
     EngineOptions e = sc.engine;
     e.tp = tp;
     e.make_backend = std::move(make);
+    e.rank_copy = rank_copy;
     return Engine::create(ckpt, cfg, e);
 }
 
@@ -993,7 +995,7 @@ std::vector<float> logit_rows(const std::vector<float> &all, std::pair<int64_t, 
 
 Result<Reference> run_reference(const io::Checkpoint &ckpt, const Step35Config &cfg, const Scenario &sc,
                                 const VerifyOptions &o, VerifyReport &report) {
-    auto made = scenario_engine(ckpt, cfg, sc, 1, [&o](int) { return o.make_reference_backend(); });
+    auto made = scenario_engine(ckpt, cfg, sc, 1, [&o](int) { return o.make_reference_backend(); }, o.rank_copy);
     if (!made) return wrap_error("reference", made.error());
     Engine &engine = **made;
     std::optional<ExpertOracle> oracle;
@@ -1114,7 +1116,8 @@ public:
     // Runs every stage; returns the error that stopped the run (also on a failed line), or empty.
     std::string run(const io::Checkpoint &ckpt) {
         const int tp = tp_;
-        auto made = scenario_engine(ckpt, cfg_, sc_, tp_, [this, tp](int rank) { return o_.make_rank_backend(tp, rank); });
+        auto made = scenario_engine(ckpt, cfg_, sc_, tp_, [this, tp](int rank) { return o_.make_rank_backend(tp, rank); },
+                                    o_.rank_copy);
         if (!made) return fail("create", made.error().message);
         e_ = std::move(*made);
         if (o_.count_allocations) e_->set_allocation_counter(o_.count_allocations);

@@ -18,6 +18,7 @@
 #include "core/kv_format.h"
 #include "core/result.h"
 #include "io/safetensors.h"
+#include "parallel/comm.h"
 #include "model/step35_config.h"
 
 namespace memra::runtime {
@@ -42,6 +43,8 @@ struct VerifyOptions {
     uint64_t seed = 0x5eed;  // of the token ids (uniform over the vocabulary)
     ReferenceBackendFactory make_reference_backend;
     RankBackendFactory make_rank_backend;
+    // How tp > 1 ranks exchange backend buffers (EngineOptions::rank_copy); nullptr: host memory.
+    parallel::InProcessGroup::ByteCopy rank_copy = nullptr;
     // The process's heap allocations so far (a counting operator new), or empty: then allocations are not
     // counted and HOT_PATH_ALLOCS is skipped.
     std::function<int64_t()> count_allocations;

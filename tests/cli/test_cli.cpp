@@ -52,7 +52,8 @@ struct RunResult {
 };
 
 // Extra environment for one run. Every inherited MEMRA_* variable is dropped first, so the caller's
-// environment (MEMRA_MODEL, MEMRA_TP, ...) cannot change what a test sees.
+// environment (MEMRA_MODEL, MEMRA_TP, ...) cannot change what a test sees; runs are on the CPU (MEMRA_DEVICE=cpu,
+// unless the extra environment says otherwise), whether or not the machine has a GPU.
 using EnvVars = std::vector<std::pair<std::string, std::string>>;
 
 std::vector<std::string> child_environment(const EnvVars &extra) {
@@ -60,7 +61,12 @@ std::vector<std::string> child_environment(const EnvVars &extra) {
     for (char **e = environ; e != nullptr && *e != nullptr; ++e) {
         if (std::strncmp(*e, "MEMRA_", 6) != 0) env.emplace_back(*e);
     }
-    for (const auto &[key, value] : extra) env.push_back(key + "=" + value);
+    bool device_given = false;
+    for (const auto &[key, value] : extra) {
+        env.push_back(key + "=" + value);
+        device_given = device_given || key == "MEMRA_DEVICE";
+    }
+    if (!device_given) env.emplace_back("MEMRA_DEVICE=cpu");
     return env;
 }
 
@@ -820,7 +826,7 @@ TEST_F(CliTest, MakeTinyIntoANonEmptyDirectoryNeedsForce) {
 TEST_F(CliTest, MakeTinyRefusesUnknownPresetAndDtypeListingTheChoices) {
     RunResult r = run_memra({"make-tiny", (dir_ / "m").string(), "--preset", "nope"});
     EXPECT_EQ(r.exit_code, 2) << describe(r);
-    EXPECT_TRUE(contains(r.err, "--preset: nope not in {tiny,small}")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "--preset: nope not in {tiny,small,release}")) << describe(r);
     r = run_memra({"make-tiny", (dir_ / "m").string(), "--dtype", "fp16"});
     EXPECT_EQ(r.exit_code, 2) << describe(r);
     EXPECT_TRUE(contains(r.err, "--dtype: fp16 not in {bf16,fp8}")) << describe(r);
@@ -950,6 +956,41 @@ TEST_F(CliTest, RunGreedyIsIndependentOfThreadsAndKvFlagSpellings) {
     EXPECT_EQ(generated_tokens(f32.err), 16) << describe(f32);
 }
 
+// --device cuda: on a GPU the greedy text is the CPU's (the CUDA backend computes the CPU's device numerics bit for
+// bit); without one (or without CUDA in the build) a clear refusal. Exact numerics are refused on the GPU.
+TEST_F(CliTest, RunDeviceCudaMatchesTheCpuOrRefusesClearly) {
+    const std::vector<std::string> args = {"run", "-p", "Hello world", "-n", "16", "--ignore-eos", "--temp", "0"};
+    auto on = [&](const char *device) {
+        std::vector<std::string> a = args;
+        a.insert(a.end(), {"--device", device});
+        return run_memra(a);
+    };
+    const RunResult cpu = on("cpu");
+    ASSERT_EQ(cpu.exit_code, 0) << describe(cpu);
+    const RunResult gpu = on("cuda");
+    if (gpu.exit_code == 0) {
+        EXPECT_EQ(gpu.out, cpu.out) << describe(gpu);
+        EXPECT_EQ(generated_tokens(gpu.err), 16) << describe(gpu);
+    } else {
+        EXPECT_EQ(gpu.exit_code, 1) << describe(gpu);
+        EXPECT_TRUE(contains(gpu.err, "error: --device cuda: ")) << describe(gpu);
+        EXPECT_TRUE(contains(gpu.err, "no CUDA device is visible") || contains(gpu.err, "without the CUDA backend"))
+            << describe(gpu);
+    }
+    std::vector<std::string> exact = args;
+    exact.insert(exact.end(), {"--device", "cuda", "--numerics", "exact"});
+    const RunResult ex = run_memra(exact);
+    EXPECT_EQ(ex.exit_code, 1) << describe(ex);
+    EXPECT_TRUE(contains(ex.err, "error: --device cuda: ")) << describe(ex);
+    // The environment mirror, and an unknown device (a usage error naming the choices).
+    const RunResult env = run_memra(args, {{"MEMRA_DEVICE", "cpu"}});
+    ASSERT_EQ(env.exit_code, 0) << describe(env);
+    EXPECT_EQ(env.out, cpu.out);
+    const RunResult bad = on("tpu");
+    EXPECT_EQ(bad.exit_code, 2) << describe(bad);
+    EXPECT_TRUE(contains(bad.err, "--device")) << describe(bad);
+}
+
 TEST_F(CliTest, RunZeroTokensOnlyEvaluatesThePrompt) {
     const RunResult r = run_memra({"run", "-p", "Hello", "-n", "0"});
     ASSERT_EQ(r.exit_code, 0) << describe(r);
@@ -1052,7 +1093,8 @@ TEST_F(CliTest, RunHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
                 "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk", "-ctv",
                 "-t,--threads", "MEMRA_THREADS", "--ignore-eos", "MEMRA_IGNORE_EOS", "-c,--ctx-size", "MEMRA_CTX_SIZE",
                 "--ubatch-size", "-ub", "MEMRA_UBATCH", "=4096", "=512", "=64", "=0.8", "=40", "=0.95", "=0.05",
-                "=bf16", "--spec-draft,--draft", "MEMRA_SPEC_DRAFT"});
+                "=bf16", "--spec-draft,--draft", "MEMRA_SPEC_DRAFT", "--device", "MEMRA_DEVICE", "--numerics",
+                "MEMRA_NUMERICS"});
 }
 
 // ---- bench -------------------------------------------------------------------------------------------
@@ -1135,8 +1177,9 @@ TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
     for (size_t i = 0; i < tests.size(); ++i) {
         const Json &t = report[i];
         const auto &[name, n_prompt, n_gen] = tests[i];
-        EXPECT_EQ(t.size(), 17u) << t.dump();
+        EXPECT_EQ(t.size(), 18u) << t.dump();
         EXPECT_EQ(t.at("tp"), 1);
+        EXPECT_EQ(t.at("parallel"), 1);
         EXPECT_EQ(t.at("numerics"), "device");
         EXPECT_EQ(t.at("isa"), memra::cpu::product_isa_name(memra::cpu::product_isa()));
         EXPECT_GT(t.at("peak_rss_bytes").get<int64_t>(), int64_t{10} << 20);
@@ -1185,6 +1228,24 @@ TEST_F(CliTest, BenchRunsOnTensorParallelCpuRanks) {
     const RunResult bad = run_memra({"bench", "-p", "8", "-n", "2", "-r", "1", "--tp", "3"}, tiny_env());
     EXPECT_EQ(bad.exit_code, 1) << describe(bad);
     EXPECT_TRUE(contains(bad.err, "error: --tp 3: ")) << describe(bad);
+}
+
+// --parallel B: a tgN xB row after tgN, counting every sequence's tokens; the batched tokens must be tg's (the bench
+// fails otherwise), so a row at all proves batch invariance of the greedy tokens.
+TEST_F(CliTest, BenchParallelAddsABatchedDecodeRow) {
+    const RunResult r = run_memra({"bench", "-p", "0", "-n", "6", "-r", "1", "-t", "2", "--parallel", "3", "-o", "json"},
+                                  tiny_env());
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const Json report = Json::parse(r.out);
+    ASSERT_EQ(report.size(), 2u) << r.out;
+    EXPECT_EQ(report[0].at("test"), "tg6");
+    EXPECT_EQ(report[0].at("parallel"), 1);
+    EXPECT_EQ(report[1].at("test"), "tg6 x3");
+    EXPECT_EQ(report[1].at("parallel"), 3);
+    const double ms = report[1].at("samples_ms")[0].get<double>();
+    EXPECT_NEAR(report[1].at("avg_ts").get<double>(), 18 * 1000.0 / ms, 1e-6 * report[1].at("avg_ts").get<double>());
+    const RunResult bad = run_memra({"bench", "-n", "2", "--parallel", "0"}, tiny_env());
+    EXPECT_EQ(bad.exit_code, 2) << describe(bad);
 }
 
 TEST_F(CliTest, BenchSkipsATestOfSizeZero) {
@@ -1425,7 +1486,8 @@ TEST_F(CliTest, BenchHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
                   "MEMRA_PRINT_TOKENS", "--experts", "MEMRA_EXPERTS", "--layer", "MEMRA_LAYER", "--tokens",
                   "MEMRA_TOKENS", "=64", "--tp,--tensor-parallel-size", "MEMRA_TP", "--warmup", "MEMRA_WARMUP", "=3",
                   "--iterations", "MEMRA_ITERATIONS", "=20", "-c,--ctx-size", "MEMRA_CTX_SIZE", "--ubatch-size", "-ub",
-                  "MEMRA_UBATCH", "--spec-draft,--draft", "MEMRA_SPEC_DRAFT", "--spec-accept", "MEMRA_SPEC_ACCEPT"});
+                  "MEMRA_UBATCH", "--spec-draft,--draft", "MEMRA_SPEC_DRAFT", "--spec-accept", "MEMRA_SPEC_ACCEPT",
+                  "--parallel", "MEMRA_BENCH_PARALLEL", "--device", "MEMRA_DEVICE"});
     EXPECT_FALSE(contains(r.out, "--ep")) << describe(r);
 }
 

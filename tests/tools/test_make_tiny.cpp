@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -24,6 +25,7 @@
 #include "make_tiny/tiny_presets.h"
 #include "make_tiny/tiny_tokenizer.h"
 #include "make_tiny/tiny_weights.h"
+#include "model/step35_config.h"
 
 namespace memra::tools {
 namespace {
@@ -440,6 +442,50 @@ TEST_F(MakeTinyTest, MoeIntermediateSizeReplacesThePresetsExpertWidthOnly) {
               (std::vector<int64_t>{16, 100, 256}));
 }
 
+// --layers and --experts: the trunk depth (MoE from the preset's first MoE layer on, clamps kept by index) and
+// the routed experts; the config says so and the checkpoint loads; out-of-range values are refused.
+TEST_F(MakeTinyTest, LayersAndExpertsReplaceThePresetsDepthAndExperts) {
+    TinyOptions o;
+    o.out_dir = root_ / "deep";
+    o.seed = 5;
+    o.layers = 8;
+    o.experts = 12;
+    ASSERT_TRUE(make_tiny_checkpoint(o).has_value());
+    const std::string config = read_file(root_ / "deep" / "config.json");
+    EXPECT_NE(config.find("\"num_hidden_layers\": 8,"), std::string::npos) << config;
+    EXPECT_NE(config.find("\"moe_layers_enum\": \"2,3,4,5,6,7\","), std::string::npos) << config;
+    EXPECT_NE(config.find("\"moe_num_experts\": 12,"), std::string::npos) << config;
+    auto cfg = model::load_step35_config(root_ / "deep");
+    ASSERT_TRUE(cfg.has_value()) << cfg.error().message;
+    EXPECT_EQ(cfg->n_layers, 8);
+    io::Checkpoint ck = open_checkpoint(root_ / "deep");
+    ASSERT_NE(ck.find("model.layers.7.moe.gate_proj.weight"), nullptr);
+    EXPECT_EQ(ck.find("model.layers.7.moe.gate_proj.weight")->shape, (std::vector<int64_t>{12, 96, 256}));
+    ASSERT_NE(ck.find("model.layers.8.eh_proj.weight"), nullptr);  // the MTP layer follows the trunk
+
+    o.out_dir = root_ / "shallow";
+    o.layers = 2;
+    o.experts = 0;
+    ASSERT_TRUE(make_tiny_checkpoint(o).has_value());
+    EXPECT_NE(read_file(root_ / "shallow" / "config.json").find("\"num_hidden_layers\": 2,"), std::string::npos);
+    EXPECT_EQ(open_checkpoint(root_ / "shallow").find("model.layers.1.moe.gate_proj.weight"), nullptr);  // all dense
+
+    for (const auto &[layers, experts, message] :
+         std::vector<std::tuple<int64_t, int64_t, std::string>>{
+             {-1, 0, "make-tiny: layers must be in [1, 64] (0 keeps the preset's 6), found -1"},
+             {65, 0, "make-tiny: layers must be in [1, 64] (0 keeps the preset's 6), found 65"},
+             {0, 7, "make-tiny: experts must be in [8, 512] (top-k .. max; 0 keeps the preset's 16), found 7"},
+             {0, 513, "make-tiny: experts must be in [8, 512] (top-k .. max; 0 keeps the preset's 16), found 513"}}) {
+        o.out_dir = root_ / "bad";
+        o.layers = layers;
+        o.experts = experts;
+        auto refused = make_tiny_checkpoint(o);
+        ASSERT_FALSE(refused.has_value()) << layers << " " << experts;
+        EXPECT_EQ(refused.error().message, message);
+        EXPECT_FALSE(fs::exists(root_ / "bad"));
+    }
+}
+
 // A config.json text with its "sliding_window" line removed.
 std::string config_without_window(const std::string &config) {
     const size_t at = config.find("\"sliding_window\"");
@@ -477,7 +523,7 @@ TEST_F(MakeTinyTest, SlidingWindowReplacesThePresetsWindowOnly) {
 }
 
 TEST(MakeTinyPresets, NamesAndDescriptions) {
-    EXPECT_EQ(tiny_preset_names(), (std::vector<std::string>{"tiny", "small"}));
+    EXPECT_EQ(tiny_preset_names(), (std::vector<std::string>{"tiny", "small", "release"}));
     for (const TinyPresetInfo &p : tiny_presets()) {
         EXPECT_FALSE(p.description.empty()) << p.name;
         EXPECT_EQ(p.description.find('\n'), std::string::npos) << p.name;

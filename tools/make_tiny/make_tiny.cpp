@@ -227,6 +227,31 @@ Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
         preset->swiglu_limits_shared.resize(static_cast<size_t>(preset->n_total_layers()),
                                             preset->swiglu_limits_shared.back());
     }
+    if (options.layers < 0 || options.layers > kMaxTinyLayers) {
+        return make_error("make-tiny: layers must be in [1, {}] (0 keeps the preset's {}), found {}", kMaxTinyLayers,
+                          preset->n_layers, options.layers);
+    }
+    if (options.layers > 0) {
+        // Trunk clamps kept by index (new layers: none), the MTP layers' after them; MoE from the first MoE layer on.
+        const auto old_trunk = static_cast<size_t>(preset->n_layers);
+        const auto resize = [&](std::vector<double> &lim) {
+            std::vector<double> out(static_cast<size_t>(options.layers), 0.0);
+            for (size_t i = 0; i < out.size() && i < old_trunk; ++i) out[i] = lim[i];
+            out.insert(out.end(), lim.begin() + static_cast<std::ptrdiff_t>(old_trunk), lim.end());
+            lim = std::move(out);
+        };
+        resize(preset->swiglu_limits);
+        resize(preset->swiglu_limits_shared);
+        const int64_t first_moe = preset->moe_layers.empty() ? options.layers : preset->moe_layers.front();
+        preset->moe_layers.clear();
+        for (int64_t l = first_moe; l < options.layers; ++l) preset->moe_layers.push_back(l);
+        preset->n_layers = options.layers;
+    }
+    if (options.experts != 0 && (options.experts < preset->top_k || options.experts > kMaxTinyExperts)) {
+        return make_error("make-tiny: experts must be in [{}, {}] (top-k .. max; 0 keeps the preset's {}), found {}",
+                          preset->top_k, kMaxTinyExperts, preset->n_experts, options.experts);
+    }
+    if (options.experts > 0) preset->n_experts = options.experts;
     if (options.out_dir.empty()) {
         return make_error("make-tiny: no output directory given");
     }

@@ -15,6 +15,9 @@ namespace memra::tools {
 
 // The widest routed expert make-tiny writes (16 experts x 3 matrices x 256 x 8192 is 100M weights per layer).
 inline constexpr int64_t kMaxTinyMoeIntermediateSize = 8192;
+// The deepest trunk and the most routed experts make-tiny writes (the release has 45 layers, 288 experts).
+inline constexpr int64_t kMaxTinyLayers = 64;
+inline constexpr int64_t kMaxTinyExperts = 512;
 
 struct TinyOptions {
     std::filesystem::path out_dir;
@@ -31,6 +34,11 @@ struct TinyOptions {
     // Replaces the preset's MTP layer count (num_nextn_predict_layers) when > 0, 1 .. 3 (speculation tests on
     // the tiny preset want the release's three). 0: the preset's.
     int64_t mtp_layers = 0;
+    // Replaces the preset's trunk depth (num_hidden_layers) when > 0, 1 .. kMaxTinyLayers: MoE layers run from
+    // the preset's first MoE layer to the last trunk layer; added layers have no clamp. 0: the preset's.
+    int64_t layers = 0;
+    // Replaces the preset's routed experts (moe_num_experts) when > 0, top_k .. kMaxTinyExperts. 0: the preset's.
+    int64_t experts = 0;
 };
 
 struct TinySummary {

@@ -74,6 +74,34 @@ std::vector<TinyPreset> make_table() {
     small.swiglu_limits_shared = limits(11, {{1, 2.5}, {7, 2.5}});
     small.max_shard_bytes = 16u << 20;
     table.push_back(small);
+
+    // The release's widths and layer pattern (STEP35.md section 2) at a few layers and experts: the shapes the
+    // GPU kernels serve (head_dim 128, widths multiples of 128).
+    TinyPreset release;
+    release.name = "release";
+    release.description =
+        "Step-3.5-Flash widths (d=4096, 64/96 heads, 8 KV, head_dim 128, experts 1280 wide top-8, vocab 128896), "
+        "4 layers + 1 MTP, 32 experts (--layers, --experts): 1.6B params, 3.3 GB bf16 (GPU tests)";
+    release.d_model = 4096;
+    release.head_dim = 128;
+    release.n_heads_full = 64;
+    release.n_heads_sliding = 96;
+    release.n_kv_heads = 8;
+    release.n_layers = 4;
+    release.n_mtp = 1;
+    release.window = 512;
+    release.d_ff = 11264;
+    release.moe_layers = {3};  // the release's: every layer from 3 on
+    release.n_experts = 32;
+    release.top_k = 8;
+    release.d_expert = 1280;
+    release.d_shared = 1280;
+    release.vocab_size = 128896;
+    release.max_seq_len = 4096;
+    release.swiglu_limits = limits(5, {{3, 7.0}});
+    release.swiglu_limits_shared = limits(5, {{3, 16.0}});
+    release.max_shard_bytes = 1u << 30;
+    table.push_back(release);
     return table;
 }
 

@@ -1,6 +1,7 @@
 // CpuBackend: each op checks its views' shapes (programming errors abort with both shapes), counts one
 // launch and calls the CPU reference kernel; weights stay where the caller mapped them.
 #include "backend/cpu/cpu_backend.h"
+#include "backend/op_checks.h"
 
 #include <cstring>
 #include <new>
@@ -30,10 +31,7 @@ int64_t *i64(TensorView v) {
     return static_cast<int64_t *>(v.data);
 }
 
-void check_same_shape(const char *op, TensorView a, TensorView b) {
-    MEMRA_CHECK(a.rows() == b.rows() && a.row_elems() == b.row_elems(), "{}: views [{}, {}] and [{}, {}] differ", op,
-                a.rows(), a.row_elems(), b.rows(), b.row_elems());
-}
+using op_checks::same_shape;
 
 // The shape checks of a grouped product over bank bk (holding experts [e0, e1) of the layer); returns the
 // offsets, whose expert e rows are [offsets[e] - offsets[e0], offsets[e + 1] - offsets[e0]) of x and y.
@@ -42,43 +40,10 @@ const int32_t *grouped_offsets(const char *op, TensorView x, const WeightBankRef
     const int32_t *off = i32(offsets);
     const int64_t e0 = bk.first_expert;
     const int64_t e1 = e0 + bk.n_experts;
-    MEMRA_CHECK(offsets.numel() >= e1 + 1 && x.row_elems() == bk.cols && y.rows() == x.rows() &&
-                    y.row_elems() == bk.rows,
-                "{}: x [{}, {}], bank [{}, {}, {}] from expert {}, {} offsets, y [{}, {}]", op, x.rows(), x.row_elems(),
-                bk.n_experts, bk.rows, bk.cols, e0, offsets.numel(), y.rows(), y.row_elems());
+    op_checks::grouped(op, x, bk.n_experts, bk.rows, bk.cols, e0, offsets, y);
     MEMRA_CHECK(off[e0] <= off[e1] && off[e1] - off[e0] <= x.rows(),
                 "{}: experts [{}, {}) own {} rows, x holds {}", op, e0, e1, off[e1] - off[e0], x.rows());
     return off;
-}
-
-bool linear_dtype(DType t) {
-    return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16 || t == DType::kF8E4M3;
-}
-
-// A range [begin, end) of an axis of n entries: non-empty and inside.
-Result<void> check_axis(const char *what, int64_t begin, int64_t end, int64_t n) {
-    if (begin < 0 || begin >= end || end > n) {
-        return make_error("cpu upload: window {} [{}, {}) must be non-empty inside [0, {})", what, begin, end, n);
-    }
-    return {};
-}
-
-// A K window other than the whole K must be whole canonical blocks forming an aligned subtree.
-Result<void> check_k_window(int64_t k0, int64_t k1, int64_t k) {
-    if (k0 == 0 && k1 == k) return {};
-    const int64_t blocks = kCanonicalBlocks;
-    if (k % blocks != 0) {
-        return make_error("cpu upload: K window [{}, {}) of a matrix with K = {}, which has no {} canonical blocks", k0,
-                          k1, k, blocks);
-    }
-    const int64_t bs = k / blocks;
-    const int64_t m = (k1 - k0) / bs;
-    if (k0 % bs != 0 || k1 % bs != 0 || !(m == 1 || m == 2 || m == 4 || m == 8) || (k0 / bs) % m != 0) {
-        return make_error("cpu upload: K window [{}, {}) is not an aligned subtree of the {} canonical blocks of {} "
-                          "columns (K = {})",
-                          k0, k1, blocks, bs, k);
-    }
-    return {};
 }
 
 }  // namespace
@@ -121,17 +86,7 @@ Result<MatrixId> CpuBackend::upload_matrix(const HostMatrix &m) {
 }
 
 Result<MatrixId> CpuBackend::upload_matrix_window(const HostMatrix &m, const MatrixWindow &win) {
-    if (!linear_dtype(m.dtype)) return make_error("cpu upload: matrix dtype {} is not supported", dtype_name(m.dtype));
-    if (m.rows <= 0 || m.cols <= 0 || m.data == nullptr) {
-        return make_error("cpu upload: matrix [{}, {}] must be non-empty with data", m.rows, m.cols);
-    }
-    if (m.dtype == DType::kF8E4M3 && (m.scale_inv == nullptr || m.block_rows < 1 || m.block_cols < 1)) {
-        return make_error("cpu upload: F8_E4M3 matrix [{}, {}] needs scale_inv and positive block sizes", m.rows,
-                          m.cols);
-    }
-    if (auto ok = check_axis("rows", win.row_begin, win.row_end, m.rows); !ok) return tl::unexpected(ok.error());
-    if (auto ok = check_axis("columns", win.col_begin, win.col_end, m.cols); !ok) return tl::unexpected(ok.error());
-    if (auto ok = check_k_window(win.col_begin, win.col_end, m.cols); !ok) return tl::unexpected(ok.error());
+    if (auto ok = op_checks::matrix_upload("cpu upload", m, win); !ok) return tl::unexpected(ok.error());
     WeightRef w;
     w.dtype = m.dtype;
     w.data = m.data;
@@ -151,20 +106,7 @@ Result<MatrixId> CpuBackend::upload_matrix_window(const HostMatrix &m, const Mat
 Result<BankId> CpuBackend::upload_bank(const HostBank &b) { return upload_bank_window(b, BankWindow::whole(b)); }
 
 Result<BankId> CpuBackend::upload_bank_window(const HostBank &b, const BankWindow &win) {
-    if (!linear_dtype(b.dtype)) {
-        return make_error("cpu upload: expert bank dtype {} is not supported", dtype_name(b.dtype));
-    }
-    if (b.n_experts <= 0 || b.rows <= 0 || b.cols <= 0 || b.data == nullptr) {
-        return make_error("cpu upload: expert bank [{}, {}, {}] must be non-empty with data", b.n_experts, b.rows,
-                          b.cols);
-    }
-    if (b.dtype == DType::kF8E4M3 && (b.scale_inv == nullptr || b.block_rows < 1 || b.block_cols < 1)) {
-        return make_error("cpu upload: F8_E4M3 expert bank [{}, {}, {}] needs scale_inv and positive block sizes",
-                          b.n_experts, b.rows, b.cols);
-    }
-    if (auto ok = check_axis("experts", win.expert_begin, win.expert_end, b.n_experts); !ok) {
-        return tl::unexpected(ok.error());
-    }
+    if (auto ok = op_checks::bank_upload("cpu upload", b, win); !ok) return tl::unexpected(ok.error());
     WeightBankRef w;
     w.dtype = b.dtype;
     w.data = b.data;
@@ -247,20 +189,7 @@ const CpuBackend::KvPool &CpuBackend::kv_pool(KvPoolId id) const {
 TensorView CpuBackend::kv_pool_storage(KvPoolId pool) const { return kv_pool(pool).storage; }
 
 PagedLayer CpuBackend::paged_layer(const KvPool &pool, int layer) const {
-    MEMRA_CHECK(layer >= 0 && static_cast<size_t>(layer) < pool.spec.layers.size(), "cpu: KV pool layer {} of {}",
-                layer, pool.spec.layers.size());
-    const auto l = static_cast<size_t>(layer);
-    PagedLayer p;
-    p.base = static_cast<std::byte *>(pool.storage.data);
-    p.n_pages = pool.spec.n_pages;
-    p.page_bytes = pool.layout.page_bytes;
-    p.k_offset = pool.layout.k_offset[l];
-    p.v_offset = pool.layout.v_offset[l];
-    p.k_row_bytes = pool.layout.k_row_bytes[l];
-    p.v_row_bytes = pool.layout.v_row_bytes[l];
-    p.k_format = pool.spec.k_format;
-    p.v_format = pool.spec.v_format;
-    return p;
+    return pool_layer(pool.spec, pool.layout, static_cast<std::byte *>(pool.storage.data), layer);
 }
 
 Result<void> CpuBackend::prepare_sampling(int32_t vocab_size) {
@@ -295,54 +224,49 @@ Result<void> CpuBackend::embedding(MatrixId table, TensorView ids, TensorView ou
 
 void CpuBackend::rms_norm(TensorView x, VectorId w, float eps, TensorView y) {
     ++counters_.launches;
-    check_same_shape("rms_norm", x, y);
+    same_shape("rms_norm", x, y);
     const HostVector &v = host_vector(w);
-    MEMRA_CHECK(v.n == x.row_elems(), "rms_norm: weight [{}] for rows of {}", v.n, x.row_elems());
+    op_checks::norm_weight("rms_norm", v.n, x);
     cpu::rms_norm(pool_, f32(x), x.rows(), x.row_elems(), NormWeight{v.data, v.dtype, true}, eps, f32(y));
 }
 
 void CpuBackend::rms_norm_heads(TensorView x, int64_t n_heads, int64_t head_dim, VectorId w, float eps) {
     ++counters_.launches;
     const HostVector &v = host_vector(w);
-    MEMRA_CHECK(v.n == head_dim && x.row_elems() == n_heads * head_dim, "rms_norm_heads: weight [{}], rows of {}",
-                v.n, x.row_elems());
+    op_checks::rms_norm_heads(x, n_heads, head_dim, v.n);
     cpu::rms_norm_heads(pool_, f32(x), x.rows(), x.row_elems(), n_heads, head_dim, NormWeight{v.data, v.dtype, true},
                         eps);
 }
 
 void CpuBackend::add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) {
     ++counters_.launches;
-    check_same_shape("add_rms_norm", x, r);
-    check_same_shape("add_rms_norm", x, h);
-    check_same_shape("add_rms_norm", x, y);
+    same_shape("add_rms_norm", x, r);
+    same_shape("add_rms_norm", x, h);
+    same_shape("add_rms_norm", x, y);
     const HostVector &v = host_vector(w);
-    MEMRA_CHECK(v.n == x.row_elems(), "add_rms_norm: weight [{}] for rows of {}", v.n, x.row_elems());
+    op_checks::norm_weight("add_rms_norm", v.n, x);
     cpu::add_rms_norm(pool_, f32(x), f32(r), x.rows(), x.row_elems(), NormWeight{v.data, v.dtype, true}, eps, f32(h),
                       f32(y));
 }
 
 void CpuBackend::residual_add(TensorView a, TensorView b, TensorView out) {
     ++counters_.launches;
-    check_same_shape("residual_add", a, b);
-    check_same_shape("residual_add", a, out);
+    same_shape("residual_add", a, b);
+    same_shape("residual_add", a, out);
     cpu::residual_add(pool_, f32(a), f32(b), a.rows(), a.row_elems(), f32(out));
 }
 
 void CpuBackend::matmul(TensorView x, MatrixId w, TensorView y) {
     ++counters_.launches;
     const WeightRef &m = matrix(w);
-    MEMRA_CHECK(x.row_elems() == m.cols && y.rows() == x.rows() && y.row_elems() == m.rows,
-                "matmul: x [{}, {}], W [{}, {}], y [{}, {}]", x.rows(), x.row_elems(), m.rows, m.cols, y.rows(),
-                y.row_elems());
+    op_checks::matmul("matmul", x, m.rows, m.cols, y);
     cpu::matmul(pool_, f32(x), x.rows(), m, f32(y), &act_scratch_);
 }
 
 void CpuBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) {
     ++counters_.launches;
     const WeightRef &m = matrix(w);
-    MEMRA_CHECK(x.row_elems() == m.cols && y.rows() == x.rows() && y.row_elems() == m.rows,
-                "matmul_canonical: x [{}, {}], W [{}, {}], y [{}, {}]", x.rows(), x.row_elems(), m.rows, m.cols,
-                y.rows(), y.row_elems());
+    op_checks::matmul("matmul_canonical", x, m.rows, m.cols, y);
     MEMRA_CHECK(workspace.numel() >= matmul_canonical_workspace_floats(x.rows(), m),
                 "matmul_canonical: workspace of {} floats, {} needed", workspace.numel(),
                 matmul_canonical_workspace_floats(x.rows(), m));
@@ -367,8 +291,7 @@ void CpuBackend::rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_
     ++counters_.launches;
     MEMRA_CHECK(table.id >= 0 && static_cast<size_t>(table.id) < rope_tables_.size(), "rope: unknown table {}",
                 table.id);
-    MEMRA_CHECK(positions.numel() == x.rows() && x.row_elems() == n_heads * head_dim,
-                "rope: {} positions for x [{}, {}]", positions.numel(), x.rows(), x.row_elems());
+    op_checks::rope(x, n_heads, head_dim, positions);
     auto r = rope_apply(pool_, rope_tables_[static_cast<size_t>(table.id)], f32(x), x.rows(), x.row_elems(), n_heads,
                         head_dim, i64(positions));
     MEMRA_CHECK(r.has_value(), "rope: {}", r ? "" : r.error().message);
@@ -381,17 +304,9 @@ void CpuBackend::paged_attention(const AttentionParams &p, TensorView q, TensorV
     const KvPool &kp = kv_pool(pool);
     const PagedLayer pl = paged_layer(kp, layer);  // checks the layer first
     const int64_t row = p.n_heads * p.head_dim;
-    MEMRA_CHECK(block_tables.rank == 2, "paged_attention: block tables must be [n_seqs, max_blocks], rank {}",
-                block_tables.rank);
-    MEMRA_CHECK(q.row_elems() == row && out.row_elems() == row && out.rows() == q.rows() &&
-                    q_pos.numel() == q.rows() && q_seq.numel() == q.rows() &&
-                    kp.layout.row_elems[static_cast<size_t>(layer)] == p.n_kv_heads * p.head_dim,
-                "paged_attention: q [{}, {}], {} positions, {} sequences, out [{}, {}], pool layer {} of {} values",
-                q.rows(), q.row_elems(), q_pos.numel(), q_seq.numel(), out.rows(), out.row_elems(), layer,
-                kp.layout.row_elems[static_cast<size_t>(layer)]);
+    op_checks::paged_attention(p, q, q_pos, q_seq, layer, kp.layout.row_elems[static_cast<size_t>(layer)],
+                               block_tables, gate, out);
     const bool gated = gate.data != nullptr;
-    MEMRA_CHECK(!gated || (gate.rows() == q.rows() && gate.row_elems() == p.n_heads), "paged_attention: gate [{}, {}]",
-                gate.rows(), gate.row_elems());
     AttentionShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.window, attention_scale(p.head_dim)};
     shape.blocked = numerics_ == Numerics::kDevice;
     cpu::paged_attention(pool_, shape, f32(q), row, i64(q_pos), i32(q_seq), q.rows(), pl,
@@ -404,9 +319,7 @@ void CpuBackend::kv_write(KvPoolId pool, int layer, TensorView k, TensorView v, 
     const KvPool &kp = kv_pool(pool);
     const PagedLayer pl = paged_layer(kp, layer);
     const int64_t row_elems = kp.layout.row_elems[static_cast<size_t>(layer)];
-    check_same_shape("kv_write", k, v);
-    MEMRA_CHECK(k.row_elems() == row_elems && slots.numel() == k.rows(), "kv_write: k [{}, {}], {} slots, layer {} "
-                "rows of {} values", k.rows(), k.row_elems(), slots.numel(), layer, row_elems);
+    op_checks::kv_write(k, v, slots, layer, row_elems);
     const int32_t *sl = i32(slots);
     const int64_t capacity = kp.spec.n_pages * kKvPageRows;
     for (int64_t i = 0; i < slots.numel(); ++i) {
@@ -423,8 +336,8 @@ void CpuBackend::round_rows(TensorView x, RowRounding r) {
 
 void CpuBackend::swiglu(TensorView gate, TensorView up, float limit, TensorView out) {
     ++counters_.launches;
-    check_same_shape("swiglu", gate, up);
-    check_same_shape("swiglu", gate, out);
+    same_shape("swiglu", gate, up);
+    same_shape("swiglu", gate, out);
     cpu::swiglu(pool_, f32(gate), f32(up), gate.row_elems(), gate.rows(), gate.row_elems(), limit, f32(out));
 }
 
@@ -432,11 +345,7 @@ void CpuBackend::router_topk(const RouterConfig &cfg, TensorView logits, VectorI
                              TensorView weights) {
     ++counters_.launches;
     const HostVector &b = host_vector(bias);
-    MEMRA_CHECK(b.dtype == DType::kF32 && b.n == cfg.n_experts, "router_topk: bias must be [{}] F32", cfg.n_experts);
-    MEMRA_CHECK(logits.row_elems() == cfg.n_experts && expert_ids.numel() == logits.rows() * cfg.top_k &&
-                    weights.numel() == logits.rows() * cfg.top_k,
-                "router_topk: logits [{}, {}] for {} experts top {}", logits.rows(), logits.row_elems(),
-                cfg.n_experts, cfg.top_k);
+    op_checks::router_topk(cfg, logits, b.dtype, b.n, expert_ids, weights);
     const RouterParams params{cfg.n_experts, cfg.top_k, cfg.renormalize, cfg.scaling_factor};
     cpu::router_topk(pool_, params, f32(logits), static_cast<const float *>(b.data), logits.rows(), i32(expert_ids),
                      f32(weights));
@@ -445,9 +354,7 @@ void CpuBackend::router_topk(const RouterConfig &cfg, TensorView logits, VectorI
 void CpuBackend::moe_sort_pairs(TensorView expert_ids, int64_t n_experts, TensorView offsets, TensorView sorted_pair,
                                 TensorView row_of_pair) {
     ++counters_.launches;
-    MEMRA_CHECK(offsets.numel() == n_experts + 1 && sorted_pair.numel() == expert_ids.numel() &&
-                    row_of_pair.numel() == expert_ids.numel(),
-                "moe_sort_pairs: {} pairs, {} offsets for {} experts", expert_ids.numel(), offsets.numel(), n_experts);
+    op_checks::moe_sort_pairs(expert_ids, n_experts, offsets, sorted_pair, row_of_pair);
     cpu::moe_sort_pairs(i32(expert_ids), expert_ids.rows(), expert_ids.row_elems(), n_experts, i32(offsets),
                         i32(sorted_pair), i32(row_of_pair));
 }
@@ -456,11 +363,7 @@ void CpuBackend::moe_permute(TensorView x, TensorView sorted_pair, TensorView of
                              int64_t expert_end, int64_t top_k, TensorView x_own) {
     ++counters_.launches;
     const int32_t *off = i32(offsets);
-    MEMRA_CHECK(0 <= expert_begin && expert_begin <= expert_end && expert_end < offsets.numel() &&
-                    sorted_pair.numel() == x.rows() * top_k && x_own.row_elems() == x.row_elems(),
-                "moe_permute: x [{}, {}], {} pairs, experts [{}, {}) of {} offsets, x_own [{}, {}]", x.rows(),
-                x.row_elems(), sorted_pair.numel(), expert_begin, expert_end, offsets.numel(), x_own.rows(),
-                x_own.row_elems());
+    op_checks::moe_permute(x, sorted_pair, offsets, expert_begin, expert_end, top_k, x_own);
     const int64_t r0 = off[expert_begin];
     const int64_t r1 = off[expert_end];
     MEMRA_CHECK(0 <= r0 && r0 <= r1 && r1 <= sorted_pair.numel() && r1 - r0 <= x_own.rows(),
@@ -473,10 +376,7 @@ void CpuBackend::moe_source_rows(TensorView expert_ids, TensorView row_of_pair, 
                                  int64_t capacity, TensorView src_row) {
     ++counters_.launches;
     const int64_t n_experts = offsets.numel() - 1;
-    MEMRA_CHECK(n_owners >= 1 && n_experts % n_owners == 0 && capacity >= 0 &&
-                    row_of_pair.numel() == expert_ids.numel() && src_row.numel() == expert_ids.numel(),
-                "moe_source_rows: {} pairs, {} experts over {} owners, {} source rows", expert_ids.numel(), n_experts,
-                n_owners, src_row.numel());
+    op_checks::moe_source_rows(expert_ids, row_of_pair, offsets, n_owners, capacity, src_row);
     cpu::moe_source_rows(i32(expert_ids), i32(row_of_pair), expert_ids.numel(), i32(offsets), n_experts, n_owners,
                          capacity, i32(src_row));
 }
@@ -484,29 +384,21 @@ void CpuBackend::moe_source_rows(TensorView expert_ids, TensorView row_of_pair, 
 void CpuBackend::moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,
                              TensorView shared, TensorView out) {
     ++counters_.launches;
-    check_same_shape("moe_combine", h, out);
+    op_checks::moe_combine(h, expert_out, src_row, weights, shared, out);
     const int64_t top_k = weights.row_elems();
-    MEMRA_CHECK(weights.rows() == h.rows() && expert_out.row_elems() == h.row_elems() &&
-                    src_row.numel() == h.rows() * top_k,
-                "moe_combine: h [{}, {}], expert_out [{}, {}], weights [{}, {}], {} source rows", h.rows(),
-                h.row_elems(), expert_out.rows(), expert_out.row_elems(), weights.rows(), weights.row_elems(),
-                src_row.numel());
     const int32_t *src = i32(src_row);
     for (int64_t q = 0; q < src_row.numel(); ++q) {
         MEMRA_CHECK(src[q] >= 0 && src[q] < expert_out.rows(), "moe_combine: pair {} reads row {} of {}", q, src[q],
                     expert_out.rows());
     }
     const bool has_shared = shared.data != nullptr;
-    if (has_shared) check_same_shape("moe_combine", h, shared);
     cpu::moe_combine(pool_, f32(h), f32(expert_out), src, f32(weights), has_shared ? f32(shared) : nullptr, h.rows(),
                      top_k, h.row_elems(), f32(out));
 }
 
 void CpuBackend::gather_rows(TensorView src, TensorView rows, TensorView dst) {
     ++counters_.launches;
-    MEMRA_CHECK(dst.rows() == rows.numel() && dst.row_elems() == src.row_elems() && dst.dtype == src.dtype,
-                "gather_rows: src [{}, {}], {} rows, dst [{}, {}]", src.rows(), src.row_elems(), rows.numel(),
-                dst.rows(), dst.row_elems());
+    op_checks::gather_rows(src, rows, dst);
     const int32_t *idx = i32(rows);
     const size_t row_bytes = static_cast<size_t>(src.row_elems()) * dtype_size(src.dtype);
     for (int64_t i = 0; i < rows.numel(); ++i) {
@@ -518,9 +410,7 @@ void CpuBackend::gather_rows(TensorView src, TensorView rows, TensorView dst) {
 
 void CpuBackend::scatter_rows(TensorView src, TensorView rows, TensorView dst) {
     ++counters_.launches;
-    MEMRA_CHECK(src.rows() == rows.numel() && dst.row_elems() == src.row_elems() && dst.dtype == src.dtype,
-                "scatter_rows: src [{}, {}], {} rows, dst [{}, {}]", src.rows(), src.row_elems(), rows.numel(),
-                dst.rows(), dst.row_elems());
+    op_checks::scatter_rows(src, rows, dst);
     const int32_t *idx = i32(rows);
     const size_t row_bytes = static_cast<size_t>(src.row_elems()) * dtype_size(src.dtype);
     for (int64_t i = 0; i < rows.numel(); ++i) {
@@ -533,11 +423,7 @@ void CpuBackend::scatter_rows(TensorView src, TensorView rows, TensorView dst) {
 
 void CpuBackend::scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) {
     ++counters_.launches;
-    MEMRA_CHECK(tokens.dtype == DType::kU8 && tokens.n_bytes() % sizeof(SampledToken) == 0 &&
-                    pairs.dtype == DType::kI32 && pairs.numel() % 2 == 0 && dst.dtype == DType::kI32,
-                "scatter_ids: {} token bytes, {} pair entries, dst {}", tokens.n_bytes(), pairs.numel(),
-                dtype_name(dst.dtype));
-    const auto n_tokens = static_cast<int64_t>(tokens.n_bytes() / sizeof(SampledToken));
+    const int64_t n_tokens = op_checks::scatter_ids(tokens, pairs, dst);
     const auto *ts = static_cast<const SampledToken *>(tokens.data);
     const int32_t *pr = i32(pairs);
     int32_t *out = i32(dst);
@@ -551,11 +437,9 @@ void CpuBackend::scatter_ids(TensorView tokens, TensorView pairs, TensorView dst
 
 void CpuBackend::concat_cols(TensorView a, TensorView b, TensorView out) {
     ++counters_.launches;
+    op_checks::concat_cols(a, b, out);
     const int64_t da = a.row_elems();
     const int64_t db = b.row_elems();
-    MEMRA_CHECK(a.rows() == b.rows() && out.rows() == a.rows() && out.row_elems() == da + db,
-                "concat_cols: a [{}, {}], b [{}, {}], out [{}, {}]", a.rows(), da, b.rows(), db, out.rows(),
-                out.row_elems());
     const float *pa = f32(a);
     const float *pb = f32(b);
     float *po = f32(out);
@@ -567,20 +451,16 @@ void CpuBackend::concat_cols(TensorView a, TensorView b, TensorView out) {
 
 void CpuBackend::canonical_combine(TensorView subtree_sums, TensorView out) {
     ++counters_.launches;
-    const int64_t tp = subtree_sums.rows();
-    MEMRA_CHECK(subtree_sums.row_elems() == out.numel(), "canonical_combine: sums [{}, {}] for out [{}, {}]", tp,
-                subtree_sums.row_elems(), out.rows(), out.row_elems());
-    canonical_tree_combine(f32(subtree_sums), tp, out.numel(), f32(out));
+    op_checks::canonical_combine(subtree_sums, out);
+    canonical_tree_combine(f32(subtree_sums), subtree_sums.rows(), out.numel(), f32(out));
 }
 
 void CpuBackend::join_col_shards(TensorView shards, TensorView out) {
     ++counters_.launches;
-    MEMRA_CHECK(shards.rank == 3 && shards.dtype == out.dtype, "join_col_shards: shards must be [n_shards, n, w]");
+    op_checks::join_col_shards(shards, out);
     const int64_t n_shards = shards.dim(0);
     const int64_t n = shards.dim(1);
     const int64_t w = shards.dim(2);
-    MEMRA_CHECK(out.rows() == n && out.row_elems() == n_shards * w,
-                "join_col_shards: shards [{}, {}, {}], out [{}, {}]", n_shards, n, w, out.rows(), out.row_elems());
     const size_t elem = dtype_size(out.dtype);
     const size_t piece = static_cast<size_t>(w) * elem;
     const auto *src = static_cast<const std::byte *>(shards.data);
@@ -595,14 +475,8 @@ void CpuBackend::join_col_shards(TensorView shards, TensorView out) {
 
 void CpuBackend::sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) {
     ++counters_.launches;
-    MEMRA_CHECK(sampler_.has_value(), "sample: prepare_sampling was not called");
-    MEMRA_CHECK(rows.dtype == DType::kU8 && out.dtype == DType::kU8 && rows.n_bytes() % sizeof(SampleRow) == 0 &&
-                    out.n_bytes() == rows.n_bytes() / sizeof(SampleRow) * sizeof(SampledToken),
-                "sample: {} row bytes, {} out bytes", rows.n_bytes(), out.n_bytes());
+    const int64_t n = op_checks::sample(logits, n_valid, rows, out, sampler_ ? sampler_->vocab_size() : 0);
     const int64_t vocab = logits.row_elems();
-    MEMRA_CHECK(n_valid >= 1 && n_valid <= vocab && n_valid <= sampler_->vocab_size(),
-                "sample: {} valid ids of logits rows of {} (workspace {})", n_valid, vocab, sampler_->vocab_size());
-    const auto n = static_cast<int64_t>(rows.n_bytes() / sizeof(SampleRow));
     const auto *rs = static_cast<const SampleRow *>(rows.data);
     auto *os = static_cast<SampledToken *>(out.data);
     const int32_t *hist = i32(history);

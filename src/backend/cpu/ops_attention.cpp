@@ -277,4 +277,21 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
     });
 }
 
+PagedLayer pool_layer(const KvPoolSpec &spec, const KvPageLayout &layout, std::byte *base, int layer) {
+    MEMRA_CHECK(layer >= 0 && static_cast<size_t>(layer) < spec.layers.size(), "KV pool layer {} of {}", layer,
+                spec.layers.size());
+    const auto l = static_cast<size_t>(layer);
+    PagedLayer p;
+    p.base = base;
+    p.n_pages = spec.n_pages;
+    p.page_bytes = layout.page_bytes;
+    p.k_offset = layout.k_offset[l];
+    p.v_offset = layout.v_offset[l];
+    p.k_row_bytes = layout.k_row_bytes[l];
+    p.v_row_bytes = layout.v_row_bytes[l];
+    p.k_format = spec.k_format;
+    p.v_format = spec.v_format;
+    return p;
+}
+
 }  // namespace memra::cpu

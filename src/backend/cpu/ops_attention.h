@@ -43,6 +43,9 @@ struct PagedLayer {
     KvFormat v_format = KvFormat::kF32;
 };
 
+// Layer `layer` of a pool whose bytes start at base (host or device memory; MEMRA_CHECK: the layer exists).
+PagedLayer pool_layer(const KvPoolSpec &spec, const KvPageLayout &layout, std::byte *base, int layer);
+
 // kv_write: for each row i, encodes k[i] and v[i] (row_elems f32 values each, kv_encode) into slot
 // slots[i] of the layer. k, v: [n, row_elems]. Rows are independent and threads split them, so the slots
 // must be distinct (the engine stages each position of a sequence once, in pages no other sequence holds);

@@ -1,0 +1,57 @@
+// Device twins of the CPU attention ops in `device` numerics (backend/cpu/ops_attention.h, ENGINE.md section 4,
+// CUDA.md 3.2): the KV write into a paged pool, the query rounding for the cache format, and paged attention in
+// the blocked order. Each kernel performs the CPU kernel's fp32 operations in the CPU's order and calls the same
+// MEMRA_HD scalar code (core/math.h, core/float_formats.h, core/quant_blocks.h), so the results are the CPU's
+// bits (NaN results compare as NaN: x86 and NVIDIA GPUs make different NaN payloads).
+//
+// Launchers take device pointers, sizes and a stream, issue one kernel and return the launch status
+// (cudaErrorInvalidValue for bad arguments, checked on the host before anything is launched). Conditions the
+// CPU checks by reading the data (slots, positions, block tables) cannot be checked on the host without a copy;
+// the kernels skip such a row instead and set *error_flag = 1 (when error_flag is not null) for the caller to
+// check later.
+//
+// This header uses the CPU's types (backend.h, cpu/ops_attention.h), which pull in fmt; a .cu file including it
+// needs FMT_USE_CONSTEXPR=1 defined first (ops_attention.cu does so), since fmt's nvcc defaults do not compile.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "backend/backend.h"
+#include "backend/cpu/ops_attention.h"
+
+namespace memra::cuda {
+
+// cpu::kv_write: for each row i, k[i] and v[i] (row_elems f32 values each, kv_encode in the layer's formats)
+// into slot slots[i] of the layer, bytes equal to the CPU's. layer.base: the device pool; k, v: [n, row_elems]
+// f32; slots: [n] i32, distinct. A slot outside [0, layer.n_pages * 64) writes nothing for its row and sets
+// *error_flag = 1. One CTA per row. Invalid: n < 0 or > 2^31 - 1, row_elems <= 0, K/V row sizes that are not
+// row_elems values in the layer's formats (so no multiple of 32 for a block format), null pointers with work.
+cudaError_t kv_write(const cpu::PagedLayer &layer, int64_t row_elems, const float *k, const float *v,
+                     const int32_t *slots, int64_t n, int32_t *error_flag, cudaStream_t stream);
+
+// cpu::round_rows: x [n_rows, d] f32 rounded in place. kNone: untouched (no launch); kBf16: each value to bf16
+// (nearest even) and back; kQ8: each block of 32 along a row through quantize_block_q8_0 and back
+// (q8_0_dequant_block). Invalid: n_rows < 0, d <= 0, d % 32 != 0 for kQ8, a null x with work to do.
+cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaStream_t stream);
+
+// cpu::paged_attention with shape.blocked (the device order; the exact order is not implemented here and is
+// refused): causal or sliding-window GQA attention over the paged pool for every query row of the step, then the
+// optional sigmoid head gate. Arguments as the CPU's, all device pointers: q [n_q, q_stride] f32 (query i head h
+// at q[i * q_stride + h * head_dim]), q_pos [n_q] i64, q_seq [n_q] i32, block_tables [n_seqs, bt_stride] i32,
+// gate [n_q, gate_stride] f32 raw logits or nullptr, out [n_q, n_heads, head_dim] f32 (not overlapping q or gate).
+// layer.base is the device pool, layer's offsets and row sizes those of kv_page_layout. One CTA per CPU work
+// item (query, kv head, batch of up to 8 query heads). A query whose sequence index, position or visible pages
+// the CPU would refuse (q_seq outside [0, n_seqs), q_pos < first_pos or past the block table, a visible block
+// without a page or with a page outside [0, n_pages)) gets NaN outputs and sets *error_flag = 1.
+// Invalid: the shape checks of the CPU (heads, head_dim in [1, 512], window and first_pos >= 0), q_stride,
+// bt_stride, n_seqs and gate_stride too small, K/V row sizes that are not n_kv_heads heads of head_dim values in
+// the layer's formats, null pointers with work to do, more than 2^31 - 1 work items.
+cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, int64_t q_stride, const int64_t *q_pos,
+                            const int32_t *q_seq, int64_t n_q, const cpu::PagedLayer &layer,
+                            const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
+                            const float *gate, int64_t gate_stride, float *out, int32_t *error_flag,
+                            cudaStream_t stream);
+
+}  // namespace memra::cuda

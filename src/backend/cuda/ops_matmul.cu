@@ -1,0 +1,520 @@
+// CUDA products (ops_matmul.h): the CPU's K loops (backend/cpu/matmul.h) on CUDA cores, one 16-thread group
+// per output element with thread j as lane j, so every element is formed by exactly the CPU's sequence of
+// fp32 operations. The exact loop uses IEEE operations with gradual underflow (the host's default mode); the
+// device loop uses FTZ/DAZ operations written out below, which reproduce core/device_numerics.cpp bit for bit
+// (this file is not built with -ftz=true, and every operation is an explicit _rn intrinsic, so nothing is
+// contracted or flushed behind our back). The uploads are host code, in the header.
+#include "backend/cuda/ops_matmul.h"
+
+#include <cfloat>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/float_formats.h"
+
+namespace memra::cuda {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Launch geometry. A block is 16 groups of 16 threads; a work item is one token and 16 consecutive output
+// rows (group g takes row 16 * tile + g). Neither number enters an element's K loop.
+
+constexpr int kLanes = 16;                        // lanes of the K loop = threads of a group
+constexpr int kThreads = 256;
+constexpr int kRowsPerItem = kThreads / kLanes;   // 16 output rows per work item
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;  // the item loop covers anything larger
+constexpr int kE4m3Chunk = 128;                   // e4m3 activation group = chunk = weight scale tile width
+static_assert(kE4m3Chunk == cpu::kE4m3Group && kE4m3Chunk % 32 == 0);
+
+// ---------------------------------------------------------------------------------------------
+// FTZ/DAZ arithmetic of core/device_numerics.cpp: a denormal input counts as a zero of its sign; a result that
+// is tiny after rounding at unbounded exponent range becomes a zero of its sign; round to nearest even.
+//
+// The hardware operation (gradual underflow, correctly rounded) gives those bits whenever its result r is 0,
+// NaN or above FLT_MIN in magnitude: rounding is monotone, so |r| > FLT_MIN means the exact value is above
+// FLT_MIN, where both roundings agree, and r = 0 means the exact value is at most 2^-150 (a zero of its sign
+// either way, with IEEE's signs of exact zeros). Otherwise (0 < |r| <= FLT_MIN) the result is recomputed as the
+// CPU does: the exact product in double, the sum rounded once to double, then ftz_round. (Not the hardware's
+// .ftz instructions: PTX does not say whether they detect tininess before or after rounding; x86 does after.)
+
+__device__ __forceinline__ float daz(float v) { return fabsf(v) < FLT_MIN ? copysignf(0.0f, v) : v; }
+
+// core/device_numerics.cpp ftz_round, line for line.
+__device__ float ftz_round(double d) {
+    if (fabs(d) >= static_cast<double>(FLT_MIN) || d != d) return __double2float_rn(d);
+    const float scaled = __double2float_rn(d * 0x1p64);  // the same rounding, in the normal range
+    return fabsf(scaled) >= 0x1p-62f ? copysignf(FLT_MIN, scaled) : copysignf(0.0f, scaled);
+}
+
+__device__ __forceinline__ bool needs_ftz_path(float r) { return fabsf(r) <= FLT_MIN && r != 0.0f; }
+
+// memra::fz_fma: c + a * b.
+__device__ __forceinline__ float ftz_fma(float a, float b, float c) {
+    a = daz(a);
+    b = daz(b);
+    c = daz(c);
+    const float r = __fmaf_rn(a, b, c);
+    if (!needs_ftz_path(r)) return r;
+    return ftz_round(__fma_rn(static_cast<double>(a), static_cast<double>(b), static_cast<double>(c)));
+}
+
+// memra::fz_add.
+__device__ __forceinline__ float ftz_add(float a, float b) {
+    a = daz(a);
+    b = daz(b);
+    const float r = __fadd_rn(a, b);
+    if (!needs_ftz_path(r)) return r;
+    return ftz_round(__dadd_rn(static_cast<double>(a), static_cast<double>(b)));
+}
+
+// memra::fz_mul.
+__device__ __forceinline__ float ftz_mul(float a, float b) {
+    a = daz(a);
+    b = daz(b);
+    const float r = __fmul_rn(a, b);
+    if (!needs_ftz_path(r)) return r;
+    return ftz_round(__dmul_rn(static_cast<double>(a), static_cast<double>(b)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The lane tree (((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))) + (((l8+l9)+(l10+l11))+((l12+l13)+(l14+l15))) over the 16
+// threads of a group: a butterfly whose level d adds the partner d lanes away, which at every level pairs
+// exactly the tree's neighbours (addition is commutative, so which side holds which operand does not show).
+// Every thread of the group ends with the sum. mask: the group's half of the warp.
+
+__device__ __forceinline__ float lane_tree_exact(float v, unsigned mask) {
+    for (int d = 1; d < kLanes; d <<= 1) v = __fadd_rn(v, __shfl_xor_sync(mask, v, d, kLanes));
+    return v;
+}
+
+__device__ __forceinline__ float lane_tree_ftz(float v, unsigned mask) {
+    for (int d = 1; d < kLanes; d <<= 1) v = ftz_add(v, __shfl_xor_sync(mask, v, d, kLanes));
+    return v;
+}
+
+__device__ __forceinline__ int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// What a kernel reads.
+
+enum class Op : uint8_t {
+    kMatmul,     // whole K, one output per (token, row)
+    kCanonical,  // the canonical blocks held, reduced by their subtree
+    kGrouped,    // whole K, the row's expert found in the offsets
+};
+
+struct ProductParams {
+    // Weight: held row n starts at data + n * ld elements; held column c is absolute K k_begin + c.
+    const uint8_t *data;     // [rows, ld] (grouped: expert e at data + e * expert_elems elements)
+    int64_t ld;
+    int64_t rows;
+    int64_t k_begin;
+    int64_t row_begin;       // absolute row of held row 0 (the scale tile row)
+    int64_t block_rows;
+    int64_t block_cols;      // the exact loop's chunk edge
+    const float *scale;      // fp8: [.., scale_ld] tiles (grouped: expert e at scale + e * expert_scales)
+    int64_t scale_ld;
+    int64_t scale_row0;      // whole-matrix tile of scale row 0 / column 0
+    int64_t scale_col0;
+    // Activations and output.
+    const float *x;          // [n_tokens, x_ld] f32; column 0 is absolute K k_begin
+    int64_t x_ld;
+    float *y;                // [n_tokens, y_ld] f32
+    int64_t y_ld;
+    int64_t n_tokens;
+    // K range: [k0, k1) (kMatmul, kGrouped); kCanonical: n_blocks canonical blocks of block_size from k0.
+    int64_t k0;
+    int64_t k1;
+    int64_t block_size;
+    int64_t n_blocks;
+    // kGrouped.
+    const int32_t *offsets;  // offsets[first_expert .. first_expert + n_experts] are read
+    int64_t first_expert;
+    int64_t n_experts;
+    int64_t expert_elems;    // rows * cols
+    int64_t expert_scales;   // scale floats per expert
+    // Work items: n_tokens x row_tiles.
+    int64_t row_tiles;
+    int64_t items;
+};
+
+// Bytes per stored weight element.
+template <DType kDt>
+constexpr int64_t kElemBytes = kDt == DType::kF32 ? 4 : (kDt == DType::kF8E4M3 ? 1 : 2);
+
+// Element i of a weight row, widened exactly (core/float_formats.h, as the CPU's widening).
+template <DType kDt>
+__device__ __forceinline__ float weight_at(const uint8_t *row, int64_t i) {
+    if constexpr (kDt == DType::kF32) {
+        return reinterpret_cast<const float *>(row)[i];
+    } else if constexpr (kDt == DType::kBF16) {
+        return bf16_to_f32(reinterpret_cast<const uint16_t *>(row)[i]);
+    } else if constexpr (kDt == DType::kF16) {
+        return f16_to_f32(reinterpret_cast<const uint16_t *>(row)[i]);
+    } else {
+        return fp8_e4m3_to_f32(row[i]);
+    }
+}
+
+// The item's token row of a grouped product and its held expert: the largest e with offsets[first + e] <=
+// base + t (empty experts share their offset with the next, so the largest is the one that owns the row).
+// False for a row past the held experts' rows. Reads only offsets[first .. first + n_experts].
+__device__ bool grouped_expert(const ProductParams &p, int64_t t, int64_t *expert) {
+    const int32_t *off = p.offsets + p.first_expert;
+    const int64_t v = static_cast<int64_t>(off[0]) + t;
+    if (v >= static_cast<int64_t>(off[p.n_experts])) return false;
+    int64_t lo = 0;  // off[lo] <= v holds from the start (t >= 0)
+    int64_t hi = p.n_experts - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (static_cast<int64_t>(off[mid]) <= v) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    *expert = lo;
+    return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The exact K loop (ActRounding::kNone) of one element over absolute K [k0, k1), by this thread as lane
+// `lane`: chunks cut at multiples of block_cols; lane j adds x[k] * w[k] (separately rounded) for the k of
+// the chunk with (k - c0) % 16 == j in increasing k; the lane tree; fp8: times the chunk's scale; the chunk
+// sums added in K order from +0. gx: the x row (column 0 = k_begin); gw: the held weight row; gs: its scale
+// tile row (fp8).
+template <DType kDt>
+__device__ float dot_exact(const ProductParams &p, const float *gx, const uint8_t *gw, const float *gs,
+                           int64_t k0, int64_t k1, int lane, unsigned mask) {
+    const int64_t edge = p.block_cols;
+    float total = 0.0f;
+    int64_t ci = k0 / edge;
+    for (int64_t c0 = k0; c0 < k1; ++ci) {
+        const int64_t c1 = min_i64(k1, (ci + 1) * edge);
+        float acc = 0.0f;
+        for (int64_t k = c0 + lane; k < c1; k += kLanes) {
+            const int64_t i = k - p.k_begin;
+            acc = __fadd_rn(acc, __fmul_rn(gx[i], weight_at<kDt>(gw, i)));
+        }
+        float chunk = lane_tree_exact(acc, mask);
+        if constexpr (kDt == DType::kF8E4M3) chunk = __fmul_rn(chunk, gs[ci - p.scale_col0]);
+        total = __fadd_rn(total, chunk);
+        c0 = c1;
+    }
+    return total;
+}
+
+// The device K loop with bf16 activations (ActRounding::kBf16, BF16 weights) over [k0, k1), one chunk: groups
+// of 32 from k0 (the last zero-padded); lane j adds element g + 2j + 1, then g + 2j, by an FTZ fma, x rounded
+// to bf16 as it is read; the lane tree; +0 plus the chunk.
+__device__ float dot_bf16(const ProductParams &p, const float *gx, const uint8_t *gw, int64_t k0, int64_t k1,
+                          int lane, unsigned mask) {
+    float acc = 0.0f;
+    for (int64_t g = k0; g < k1; g += 32) {
+        const int64_t k_odd = g + 2 * lane + 1;
+        const int64_t k_even = g + 2 * lane;
+        const int64_t i_odd = k_odd - p.k_begin;
+        const int64_t i_even = k_even - p.k_begin;
+        const float x_odd = k_odd < k1 ? bf16_to_f32(f32_to_bf16(gx[i_odd])) : 0.0f;
+        const float w_odd = k_odd < k1 ? weight_at<DType::kBF16>(gw, i_odd) : 0.0f;
+        acc = ftz_fma(x_odd, w_odd, acc);
+        const float x_even = k_even < k1 ? bf16_to_f32(f32_to_bf16(gx[i_even])) : 0.0f;
+        const float w_even = k_even < k1 ? weight_at<DType::kBF16>(gw, i_even) : 0.0f;
+        acc = ftz_fma(x_even, w_even, acc);
+    }
+    return ftz_add(0.0f, lane_tree_ftz(acc, mask));
+}
+
+// One element's K loop over [k0, k1) in the kernel's mode.
+template <DType kDt, bool kBf16Act>
+__device__ __forceinline__ float dot_range(const ProductParams &p, const float *gx, const uint8_t *gw,
+                                           const float *gs, int64_t k0, int64_t k1, int lane, unsigned mask) {
+    if constexpr (kBf16Act) {
+        return dot_bf16(p, gx, gw, k0, k1, lane, mask);
+    } else {
+        return dot_exact<kDt>(p, gx, gw, gs, k0, k1, lane, mask);
+    }
+}
+
+// The products of the exact loop and of the bf16 device loop. No block-level synchronisation: a group that
+// has no row (past the weight's rows, or a grouped row past the experts' rows) simply moves on.
+template <DType kDt, bool kBf16Act, Op kOp>
+__global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p) {
+    const int group = static_cast<int>(threadIdx.x) / kLanes;
+    const int lane = static_cast<int>(threadIdx.x) % kLanes;
+    const unsigned mask = 0xffffu << (threadIdx.x & 16u);
+    for (int64_t item = blockIdx.x; item < p.items; item += gridDim.x) {
+        const int64_t t = item / p.row_tiles;
+        const int64_t n = (item % p.row_tiles) * kRowsPerItem + group;
+        if (n >= p.rows) continue;
+        const uint8_t *gdata = p.data;
+        const float *gscale = p.scale;
+        if constexpr (kOp == Op::kGrouped) {
+            int64_t e = 0;
+            if (!grouped_expert(p, t, &e)) continue;
+            gdata += e * p.expert_elems * kElemBytes<kDt>;
+            if constexpr (kDt == DType::kF8E4M3) gscale += e * p.expert_scales;
+        }
+        const uint8_t *gw = gdata + n * p.ld * kElemBytes<kDt>;  // [ld] dtype
+        const float *gs = nullptr;                                  // [scale_ld] f32
+        if constexpr (kDt == DType::kF8E4M3) {
+            gs = gscale + ((p.row_begin + n) / p.block_rows - p.scale_row0) * p.scale_ld;
+        }
+        const float *gx = p.x + t * p.x_ld;  // [x_ld] f32
+        float out;
+        if constexpr (kOp == Op::kCanonical) {
+            // Block partials in block order, then cpu::canonical_tree_reduce's balanced tree over them.
+            float part[8];
+            for (int64_t b = 0; b < p.n_blocks; ++b) {
+                const int64_t b0 = p.k0 + b * p.block_size;
+                part[b] = dot_range<kDt, kBf16Act>(p, gx, gw, gs, b0, b0 + p.block_size, lane, mask);
+            }
+            switch (p.n_blocks) {
+                case 1: out = part[0]; break;
+                case 2: out = __fadd_rn(part[0], part[1]); break;
+                case 4: out = __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])); break;
+                default:
+                    out = __fadd_rn(__fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])),
+                                    __fadd_rn(__fadd_rn(part[4], part[5]), __fadd_rn(part[6], part[7])));
+                    break;
+            }
+        } else {
+            out = dot_range<kDt, kBf16Act>(p, gx, gw, gs, p.k0, p.k1, lane, mask);
+        }
+        if (lane == 0) p.y[t * p.y_ld + n] = out;
+    }
+}
+
+// The device K loop with e4m3 activations (ActRounding::kE4m3x128, F8_E4M3 weights with 128-wide scale tiles,
+// whole K from 0). Per 128-wide chunk, warp 0 quantizes the item's x group into shared memory exactly as
+// memra::e4m3_quantize_group (amax ignoring NaN, IEEE division, scale 1 for amax 0 and 2^-149 on underflow,
+// saturating RNE e4m3); then each group runs the chunk: lanes from +0 over groups of 32 (odd then even element,
+// FTZ fma, last group zero-padded), the lane tree, times (x scale * weight scale), added to the running sum.
+template <Op kOp>
+__global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductParams p) {
+    __shared__ float s_x[kE4m3Chunk];  // [128] the chunk's e4m3 values as f32
+    __shared__ float s_scale;          // the chunk's activation scale
+    const int group = static_cast<int>(threadIdx.x) / kLanes;
+    const int lane = static_cast<int>(threadIdx.x) % kLanes;
+    const unsigned mask = 0xffffu << (threadIdx.x & 16u);
+    for (int64_t item = blockIdx.x; item < p.items; item += gridDim.x) {
+        const int64_t t = item / p.row_tiles;
+        const int64_t n = (item % p.row_tiles) * kRowsPerItem + group;
+        const uint8_t *gdata = p.data;
+        const float *gscale = p.scale;
+        if constexpr (kOp == Op::kGrouped) {
+            int64_t e = 0;
+            if (!grouped_expert(p, t, &e)) continue;  // the same for the whole block: t is the item's
+            gdata += e * p.expert_elems;
+            gscale += e * p.expert_scales;
+        }
+        const bool active = n < p.rows;
+        const uint8_t *gw = gdata + (active ? n : 0) * p.ld;  // [ld] e4m3
+        const float *gs = gscale + ((p.row_begin + (active ? n : 0)) / p.block_rows - p.scale_row0) * p.scale_ld;
+        const float *gx = p.x + t * p.x_ld;  // [x_ld] f32, column 0 = K 0
+        float total = 0.0f;
+        for (int64_t c0 = p.k0; c0 < p.k1; c0 += kE4m3Chunk) {
+            const int64_t c1 = min_i64(p.k1, c0 + kE4m3Chunk);
+            if (threadIdx.x < 32) {
+                const int l = static_cast<int>(threadIdx.x);
+                float v[kE4m3Chunk / 32];
+                float amax = 0.0f;
+                for (int i = 0; i < kE4m3Chunk / 32; ++i) {
+                    const int64_t k = c0 + l + 32 * i;
+                    v[i] = k < c1 ? gx[k] : 0.0f;
+                    const float a = fabsf(v[i]);
+                    amax = a > amax ? a : amax;  // a NaN never wins
+                }
+                // The maximum of non-NaN values does not depend on the order it is taken in.
+                for (int d = 16; d > 0; d >>= 1) {
+                    const float o = __shfl_xor_sync(0xffffffffu, amax, d);
+                    amax = o > amax ? o : amax;
+                }
+                float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, 448.0f);
+                if (scale == 0.0f) scale = 0x1p-149f;  // amax / 448 underflowed
+                for (int i = 0; i < kE4m3Chunk / 32; ++i) {
+                    const int64_t k = c0 + l + 32 * i;
+                    if (k < c1) {
+                        s_x[l + 32 * i] =
+                            fp8_e4m3_to_f32(f32_to_fp8_e4m3(__fdiv_rn(v[i], scale), Fp8Saturation::kSaturate));
+                    }
+                }
+                if (l == 0) s_scale = scale;
+            }
+            __syncthreads();
+            if (active) {
+                float acc = 0.0f;
+                for (int64_t g = c0; g < c1; g += 32) {
+                    const int64_t k_odd = g + 2 * lane + 1;
+                    const int64_t k_even = g + 2 * lane;
+                    const float x_odd = k_odd < c1 ? s_x[k_odd - c0] : 0.0f;
+                    const float w_odd = k_odd < c1 ? fp8_e4m3_to_f32(gw[k_odd]) : 0.0f;
+                    acc = ftz_fma(x_odd, w_odd, acc);
+                    const float x_even = k_even < c1 ? s_x[k_even - c0] : 0.0f;
+                    const float w_even = k_even < c1 ? fp8_e4m3_to_f32(gw[k_even]) : 0.0f;
+                    acc = ftz_fma(x_even, w_even, acc);
+                }
+                const float chunk = lane_tree_ftz(acc, mask);
+                total = ftz_add(total, ftz_mul(chunk, ftz_mul(s_scale, gs[c0 / kE4m3Chunk - p.scale_col0])));
+            }
+            __syncthreads();  // s_x and s_scale are rewritten for the next chunk
+        }
+        if (active && lane == 0) p.y[t * p.y_ld + n] = total;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch and dispatch.
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+cudaError_t launch(void (*kernel)(ProductParams), const ProductParams &p, cudaStream_t stream) {
+    const int64_t blocks = p.items < kMaxBlocks ? p.items : kMaxBlocks;
+    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+template <Op kOp>
+cudaError_t dispatch(DType dtype, ActRounding act, const ProductParams &p, cudaStream_t stream) {
+    if (act == ActRounding::kE4m3x128) {
+        if constexpr (kOp == Op::kCanonical) {
+            return cudaErrorInvalidValue;  // e4m3 groups span canonical blocks (the CPU refuses it too)
+        } else {
+            return launch(e4m3_product_kernel<kOp>, p, stream);
+        }
+    }
+    if (act == ActRounding::kBf16) return launch(product_kernel<DType::kBF16, true, kOp>, p, stream);
+    switch (dtype) {
+        case DType::kF32: return launch(product_kernel<DType::kF32, false, kOp>, p, stream);
+        case DType::kBF16: return launch(product_kernel<DType::kBF16, false, kOp>, p, stream);
+        case DType::kF16: return launch(product_kernel<DType::kF16, false, kOp>, p, stream);
+        case DType::kF8E4M3: return launch(product_kernel<DType::kF8E4M3, false, kOp>, p, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}
+
+bool linear_dtype(DType t) {
+    return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16 || t == DType::kF8E4M3;
+}
+
+// The pairing of weight dtype, activation rounding and scales that cpu::matmul's check_weight accepts.
+bool valid_weight(DType dtype, ActRounding act, const void *data, const float *scale, int64_t block_rows,
+                  int64_t block_cols) {
+    if (!linear_dtype(dtype) || data == nullptr || block_rows < 1 || block_cols < 1) return false;
+    if (dtype == DType::kF8E4M3 && scale == nullptr) return false;
+    if (act == ActRounding::kBf16 && dtype != DType::kBF16) return false;
+    if (act == ActRounding::kE4m3x128 && (dtype != DType::kF8E4M3 || block_cols != kE4m3Chunk)) return false;
+    return true;
+}
+
+// The fields every product over a CudaMatrix shares.
+ProductParams matrix_params(const CudaMatrix &w, const float *x, int64_t n_tokens, float *y) {
+    ProductParams p{};
+    p.data = static_cast<const uint8_t *>(w.data);
+    p.ld = w.cols;
+    p.rows = w.rows;
+    p.k_begin = w.k_begin;
+    p.row_begin = w.row_begin;
+    p.block_rows = w.block_rows;
+    p.block_cols = w.block_cols;
+    p.scale = w.scale_inv;
+    p.scale_ld = w.scale_tile_cols;
+    p.scale_row0 = w.scale_row0;
+    p.scale_col0 = w.scale_col0;
+    p.x = x;
+    p.x_ld = w.cols;
+    p.y = y;
+    p.y_ld = w.rows;
+    p.n_tokens = n_tokens;
+    p.row_tiles = ceil_div(w.rows, kRowsPerItem);
+    p.items = n_tokens * p.row_tiles;
+    return p;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Products.
+
+cudaError_t cuda_matmul(const CudaMatrix &w, const float *x, int64_t n_tokens, float *y, cudaStream_t stream) {
+    if (n_tokens < 0 || w.rows <= 0 || w.cols <= 0 ||
+        !valid_weight(w.dtype, w.act, w.data, w.scale_inv, w.block_rows, w.block_cols)) {
+        return cudaErrorInvalidValue;
+    }
+    if (w.k_begin != 0 || w.cols != w.k_full) return cudaErrorInvalidValue;  // column-parallel: every K column
+    if (n_tokens == 0) return cudaSuccess;
+    if (x == nullptr || y == nullptr) return cudaErrorInvalidValue;
+    ProductParams p = matrix_params(w, x, n_tokens, y);
+    p.k0 = 0;
+    p.k1 = w.cols;
+    return dispatch<Op::kMatmul>(w.dtype, w.act, p, stream);
+}
+
+bool cuda_canonical_blocks(const CudaMatrix &w, int64_t *block_begin, int64_t *block_end) {
+    if (w.k_full <= 0 || w.k_full % cpu::kCanonicalBlocks != 0) return false;
+    const int64_t bs = w.k_full / cpu::kCanonicalBlocks;
+    if (w.k_begin % bs != 0 || w.cols % bs != 0 || w.cols <= 0) return false;
+    const int64_t b0 = w.k_begin / bs;
+    const int64_t m = w.cols / bs;
+    if (!(m == 1 || m == 2 || m == 4 || m == 8) || b0 % m != 0) return false;
+    *block_begin = b0;
+    *block_end = b0 + m;
+    return true;
+}
+
+cudaError_t cuda_matmul_canonical(const CudaMatrix &w, const float *x, int64_t n_tokens, float *y,
+                                  cudaStream_t stream) {
+    int64_t b0 = 0;
+    int64_t b1 = 0;
+    if (n_tokens < 0 || w.rows <= 0 || !cuda_canonical_blocks(w, &b0, &b1) ||
+        !valid_weight(w.dtype, w.act, w.data, w.scale_inv, w.block_rows, w.block_cols) ||
+        w.act == ActRounding::kE4m3x128) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_tokens == 0) return cudaSuccess;
+    if (x == nullptr || y == nullptr) return cudaErrorInvalidValue;
+    ProductParams p = matrix_params(w, x, n_tokens, y);
+    p.block_size = w.k_full / cpu::kCanonicalBlocks;
+    p.k0 = b0 * p.block_size;
+    p.k1 = b1 * p.block_size;
+    p.n_blocks = b1 - b0;
+    return dispatch<Op::kCanonical>(w.dtype, w.act, p, stream);
+}
+
+cudaError_t cuda_matmul_grouped(const CudaBank &b, const float *x, int64_t n_rows, const int32_t *offsets,
+                                int64_t n_offsets, float *y, cudaStream_t stream) {
+    if (n_rows < 0 || b.n_experts <= 0 || b.rows <= 0 || b.cols <= 0 || b.first_expert < 0 ||
+        n_offsets < b.first_expert + b.n_experts + 1 || offsets == nullptr ||
+        !valid_weight(b.dtype, b.act, b.data, b.scale_inv, b.block_rows, b.block_cols)) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_rows == 0) return cudaSuccess;
+    if (x == nullptr || y == nullptr) return cudaErrorInvalidValue;
+    ProductParams p{};
+    p.data = static_cast<const uint8_t *>(b.data);
+    p.ld = b.cols;
+    p.rows = b.rows;
+    p.block_rows = b.block_rows;
+    p.block_cols = b.block_cols;
+    p.scale = b.scale_inv;
+    p.scale_ld = ceil_div(b.cols, b.block_cols);
+    p.x = x;
+    p.x_ld = b.cols;
+    p.y = y;
+    p.y_ld = b.rows;
+    p.n_tokens = n_rows;
+    p.k0 = 0;
+    p.k1 = b.cols;
+    p.offsets = offsets;
+    p.first_expert = b.first_expert;
+    p.n_experts = b.n_experts;
+    p.expert_elems = b.rows * b.cols;
+    p.expert_scales = ceil_div(b.rows, b.block_rows) * p.scale_ld;
+    p.row_tiles = ceil_div(b.rows, kRowsPerItem);
+    p.items = n_rows * p.row_tiles;
+    return dispatch<Op::kGrouped>(b.dtype, b.act, p, stream);
+}
+
+}  // namespace memra::cuda

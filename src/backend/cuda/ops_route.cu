@@ -1,0 +1,293 @@
+// MoE routing kernels (ops_route.h). The router runs one warp per token: its selection scores sit in shared
+// memory and each slot is a warp arg-max under the strict total order (score descending, index ascending), so
+// slot k is the k-th expert of that order, exactly the CPU's "largest not yet chosen, ties to the lower
+// index". The pair sort is one block: a shared-memory histogram (integer atomics, whose result does not depend
+// on their order), one warp's scan, then one warp placing the pairs 32 at a time in increasing pair index
+// (match_any ranks within the 32), which is the CPU's stable counting sort.
+#include "backend/cuda/ops_route.h"
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/float_formats.h"
+#include "core/math.h"
+
+namespace memra::cuda {
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int64_t kSharedBytes = 48 * 1024;  // the default dynamic shared-memory limit of a block
+constexpr int kRouterMaxWarps = 8;
+constexpr int kSortThreads = 1024;
+constexpr int kSortTile = 4096;  // pairs staged in shared memory per round of the placement warp
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65536;  // grid-stride loops cover anything larger
+
+// Sets the caller's sticky error flag (ops_route.h); many threads may set it, all to 1.
+__device__ void raise_flag(int32_t *flag) {
+    if (flag != nullptr) atomicExch(flag, 1);
+}
+
+// ---- Router ---------------------------------------------------------------------------------------------
+
+// (s, e) comes strictly before (best_s, best_e) in the order score descending, index ascending. Scores are
+// never NaN here (NaN counts as -Inf), so this is a strict total order and any reduction tree finds its first.
+__device__ bool router_before(float s, int e, float best_s, int best_e) {
+    if (best_e < 0) return e >= 0;
+    if (e < 0) return false;
+    return s > best_s || (s == best_s && e < best_e);
+}
+
+// glogits: [n_tokens, n_experts] f32; gbias: [n_experts] f32 or nullptr; gids, gweights: [n_tokens, top_k].
+// Dynamic shared memory: [warps per block, n_experts] f32 selection scores.
+__global__ void router_topk_kernel(const float *glogits, const float *gbias, int64_t n_tokens, int n_experts,
+                                   int top_k, bool renormalize, float scaling_factor, int32_t *gids,
+                                   float *gweights) {
+    extern __shared__ float s_score[];
+    const int warp = static_cast<int>(threadIdx.x) / kWarp;
+    const int lane = static_cast<int>(threadIdx.x) % kWarp;
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + warp;
+    if (t >= n_tokens) return;  // whole warps leave together; no block barrier follows
+    const float *z = glogits + t * n_experts;
+    float *s = s_score + static_cast<int64_t>(warp) * n_experts;
+    const float kNegInf = u32_as_f32(0xff800000u);
+    for (int e = lane; e < n_experts; e += kWarp) {
+        float v = sigmoid_f32(z[e]);
+        if (gbias != nullptr) v = v + gbias[e];
+        s[e] = v != v ? kNegInf : v;
+    }
+    __syncwarp();
+
+    int32_t *ids = gids + t * top_k;
+    float *w = gweights + t * top_k;
+    float prev_s = 0.0f;
+    int prev_e = -1;  // slot k picks the first expert strictly after slot k - 1's in the order
+    for (int k = 0; k < top_k; ++k) {
+        float best_s = 0.0f;
+        int best_e = -1;
+        for (int e = lane; e < n_experts; e += kWarp) {
+            const float v = s[e];
+            const bool after_prev = prev_e < 0 || router_before(prev_s, prev_e, v, e);
+            if (after_prev && router_before(v, e, best_s, best_e)) {
+                best_s = v;
+                best_e = e;
+            }
+        }
+        for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+            const float other_s = __shfl_xor_sync(kFullMask, best_s, offset);
+            const int other_e = __shfl_xor_sync(kFullMask, best_e, offset);
+            if (router_before(other_s, other_e, best_s, best_e)) {
+                best_s = other_s;
+                best_e = other_e;
+            }
+        }
+        // Every lane holds the same winner (top_k <= n_experts, so one exists).
+        if (lane == 0) {
+            ids[k] = best_e;
+            w[k] = sigmoid_f32(z[best_e]);  // the bias never enters the weights
+        }
+        prev_s = best_s;
+        prev_e = best_e;
+    }
+    if (lane == 0) {  // lane 0 wrote every w[k]: its own writes, read back in slot order
+        if (renormalize) {
+            float sum = 0.0f;
+            for (int k = 0; k < top_k; ++k) sum = sum + w[k];
+            for (int k = 0; k < top_k; ++k) w[k] = w[k] / sum;
+        }
+        for (int k = 0; k < top_k; ++k) w[k] = w[k] * scaling_factor;
+    }
+}
+
+// ---- Pair sort --------------------------------------------------------------------------------------------
+
+// gids: [n_pairs] i32; goffsets: [n_experts + 1]; gsorted, grow_of: [n_pairs]. One block of kSortThreads.
+// Dynamic shared memory: s_cursor [n_experts] i32 (counts, then each expert's next free row).
+__global__ void __launch_bounds__(kSortThreads)
+    moe_sort_pairs_kernel(const int32_t *gids, int64_t n_pairs, int n_experts, int32_t *goffsets, int32_t *gsorted,
+                          int32_t *grow_of, int32_t *flag) {
+    extern __shared__ int32_t s_cursor[];
+    __shared__ int32_t s_ids[kSortTile];  // one tile of expert ids, staged for the placement warp
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = tid % kWarp;
+    for (int e = tid; e < n_experts; e += kSortThreads) s_cursor[e] = 0;
+    __syncthreads();
+    for (int64_t q = tid; q < n_pairs; q += kSortThreads) {
+        const int32_t e = gids[q];
+        if (e >= 0 && e < n_experts) {
+            atomicAdd(&s_cursor[e], 1);
+        } else {
+            raise_flag(flag);
+        }
+    }
+    __syncthreads();
+    if (tid < kWarp) {  // exclusive scan of the counts, 32 experts at a time
+        int32_t carry = 0;
+        for (int base = 0; base < n_experts; base += kWarp) {
+            const int e = base + lane;
+            const int32_t count = e < n_experts ? s_cursor[e] : 0;
+            int32_t inclusive = count;
+            for (int offset = 1; offset < kWarp; offset *= 2) {
+                const int32_t up = __shfl_up_sync(kFullMask, inclusive, offset);
+                if (lane >= offset) inclusive += up;
+            }
+            if (e < n_experts) {
+                s_cursor[e] = carry + inclusive - count;
+                goffsets[e] = carry + inclusive - count;
+            }
+            carry += __shfl_sync(kFullMask, inclusive, kWarp - 1);
+        }
+        if (lane == 0) goffsets[n_experts] = carry;
+    }
+    // Placement: the block stages a tile of ids, warp 0 places its pairs 32 at a time in increasing q. Within
+    // 32 pairs, a pair's rank among those of its expert is the number of lower lanes with the same expert.
+    for (int64_t tile = 0; tile < n_pairs; tile += kSortTile) {
+        const int tile_n = static_cast<int>(n_pairs - tile < kSortTile ? n_pairs - tile : kSortTile);
+        __syncthreads();  // the scan (first tile) or the previous tile's placement is done
+        for (int i = tid; i < tile_n; i += kSortThreads) s_ids[i] = gids[tile + i];
+        __syncthreads();
+        if (tid >= kWarp) continue;
+        for (int base = 0; base < tile_n; base += kWarp) {
+            const int i = base + lane;
+            const auto q = static_cast<int32_t>(tile + i);  // < n_pairs <= INT32_MAX where it is used
+            const int32_t e = i < tile_n ? s_ids[i] : -1;
+            const bool valid = i < tile_n && e >= 0 && e < n_experts;
+            const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
+            const unsigned lower = (1u << lane) - 1u;
+            if (valid) {
+                const int32_t row = s_cursor[e] + __popc(peers & lower);
+                gsorted[row] = q;
+                grow_of[q] = row;
+            } else if (i < tile_n) {
+                grow_of[q] = -1;
+            }
+            __syncwarp();  // every lane has read its expert's cursor before the group's last lane moves it
+            if (valid && lane == 31 - __clz(peers)) s_cursor[e] += __popc(peers);
+            __syncwarp();
+        }
+    }
+}
+
+// ---- Permute ------------------------------------------------------------------------------------------------
+
+// gx: [n_tokens, d]; gsorted: [n_tokens * top_k]; goffsets: [n_experts + 1]; gx_own: [x_own_rows, d].
+// One block per row of x_own in a grid-stride loop.
+__global__ void moe_permute_kernel(const float *gx, int64_t n_tokens, int64_t d, const int32_t *gsorted,
+                                   const int32_t *goffsets, int64_t expert_begin, int64_t expert_end, int64_t top_k,
+                                   float *gx_own, int64_t x_own_rows, int32_t *flag) {
+    const int64_t r0 = goffsets[expert_begin];
+    const int64_t r1 = goffsets[expert_end];
+    if (r0 < 0 || r1 < r0 || r1 > n_tokens * top_k || r1 - r0 > x_own_rows) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) raise_flag(flag);
+        return;
+    }
+    for (int64_t j = blockIdx.x; j < r1 - r0; j += gridDim.x) {
+        const int64_t q = gsorted[r0 + j];
+        if (q < 0 || q >= n_tokens * top_k) {
+            if (threadIdx.x == 0) raise_flag(flag);
+            continue;
+        }
+        const float *src = gx + (q / top_k) * d;
+        float *dst = gx_own + j * d;
+        for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+    }
+}
+
+// ---- Source rows ----------------------------------------------------------------------------------------------
+
+// gids, grow_of, gsrc: [n_pairs]; goffsets: [n_experts + 1]. One thread per pair in a grid-stride loop.
+__global__ void moe_source_rows_kernel(const int32_t *gids, const int32_t *grow_of, int64_t n_pairs,
+                                       const int32_t *goffsets, int64_t n_experts, int64_t per_owner,
+                                       int64_t capacity, int32_t *gsrc, int32_t *flag) {
+    for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < n_pairs;
+         q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t e = gids[q];
+        int32_t src = -1;
+        if (e >= 0 && e < n_experts) {
+            const int64_t owner = e / per_owner;
+            const int64_t local = static_cast<int64_t>(grow_of[q]) - goffsets[owner * per_owner];
+            const int64_t row = owner * capacity + local;
+            if (local >= 0 && local < capacity && row <= INT32_MAX) src = static_cast<int32_t>(row);
+        }
+        if (src < 0) raise_flag(flag);
+        gsrc[q] = src;
+    }
+}
+
+}  // namespace
+
+cudaError_t router_topk(const float *logits, const float *bias, int64_t n_tokens, int64_t n_experts, int64_t top_k,
+                        bool renormalize, float scaling_factor, int32_t *expert_ids, float *weights,
+                        cudaStream_t stream) {
+    if (n_tokens < 0 || n_experts < 1 || n_experts > kRouterMaxExperts || top_k < 1 || top_k > n_experts) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_tokens == 0) return cudaSuccess;
+    if (logits == nullptr || expert_ids == nullptr || weights == nullptr) return cudaErrorInvalidValue;
+    // As many warps (tokens) per block as their score rows fit in the default shared memory, at most 8.
+    const int64_t row_bytes = n_experts * static_cast<int64_t>(sizeof(float));
+    int64_t warps = kSharedBytes / row_bytes;
+    warps = warps < kRouterMaxWarps ? warps : kRouterMaxWarps;
+    const int64_t blocks = (n_tokens + warps - 1) / warps;
+    if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+    router_topk_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(warps * kWarp),
+                         static_cast<size_t>(warps * row_bytes), stream>>>(
+        logits, bias, n_tokens, static_cast<int>(n_experts), static_cast<int>(top_k), renormalize, scaling_factor,
+        expert_ids, weights);
+    return cudaGetLastError();
+}
+
+cudaError_t moe_sort_pairs(const int32_t *expert_ids, int64_t n_tokens, int64_t top_k, int64_t n_experts,
+                           int32_t *offsets, int32_t *sorted_pair, int32_t *row_of_pair, int32_t *error_flag,
+                           cudaStream_t stream) {
+    if (n_tokens < 0 || top_k < 1 || n_experts < 1 || n_experts > kSortMaxExperts || offsets == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_tokens > INT32_MAX / top_k) return cudaErrorInvalidValue;
+    const int64_t n_pairs = n_tokens * top_k;
+    if (n_pairs > 0 && (expert_ids == nullptr || sorted_pair == nullptr || row_of_pair == nullptr)) {
+        return cudaErrorInvalidValue;
+    }
+    // Launched even without pairs: the offsets are still written (all zero).
+    moe_sort_pairs_kernel<<<1, kSortThreads, static_cast<size_t>(n_experts) * sizeof(int32_t), stream>>>(
+        expert_ids, n_pairs, static_cast<int>(n_experts), offsets, sorted_pair, row_of_pair,
+        error_flag);
+    return cudaGetLastError();
+}
+
+cudaError_t moe_permute(const float *x, int64_t n_tokens, int64_t d, const int32_t *sorted_pair,
+                        const int32_t *offsets, int64_t n_experts, int64_t expert_begin, int64_t expert_end,
+                        int64_t top_k, float *x_own, int64_t x_own_rows, int32_t *error_flag, cudaStream_t stream) {
+    if (n_tokens < 0 || d < 1 || top_k < 1 || n_experts < 1 || expert_begin < 0 || expert_begin > expert_end ||
+        expert_end > n_experts || x_own_rows < 0 || offsets == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    if (x_own_rows == 0 || expert_begin == expert_end) return cudaSuccess;  // nothing can be copied
+    if (x == nullptr || sorted_pair == nullptr || x_own == nullptr) return cudaErrorInvalidValue;
+    const int64_t blocks = x_own_rows < kMaxBlocks ? x_own_rows : kMaxBlocks;
+    moe_permute_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        x, n_tokens, d, sorted_pair, offsets, expert_begin, expert_end, top_k, x_own, x_own_rows, error_flag);
+    return cudaGetLastError();
+}
+
+cudaError_t moe_source_rows(const int32_t *expert_ids, const int32_t *row_of_pair, int64_t n_pairs,
+                            const int32_t *offsets, int64_t n_experts, int64_t n_owners, int64_t capacity,
+                            int32_t *src_row, int32_t *error_flag, cudaStream_t stream) {
+    if (n_pairs < 0 || n_owners < 1 || n_experts < n_owners || n_experts % n_owners != 0 || capacity < 0) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_pairs == 0) return cudaSuccess;
+    if (expert_ids == nullptr || row_of_pair == nullptr || offsets == nullptr || src_row == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const int64_t blocks_needed = (n_pairs + kThreads - 1) / kThreads;
+    const int64_t blocks = blocks_needed < kMaxBlocks ? blocks_needed : kMaxBlocks;
+    moe_source_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        expert_ids, row_of_pair, n_pairs, offsets, n_experts, n_experts / n_owners, capacity, src_row, error_flag);
+    return cudaGetLastError();
+}
+
+}  // namespace memra::cuda

@@ -1,0 +1,146 @@
+// The whole model on the GPU against the CPU in device numerics: the same engine over a CudaBackend and over a
+// CpuBackend, fed the same prompt, every prefill row's logits and then greedy decode steps' logits compared as
+// raw bits, and the greedy tokens. The CUDA kernels perform the CPU's device-numerics operations in the CPU's
+// order, so the expected difference is none; a mismatch reports how many values differ and by how much. Runs on
+// the embedded default model and, when the GPU script generated it (MEMRA_RELEASE_MODEL), the release-width
+// preset. Skips without a GPU.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/float_formats.h"
+#include "cuda/cuda_test_util.h"
+#include "io/safetensors.h"
+#include "model/step35_config.h"
+#include "runtime/engine.h"
+
+namespace memra {
+namespace {
+
+namespace fs = std::filesystem;
+
+// What one engine computed: every prefill row's logits, then each decode step's, and the greedy tokens.
+struct Trace {
+    std::vector<float> logits;
+    std::vector<int32_t> tokens;
+};
+
+Trace run_engine(const fs::path &dir, Device device, KvFormat k, KvFormat v, const std::vector<int32_t> &prompt,
+                 int decode_steps) {
+    Trace t;
+    auto cfg = model::load_step35_config(dir);
+    EXPECT_TRUE(cfg.has_value()) << cfg.error().message;
+    if (!cfg) return t;
+    auto ckpt = io::Checkpoint::open(dir);
+    EXPECT_TRUE(ckpt.has_value()) << ckpt.error().message;
+    if (!ckpt) return t;
+    runtime::EngineOptions o;
+    o.k_format = k;
+    o.v_format = v;
+    o.ctx_size = 1024;
+    o.step_rows = static_cast<int64_t>(prompt.size());
+    o.max_logit_rows = o.step_rows;
+    o.make_backend = [device](int) -> Result<std::unique_ptr<Backend>> {
+        if (device == Device::kCuda) {
+            auto be = cuda::CudaBackend::create(0, Numerics::kDevice);
+            if (!be) return tl::unexpected(be.error());
+            return std::unique_ptr<Backend>(std::move(*be));
+        }
+        return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(8, Numerics::kDevice));
+    };
+    auto engine = runtime::Engine::create(*ckpt, *cfg, o);
+    EXPECT_TRUE(engine.has_value()) << engine.error().message;
+    if (!engine) return t;
+    runtime::SequenceOptions so;
+    so.sampling.temperature = 0.0f;
+    auto seq = (*engine)->create_sequence(so);
+    EXPECT_TRUE(seq.has_value()) << seq.error().message;
+    if (!seq) return t;
+    runtime::Sequence &s = **seq;
+    s.tokens = prompt;
+    runtime::StepItem it;
+    it.seq = &s;
+    it.rows = static_cast<int64_t>(prompt.size());
+    it.logits = runtime::LogitRows::kAll;
+    it.sample = true;
+    it.return_logits = true;
+    for (int step = 0; step <= decode_steps; ++step) {
+        auto ok = (*engine)->step(std::span(&it, 1));
+        EXPECT_TRUE(ok.has_value()) << ok.error().message;
+        if (!ok) return t;
+        const auto lg = (*engine)->logits(0);
+        t.logits.insert(t.logits.end(), lg.begin(), lg.end());
+        const int32_t next = (*engine)->sampled(0).id;
+        t.tokens.push_back(next);
+        s.tokens.push_back(next);
+        it.rows = 1;
+        it.logits = runtime::LogitRows::kLast;
+    }
+    return t;
+}
+
+// Seeded prompt ids among the tokenizer's first ids (the same on both devices).
+std::vector<int32_t> prompt_ids(int n, int32_t vocab) {
+    std::vector<int32_t> p;
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < n; ++i) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        p.push_back(static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(std::min<int32_t>(vocab, 700))));
+    }
+    return p;
+}
+
+void compare(const fs::path &dir, KvFormat k, KvFormat v) {
+    auto cfg = model::load_step35_config(dir);
+    ASSERT_TRUE(cfg.has_value()) << cfg.error().message;
+    const std::vector<int32_t> prompt = prompt_ids(200, static_cast<int32_t>(cfg->vocab_size));
+    const Trace cpu = run_engine(dir, Device::kCpu, k, v, prompt, 32);
+    const Trace gpu = run_engine(dir, Device::kCuda, k, v, prompt, 32);
+    ASSERT_EQ(cpu.logits.size(), gpu.logits.size());
+    ASSERT_FALSE(cpu.logits.empty());
+    int64_t mismatches = 0;
+    double max_abs = 0.0;
+    double max_ref = 0.0;
+    for (size_t i = 0; i < cpu.logits.size(); ++i) {
+        if (f32_as_u32(cpu.logits[i]) != f32_as_u32(gpu.logits[i])) ++mismatches;
+        max_abs = std::max(max_abs, static_cast<double>(std::fabs(cpu.logits[i] - gpu.logits[i])));
+        max_ref = std::max(max_ref, static_cast<double>(std::fabs(cpu.logits[i])));
+    }
+    const std::string where = fmt::format("{} kv {}/{}: {} of {} logits differ in bits, max |diff| {:.3g} (max |logit| "
+                                          "{:.3g}); greedy tokens {}",
+                                          dir.filename().string(), kv_format_name(k), kv_format_name(v), mismatches,
+                                          cpu.logits.size(), max_abs, max_ref,
+                                          cpu.tokens == gpu.tokens ? "equal" : "differ");
+    std::printf("%s\n", where.c_str());
+    EXPECT_EQ(mismatches, 0) << where;
+    EXPECT_EQ(cpu.tokens, gpu.tokens) << where;
+}
+
+fs::path default_model() { return fs::path(MEMRA_BINARY_DIR) / "models" / "default"; }
+
+TEST(CudaEngine, DefaultModelLogitsEqualTheCpuBitForBit) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    compare(default_model(), KvFormat::kBf16, KvFormat::kBf16);
+    compare(default_model(), KvFormat::kF32, KvFormat::kF32);
+    compare(default_model(), KvFormat::kQ8_0, KvFormat::kQ5_1);
+}
+
+TEST(CudaEngine, ReleaseWidthPresetLogitsEqualTheCpuBitForBit) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const char *dir = std::getenv("MEMRA_RELEASE_MODEL");
+    if (dir == nullptr || *dir == '\0') GTEST_SKIP() << "MEMRA_RELEASE_MODEL is not set (scripts/gpu.sh makes it)";
+    compare(dir, KvFormat::kBf16, KvFormat::kBf16);
+}
+
+}  // namespace
+}  // namespace memra
