@@ -46,7 +46,7 @@ $memra run "$release" -p "$prompt" -n 16 --temp 0 --ignore-eos --device cuda >"$
 run_release_rc=$?
 
 # The determinism gates on the GPU (TP ranks as in-process ranks sharing it).
-timeout 300 $memra verify --device cuda >"$out/verify_cuda.log" 2>&1
+timeout 300 $memra verify --device cuda --batch 64 >"$out/verify_cuda.log" 2>&1
 verify_rc=$?
 timeout 300 $memra verify "$release" --device cuda --tp 1,2,4,8 >"$out/verify_release.log" 2>&1
 verify_release_rc=$?
@@ -58,6 +58,9 @@ bench_rc=$?
 $memra bench "$release" --device cuda -p 0 -n 32 -r 2 --parallel 64 -o json >"$out/bench_release_64.json" 2>>"$out/bench_release.log"
 bench64_rc=$?
 $memra bench --device cuda -p 512 -n 64 -r 3 -o json >"$out/bench_default.json" 2>>"$out/bench_release.log"
+# Per-op times (each op synchronised; launch + kernel), one prefill of 512 and 16 decode steps on the release preset.
+MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 512 -n 0 -r 1 >/dev/null 2>"$out/op_times_prefill.log"
+MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 0 -n 16 -r 1 >/dev/null 2>"$out/op_times_decode.log"
 t5=$(date +%s)
 
 cpu_rc=0
@@ -73,6 +76,10 @@ if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
         [ -x "$b" ] && "$b" --benchmark_min_time=0.2 --benchmark_format=console >>"$out/bench.log" 2>&1
     done
 fi
+
+op_rows() {  # profile log -> the five most expensive ops
+    grep -E '^\| [a-z_]+ \|' "$1" | grep -v '^| op |' | head -5 | awk -F'|' -v w="$2" '{gsub(/ /, "", $2); printf "| op %s %s | %s calls, %s ms, %s us each (%s) |\n", w, $2, $3, $4, $5, $6}'
+}
 
 bench_rows() {  # file -> "| bench <model> <test> | t/s |" rows
     python3 - "$1" <<'EOF' 2>/dev/null
@@ -97,5 +104,11 @@ for f in bench_release_8 bench_release_64 bench_default; do bench_rows "$out/$f.
 echo "| bench rc | $bench_rc $bench64_rc ($((t5 - t4)) s) |"
 [ "${MEMRA_GPU_CPU:-0}" = 1 ] && echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
 grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
+op_rows "$out/op_times_prefill.log" prefill
+op_rows "$out/op_times_decode.log" decode
+grep -h -m2 -E "STEP_WORK" "$out/verify_release.log" | sed 's/^/| verify release | /; s/$/ |/'
+# The device tool brings back a few files: the table, the JSON reports and one archive of every log.
+(cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.json' -- * 2>/dev/null &&
+    find . -maxdepth 1 -type f ! -name logs.tgz ! -name '*.json' -delete)
 [ $cuda_rc -eq 0 ] && [ $cli_rc -eq 0 ] && [ $run_rc -eq 0 ] && [ "$run_same" = yes ] && [ $verify_rc -eq 0 ] &&
     [ $verify_release_rc -eq 0 ] && [ $cpu_rc -eq 0 ]

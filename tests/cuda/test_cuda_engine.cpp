@@ -1,4 +1,6 @@
-// The whole model on the GPU against the CPU in device numerics: the same engine over a CudaBackend and over a
+// The whole model on the GPU: against the CPU in device numerics, and the schedule gates (chunked prefill, a
+// teacher-forced prefill against decode) on the GPU itself.
+// Against the CPU: the same engine over a CudaBackend and over a
 // CpuBackend, fed the same prompt, every prefill row's logits and then greedy decode steps' logits compared as
 // raw bits, and the greedy tokens. The CUDA kernels perform the CPU's device-numerics operations in the CPU's
 // order, so the expected difference is none; a mismatch reports how many values differ and by how much. Runs on
@@ -127,6 +129,111 @@ void compare(const fs::path &dir, KvFormat k, KvFormat v) {
 }
 
 fs::path default_model() { return fs::path(MEMRA_BINARY_DIR) / "models" / "default"; }
+
+// An engine on the GPU over the default model with step_rows rows per step.
+struct GpuEngine {
+    std::unique_ptr<io::Checkpoint> ckpt;
+    model::Step35Config cfg;
+    std::unique_ptr<runtime::Engine> engine;
+};
+
+GpuEngine gpu_engine(int64_t step_rows) {
+    GpuEngine g;
+    auto cfg = model::load_step35_config(default_model());
+    EXPECT_TRUE(cfg.has_value());
+    g.cfg = *cfg;
+    auto ckpt = io::Checkpoint::open(default_model());
+    EXPECT_TRUE(ckpt.has_value());
+    g.ckpt = std::make_unique<io::Checkpoint>(std::move(*ckpt));
+    runtime::EngineOptions o;
+    o.ctx_size = 1024;
+    o.step_rows = step_rows;
+    o.max_logit_rows = step_rows;
+    o.make_backend = [](int) -> Result<std::unique_ptr<Backend>> {
+        auto be = cuda::CudaBackend::create(0, Numerics::kDevice);
+        if (!be) return tl::unexpected(be.error());
+        return std::unique_ptr<Backend>(std::move(*be));
+    };
+    auto engine = runtime::Engine::create(*g.ckpt, g.cfg, o);
+    EXPECT_TRUE(engine.has_value()) << engine.error().message;
+    if (engine) g.engine = std::move(*engine);
+    return g;
+}
+
+// Feeds the sequence's pending tokens in steps of the engine's step_rows; the last row's logits.
+std::vector<float> prefill_last_logits(runtime::Engine &e, runtime::Sequence &s) {
+    while (s.pending() > 0) {
+        runtime::StepItem it;
+        it.seq = &s;
+        it.rows = std::min(s.pending(), e.options().step_rows);
+        const bool last = it.rows == s.pending();
+        it.logits = last ? runtime::LogitRows::kLast : runtime::LogitRows::kNone;
+        it.return_logits = last;
+        auto ok = e.step(std::span(&it, 1));
+        EXPECT_TRUE(ok.has_value()) << ok.error().message;
+        if (!ok) return {};
+        if (last) {
+            const auto lg = e.logits(0);
+            return std::vector<float>(lg.begin(), lg.end());
+        }
+    }
+    return {};
+}
+
+int64_t bit_mismatches(const std::vector<float> &a, const std::vector<float> &b) {
+    if (a.size() != b.size()) return -1;
+    int64_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) n += f32_as_u32(a[i]) != f32_as_u32(b[i]) ? 1 : 0;
+    return n;
+}
+
+// Chunked prefill (chunks of 1, 7, 64, 512) gives the unchunked prefill's last-row logits bit for bit on the GPU.
+TEST(CudaEngine, ChunkedPrefillEqualsUnchunked) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const std::vector<int32_t> prompt = prompt_ids(600, 1024);
+    std::vector<float> whole;
+    for (const int64_t chunk : {int64_t{600}, int64_t{512}, int64_t{64}, int64_t{7}, int64_t{1}}) {
+        GpuEngine g = gpu_engine(chunk);
+        ASSERT_TRUE(g.engine);
+        runtime::SequenceOptions so;
+        auto seq = g.engine->create_sequence(so);
+        ASSERT_TRUE(seq.has_value());
+        (*seq)->tokens = prompt;
+        const std::vector<float> last = prefill_last_logits(*g.engine, **seq);
+        ASSERT_FALSE(last.empty());
+        if (whole.empty()) {
+            whole = last;
+        } else {
+            EXPECT_EQ(bit_mismatches(last, whole), 0) << "chunks of " << chunk;
+        }
+    }
+}
+
+// A teacher-forced prefill of the prompt and the greedy tokens reproduces every decode step's logits.
+TEST(CudaEngine, TeacherForcedPrefillReproducesEveryDecodeStep) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const std::vector<int32_t> prompt = prompt_ids(150, 1024);
+    const Trace decoded = run_engine(default_model(), Device::kCuda, KvFormat::kBf16, KvFormat::kBf16, prompt, 24);
+    ASSERT_EQ(decoded.tokens.size(), 25u);
+    GpuEngine g = gpu_engine(256);
+    ASSERT_TRUE(g.engine);
+    auto seq = g.engine->create_sequence(runtime::SequenceOptions{});
+    ASSERT_TRUE(seq.has_value());
+    (*seq)->tokens = prompt;
+    (*seq)->tokens.insert((*seq)->tokens.end(), decoded.tokens.begin(), decoded.tokens.end() - 1);
+    runtime::StepItem it;
+    it.seq = seq->get();
+    it.rows = static_cast<int64_t>((*seq)->tokens.size());
+    it.logits = runtime::LogitRows::kAll;
+    it.return_logits = true;
+    ASSERT_TRUE(g.engine->step(std::span(&it, 1)).has_value());
+    const auto all = g.engine->logits(0);
+    const size_t vocab = static_cast<size_t>(g.cfg.vocab_size);
+    // Trace rows: the prompt's 150 rows, then one per decode step; the forced prefill has the same rows.
+    ASSERT_EQ(all.size(), decoded.logits.size());
+    EXPECT_EQ(bit_mismatches(std::vector<float>(all.begin(), all.end()), decoded.logits), 0)
+        << all.size() / vocab << " rows";
+}
 
 TEST(CudaEngine, DefaultModelLogitsEqualTheCpuBitForBit) {
     MEMRA_SKIP_WITHOUT_GPU();

@@ -5,6 +5,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -79,11 +82,19 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_index, Numer
 }
 
 CudaBackend::CudaBackend(int device_index, cudaStream_t stream, const DraftForcing *forcing)
-    : device_(device_index), stream_(stream), forcing_(forcing) {}
+    : device_(device_index), stream_(stream), forcing_(forcing) {
+    const char *profile = std::getenv("MEMRA_CUDA_PROFILE");
+    profile_ = profile != nullptr && std::strcmp(profile, "1") == 0;
+    profile_mark_ = std::chrono::steady_clock::now();
+}
 
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
+    if (profile_ && !op_times_.empty()) {
+        std::fprintf(stderr, "cuda op times (MEMRA_CUDA_PROFILE; GPU %d, this backend's life):\n%s", device_,
+                     op_time_table().c_str());
+    }
     for (void *p : allocations_) cudaFree(p);
     cudaStreamDestroy(stream_);
 }
@@ -115,6 +126,34 @@ void CudaBackend::launched(const char *op, int status) {
     ++counters_.launches;
     const auto e = static_cast<cudaError_t>(status);
     MEMRA_CHECK(e == cudaSuccess, "cuda {}: {}", op, cuda_message(e));
+    if (profile_) {
+        // Serialised: the op's time is from the end of the previous synchronisation to the end of its kernel.
+        const cudaError_t sync = cudaStreamSynchronize(stream_);
+        MEMRA_CHECK(sync == cudaSuccess, "cuda {}: {}", op, cuda_message(sync));
+        const auto now = std::chrono::steady_clock::now();
+        OpTime &t = op_times_[op];
+        ++t.calls;
+        t.seconds += std::chrono::duration<double>(now - profile_mark_).count();
+        profile_mark_ = now;
+    }
+}
+
+void CudaBackend::profile_mark() {
+    if (profile_) profile_mark_ = std::chrono::steady_clock::now();
+}
+
+std::string CudaBackend::op_time_table() const {
+    std::vector<std::pair<std::string, OpTime>> rows(op_times_.begin(), op_times_.end());
+    std::sort(rows.begin(), rows.end(), [](const auto &a, const auto &b) { return a.second.seconds > b.second.seconds; });
+    double total = 0.0;
+    for (const auto &r : rows) total += r.second.seconds;
+    std::string out = fmt::format("| op | calls | total ms | mean us | share |\n| --- | ---: | ---: | ---: | ---: |\n");
+    for (const auto &[name, t] : rows) {
+        out += fmt::format("| {} | {} | {:.2f} | {:.1f} | {:.1f} % |\n", name, t.calls, t.seconds * 1e3,
+                           t.seconds * 1e6 / static_cast<double>(std::max<int64_t>(t.calls, 1)),
+                           total > 0.0 ? 100.0 * t.seconds / total : 0.0);
+    }
+    return out;
 }
 
 Result<TensorView> CudaBackend::alloc(DType dtype, std::initializer_list<int64_t> shape) {
@@ -260,6 +299,10 @@ void CudaBackend::copy_from_host(const void *src, TensorView dst) {
     // the stream after the work before it.
     const cudaError_t e = cudaMemcpyAsync(dst.data, src, dst.n_bytes(), cudaMemcpyHostToDevice, stream_);
     MEMRA_CHECK(e == cudaSuccess, "cuda copy_from_host of {} bytes: {}", dst.n_bytes(), cuda_message(e));
+    if (profile_) {
+        cudaStreamSynchronize(stream_);
+        profile_mark();
+    }
 }
 
 void CudaBackend::copy_to_host(TensorView src, void *dst) {
@@ -273,6 +316,7 @@ void CudaBackend::copy_to_host(TensorView src, void *dst) {
     MEMRA_CHECK(e == cudaSuccess, "cuda copy_to_host of {} bytes: {}", src.n_bytes(), cuda_message(e));
     // A kernel met an index outside its range: an invariant the engine keeps is broken (the CPU ops abort).
     MEMRA_CHECK(flag == 0, "cuda: a kernel read an index outside its range (a token id, position, slot or row)");
+    profile_mark();
 }
 
 

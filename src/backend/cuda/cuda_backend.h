@@ -10,9 +10,11 @@
 // queued work.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,10 +22,10 @@
 #include <cuda_runtime_api.h>
 
 #include "backend/backend.h"
-#include "backend/draft_forcing.h"
-#include "core/kv_page.h"
 #include "backend/cpu/ops_attention.h"
 #include "backend/cuda/ops_matmul.h"
+#include "backend/draft_forcing.h"
+#include "core/kv_page.h"
 
 namespace memra::cuda {
 
@@ -56,6 +58,10 @@ public:
     int device_index() const { return device_; }
     // Device bytes this backend holds (weights, buffers, pools, workspaces).
     int64_t bytes_allocated() const { return bytes_; }
+    // With MEMRA_CUDA_PROFILE=1 in the environment at creation, every op synchronises and its time (from the end of
+    // the previous op or host copy to the end of its kernel: launch plus kernel, serialised) is added up per op
+    // name; the Markdown table of those sums, also printed to stderr when the backend is destroyed.
+    std::string op_time_table() const;
     // Called after each weight upload with its host bytes (the CLI's progress bar).
     void set_upload_observer(std::function<void(int64_t bytes)> observer) { upload_observer_ = std::move(observer); }
 
@@ -161,6 +167,15 @@ private:
     void *sample_workspace_ = nullptr;
     int64_t sample_workspace_bytes_ = 0;
     int32_t sample_vocab_ = 0;
+    void profile_mark();
+
+    struct OpTime {
+        int64_t calls = 0;
+        double seconds = 0.0;
+    };
+    bool profile_ = false;
+    std::chrono::steady_clock::time_point profile_mark_;
+    std::map<std::string, OpTime> op_times_;
     const DraftForcing *forcing_;
     uint64_t forcing_seen_ = ~uint64_t{0};  // the forcing step last seen, and the draft stage within it
     int forcing_stage_ = 0;
