@@ -1,4 +1,4 @@
-// `memra bench [MODEL_DIR]`: llama-bench's two speed tests on the CPU engine (runtime/engine.h). ppN prefills
+// `memra bench [MODEL_DIR]`: llama-bench's two speed tests on the engine (runtime/engine.h; GPU or CPU, --device). ppN prefills
 // N prompt tokens into a fresh sequence in steps of the row budget (-ub; one step at the default 512) and
 // samples after the last; tgN decodes N tokens from a fresh sequence, one step each, feeding the token the
 // engine sampled (greedy). With --spec-draft K a second tg test decodes the same tokens with the MTP layers
@@ -755,7 +755,7 @@ Command add_bench_command(CLI::App &app) {
     const int kMaxInt = std::numeric_limits<int>::max();
 
     CLI::App *sub = app.add_subcommand(
-        "bench", "Measure prompt (pp) and generation (tg) tokens/s on the CPU backend, like llama-bench; with "
+        "bench", "Measure prompt (pp) and generation (tg) tokens/s on the engine (GPU or CPU), like llama-bench; with "
                  "--experts, the routed experts of one MoE layer on CPU ranks");
     add_model_dir_option(*sub, opt->model_dir);
     sub->add_option("-p,--n-prompt", opt->n_prompt,

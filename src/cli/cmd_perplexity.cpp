@@ -1,4 +1,4 @@
-// `memra perplexity [MODEL_DIR] -f FILE`: llama.cpp's llama-perplexity on the CPU engine (runtime/engine.h).
+// `memra perplexity [MODEL_DIR] -f FILE`: llama.cpp's llama-perplexity on the engine (runtime/engine.h; GPU or CPU, --device).
 // The whole file is tokenized (no chat template; BOS first when the tokenizer adds one) and split into
 // non-overlapping chunks of -c tokens, each evaluated as a fresh sequence (prefilled in steps of -ub rows, the
 // KV cache sized by -c). Only the second half of a chunk is scored, so every scored token sees at least
@@ -297,7 +297,7 @@ Command add_perplexity_command(CLI::App &app) {
     opt->threads = default_threads();
 
     CLI::App *sub = app.add_subcommand(
-        "perplexity", "Perplexity of a text file on the CPU backend, like llama-perplexity: non-overlapping chunks "
+        "perplexity", "Perplexity of a text file on the engine (GPU or CPU), like llama-perplexity: non-overlapping chunks "
                       "of -c tokens, each scored on its second half");
     add_model_dir_option(*sub, opt->model_dir);
     sub->add_option("-f,--file", opt->file, "UTF-8 text to evaluate (tokenized whole, no chat template)")

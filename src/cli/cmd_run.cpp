@@ -1,4 +1,4 @@
-// `memra run [MODEL_DIR] -p TEXT`: one-shot generation on the CPU engine (runtime/engine.h). Tokenizes the
+// `memra run [MODEL_DIR] -p TEXT`: one-shot generation on the engine (runtime/engine.h; GPU or CPU, --device). Tokenizes the
 // prompt, prefills it in chunks of the step budget (-ub), then samples and decodes (with --spec-draft K, the
 // MTP layers drafting up to K tokens per step that the trunk verifies: the same text, faster), streaming
 // complete UTF-8 text to stdout as it comes, and ends with llama.cpp-style timing lines on stderr. The KV
@@ -176,7 +176,7 @@ Command add_run_command(CLI::App &app) {
     opt->threads = default_threads();
     SamplingParams &s = opt->sampling;
 
-    CLI::App *sub = app.add_subcommand("run", "Generate text from a prompt (CPU backend), streaming it to stdout");
+    CLI::App *sub = app.add_subcommand("run", "Generate text from a prompt (on the GPU when one is visible, else the CPU), streaming it to stdout");
     add_model_dir_option(*sub, opt->model_dir);
     sub->add_option("-p,--prompt", opt->prompt, "Prompt text")->envname("MEMRA_PROMPT")->required();
     sub->add_option("-n,--n-predict,--predict", opt->n_predict,

@@ -1,4 +1,4 @@
-// `memra verify [MODEL_DIR]`: the determinism gates (runtime/verify.h) on CPU backends. Each stage line gives
+// `memra verify [MODEL_DIR]`: the determinism gates (runtime/verify.h) on CPU or CUDA backends (--device). Each stage line gives
 // raw-bit mismatches and the native step's launches, copies each way, collectives and heap allocations
 // (this executable's counting operator new, alloc_count.h); then one PASS / FAIL / SKIP line per gate and an
 // overall line. Exit 0 when no gate fails, 3 when a gate fails, 1 on invalid input or when the plan refuses

@@ -1,6 +1,6 @@
 // Helpers shared by the subcommands: the embedded default model, error reporting (and the guard that
-// turns an escaping exception into an error line), numeric validators, the CPU engine's options and
-// loading a checkpoint onto the CPU backend.
+// turns an escaping exception into an error line), numeric validators, the engine options and
+// loading a checkpoint onto the CPU or CUDA backend.
 #include <algorithm>
 #include <charconv>
 #include <cstdint>

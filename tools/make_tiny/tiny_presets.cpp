@@ -81,7 +81,7 @@ std::vector<TinyPreset> make_table() {
     release.name = "release";
     release.description =
         "Step-3.5-Flash widths (d=4096, 64/96 heads, 8 KV, head_dim 128, experts 1280 wide top-8, vocab 128896), "
-        "4 layers + 1 MTP, 32 experts (--layers, --experts): 1.6B params, 3.3 GB bf16 (GPU tests)";
+        "4 layers + 1 MTP, 32 experts (--layers, --experts): 3.2B params, 6.0 GiB bf16 (GPU tests)";
     release.d_model = 4096;
     release.head_dim = 128;
     release.n_heads_full = 64;

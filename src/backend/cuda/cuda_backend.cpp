@@ -104,7 +104,7 @@ Result<void *> CudaBackend::device_alloc(size_t bytes, const std::string &what) 
     void *p = nullptr;
     const size_t n = std::max<size_t>(bytes, 1);  // distinct non-null pointers for empty views
     if (cudaError_t e = cudaMalloc(&p, n); e != cudaSuccess) {
-        cudaGetLastError();  // clear the sticky-free allocation error
+        cudaGetLastError();  // an allocation failure is not sticky: clear it so no later call reports it
         size_t free_b = 0;
         size_t total_b = 0;
         cudaMemGetInfo(&free_b, &total_b);
