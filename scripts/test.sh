@@ -17,8 +17,10 @@ oracles_pid=$!
 trap 'kill "$oracles_pid" 2>/dev/null || true' EXIT
 
 stage "sanitizer build (ASan + UBSan)"
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMEMRA_SANITIZE=ON -DMEMRA_BENCH=OFF \
-      -DMEMRA_WERROR=ON >/dev/null
+# -O1: the sanitizers' recommended level; the unit tests run 3.5x faster than at -O0 (465 s of test time against
+# 1649 s on a 2-core machine) and catch the same errors.
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DMEMRA_SANITIZE=ON \
+      -DMEMRA_BENCH=OFF -DMEMRA_WERROR=ON >/dev/null
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan -L unit -j"$jobs" --output-on-failure --timeout 600
