@@ -66,10 +66,16 @@ t5=$(date +%s)
 cpu_rc=0
 if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
     ctest --test-dir build-gpu -L unit -j8 --output-on-failure >"$out/ctest.log" 2>&1 || cpu_rc=1
+    # Thread scaling of the CPU engine on this host's cores (prefill and decode), the default model in both
+    # numerics and the small preset in device numerics.
+    $memra make-tiny "$tmp/small" --preset small --force >"$out/make_tiny_small.log" 2>&1
     for t in 1 2 4 8 16; do
         for n in device exact; do
-            $memra bench --device cpu -p 512 -n 128 -r 3 -t "$t" --numerics "$n" >>"$out/numerics_bench.log" 2>/dev/null
+            $memra bench --device cpu -p 512 -n 128 -r 3 -t "$t" --numerics "$n" -o json \
+                >"$out/cpu_default_${n}_t$t.json" 2>>"$out/numerics_bench.log"
         done
+        $memra bench "$tmp/small" --device cpu -p 512 -n 128 -r 3 -t "$t" -o json \
+            >"$out/cpu_small_device_t$t.json" 2>>"$out/numerics_bench.log"
     done
     MEMRA_DEVICE=cpu bash scripts/spec_bench.sh $memra "$out/spec" 16 >"$out/spec_bench.md" 2>"$out/spec_bench.err" || cpu_rc=1
     for b in build-gpu/memra_bench_*; do
@@ -102,13 +108,26 @@ echo "| verify default cuda (rc $verify_rc) | $(tail -1 "$out/verify_cuda.log") 
 echo "| verify release cuda (rc $verify_release_rc, $((t4 - t3)) s incl. runs) | $(tail -1 "$out/verify_release.log") |"
 for f in bench_release_8 bench_release_64 bench_default; do bench_rows "$out/$f.json"; done
 echo "| bench rc | $bench_rc $bench64_rc ($((t5 - t4)) s) |"
-[ "${MEMRA_GPU_CPU:-0}" = 1 ] && echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
+if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
+    echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
+    python3 - "$out" <<'EOF' 2>/dev/null
+import glob, json, os, sys
+rows = {}
+for f in glob.glob(os.path.join(sys.argv[1], "cpu_*_t*.json")):
+    name, t = os.path.basename(f)[4:-5].rsplit("_t", 1)
+    for r in json.load(open(f)):
+        rows.setdefault(name, {}).setdefault(int(t), {})[r["test"]] = r["avg_ts"]
+for name in sorted(rows):
+    cells = ", ".join(f"t{t}: pp {v.get('pp512', 0):.0f} tg {v.get('tg128', 0):.0f}" for t, v in sorted(rows[name].items()))
+    print(f"| cpu {name} t/s | {cells} |")
+EOF
+fi
 grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
 op_rows "$out/op_times_prefill.log" prefill
 op_rows "$out/op_times_decode.log" decode
 grep -h -m2 -E "STEP_WORK" "$out/verify_release.log" | sed 's/^/| verify release | /; s/$/ |/'
 # The device tool brings back a few files: the table, the JSON reports and one archive of every log.
-(cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.json' -- * 2>/dev/null &&
-    find . -maxdepth 1 -type f ! -name logs.tgz ! -name '*.json' -delete)
+(cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='bench_*.json' -- * 2>/dev/null &&
+    find . -maxdepth 1 -type f ! -name logs.tgz ! -name 'bench_*.json' -delete)
 [ $cuda_rc -eq 0 ] && [ $cli_rc -eq 0 ] && [ $run_rc -eq 0 ] && [ "$run_same" = yes ] && [ $verify_rc -eq 0 ] &&
     [ $verify_release_rc -eq 0 ] && [ $cpu_rc -eq 0 ]

@@ -36,10 +36,15 @@ float e4m3_quantize_group(const float *x, int64_t n, float *values) {
         const float a = std::fabs(x[i]);
         amax = a > amax ? a : amax;  // a NaN never wins
     }
-    float scale = amax == 0.0f ? 1.0f : amax / 448.0f;
-    if (scale == 0.0f) scale = 0x1p-149f;  // amax / 448 underflowed: the smallest scale, as the weight quantizer
+    const float scale = e4m3_group_scale(amax);
     for (int64_t i = 0; i < n; ++i) values[i] = fp8_e4m3_to_f32(f32_to_fp8_e4m3(x[i] / scale, Fp8Saturation::kSaturate));
     return scale;
+}
+
+float e4m3_group_scale(float amax) {
+    if (amax == 0.0f) return 1.0f;
+    const float scale = amax / 448.0f;
+    return scale == 0.0f ? 0x1p-149f : scale;  // amax / 448 underflowed: the smallest scale, as the weight quantizer
 }
 
 float device_chunk_dot(const float *x, const float *w, int64_t n) {

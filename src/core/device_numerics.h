@@ -20,6 +20,8 @@ float fz_fma(float a, float b, float c);
 // scale = amax / 448 by IEEE division (1 when amax = 0, 2^-149 when the division underflows), value i = the e4m3 value of
 // f32_to_fp8_e4m3(x[i] / scale, saturate). Returns the scale.
 float e4m3_quantize_group(const float *x, int64_t n, float *values);
+// The scale of a group whose amax (max |x|, NaN never winning) is `amax`: the rule above.
+float e4m3_group_scale(float amax);
 
 // One chunk of the device K loop over n values (bf16 or e4m3 values as f32, and the weight's stored values):
 // 16 lanes from +0; groups of 32 from element 0 (the last zero-padded), lane j adding element 32g + 2j + 1 then

@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include "backend/cpu/matmul.h"
+
 namespace memra::cpu::test {
 
 inline uint32_t bits(float f) {
@@ -78,5 +80,20 @@ inline uint16_t to_bf16_trunc(float f) { return static_cast<uint16_t>(bits(f) >>
 inline float bf16_value(uint16_t h) { return from_bits(static_cast<uint32_t>(h) << 16); }
 
 inline constexpr int kThreadCounts[] = {1, 2, 3, 8};
+
+// Restores the instruction path the kernels run on (force_product_isa) when a test that switches it ends.
+struct IsaGuard {
+    ProductIsa saved = product_isa();
+    ~IsaGuard() { force_product_isa(saved); }
+};
+
+// The instruction paths this CPU runs, kPortable (the reference) first.
+inline std::vector<ProductIsa> supported_isas() {
+    std::vector<ProductIsa> v;
+    for (ProductIsa isa : {ProductIsa::kPortable, ProductIsa::kAvx2Fma, ProductIsa::kAvx512Bf16}) {
+        if (product_isa_supported(isa)) v.push_back(isa);
+    }
+    return v;
+}
 
 }  // namespace memra::cpu::test

@@ -16,22 +16,14 @@
 #include "core/float_formats.h"
 #include "core/fp8_block.h"
 
+#include "cpu/ops_test_util.h"
+
 namespace memra::cpu {
 namespace {
 
 // Restores the best path when a test that forced another one ends.
-struct IsaGuard {
-    ProductIsa saved = product_isa();
-    ~IsaGuard() { force_product_isa(saved); }
-};
-
-std::vector<ProductIsa> supported_isas() {
-    std::vector<ProductIsa> v;
-    for (ProductIsa isa : {ProductIsa::kPortable, ProductIsa::kAvx2Fma, ProductIsa::kAvx512Bf16}) {
-        if (product_isa_supported(isa)) v.push_back(isa);
-    }
-    return v;
-}
+using test::IsaGuard;
+using test::supported_isas;
 
 // ---- FTZ/DAZ arithmetic, emulated through long double (64-bit significand: the sum of two values of at
 // most 24 significant bits, or of an exact 16-bit product, is rounded there at most once, harmlessly). ----
@@ -68,7 +60,11 @@ Rounded ref_round(const std::vector<float> &x, int64_t n, int64_t k, ActRounding
             const int64_t g0 = g * 128;
             const int64_t g1 = std::min(k, g0 + 128);
             float amax = 0.0f;
-            for (int64_t i = g0; i < g1; ++i) amax = std::fmax(amax, std::fabs(x[static_cast<size_t>(t * k + i)]));
+            for (int64_t i = g0; i < g1; ++i) {
+                // Not std::fmax: glibc's returns NaN for a signaling NaN operand, and a NaN never wins here.
+                const float a = std::fabs(x[static_cast<size_t>(t * k + i)]);
+                if (!std::isnan(a)) amax = std::max(amax, a);
+            }
             float scale = amax == 0.0f ? 1.0f : amax / 448.0f;
             if (scale == 0.0f) scale = std::ldexp(1.0f, -149);
             if (act == ActRounding::kE4m3x128) r.scale[static_cast<size_t>(t * groups + g)] = scale;
@@ -227,6 +223,46 @@ TEST(MatmulDevice, EveryPathEqualsTheDocumentedLoop) {
     }
 }
 
+// Prefill-sized products: many tokens per thread, so the AVX2 path packs panels of activations (fp8 rows
+// converted per block of 16), with token tails, row-block tails, several panels (K = 8192 holds 6 tokens a
+// panel), a K past what a panel holds (8320: the unpacked tiles) and the canonical blocks of K = 1280 (160
+// wide: segments that end in a partial group). Every path must still equal the documented loop.
+TEST(MatmulDevice, PrefillSizedProductsEqualTheDocumentedLoop) {
+    const IsaGuard guard;
+    struct Shape {
+        int64_t n, rows, cols;
+    };
+    const Shape shapes[] = {{13, 20, 1280}, {40, 33, 300}, {19, 3, 8192}, {8, 2, 8320}};
+    for (ProductIsa isa : supported_isas()) {
+        ASSERT_TRUE(force_product_isa(isa));
+        for (const DType dt : {DType::kBF16, DType::kF8E4M3}) {
+            const ActRounding act = dt == DType::kBF16 ? ActRounding::kBf16 : ActRounding::kE4m3x128;
+            for (const Shape &s : shapes) {
+                const Weight w = make_weight(dt, s.rows, s.cols, static_cast<uint32_t>(s.cols + 3 * s.rows), true);
+                const std::vector<float> x = activations(s.n, s.cols, static_cast<uint32_t>(s.n + 5), true);
+                EXPECT_EQ(bit_mismatches(run_device(1, x, s.n, w.ref(act)), ref_device(x, s.n, w, act, 0, s.cols)), 0)
+                    << product_isa_name(isa) << " " << dtype_name(dt) << " [" << s.n << ", " << s.cols << "] x ["
+                    << s.rows << "]";
+            }
+            if (dt != DType::kBF16) continue;  // row-parallel products are bf16 (e4m3 groups span whole K)
+            const Shape &blocks = shapes[0];
+            const Weight w = make_weight(dt, blocks.rows, blocks.cols, 21, true);
+            const std::vector<float> x = activations(blocks.n, blocks.cols, 22, true);
+            ThreadPool pool(1);
+            Scratch scratch(blocks.n * blocks.cols);
+            std::vector<float> part(static_cast<size_t>(8 * blocks.n * blocks.rows));
+            matmul_block_partials(pool, x.data(), blocks.n, w.ref(act), 0, 8, part.data(), &scratch.view);
+            for (int64_t b = 0; b < 8; ++b) {
+                const auto first = part.begin() + b * blocks.n * blocks.rows;
+                EXPECT_EQ(bit_mismatches(std::vector<float>(first, first + blocks.n * blocks.rows),
+                                         ref_device(x, blocks.n, w, act, b * 160, (b + 1) * 160)),
+                          0)
+                    << product_isa_name(isa) << " " << dtype_name(dt) << " block " << b;
+            }
+        }
+    }
+}
+
 // Lanes built so that products underflow below FLT_MIN and running sums land on denormals: FTZ and DAZ
 // decide the bits, and every path must decide them alike.
 TEST(MatmulDevice, PathsAgreeWhereFlushingDecides) {
@@ -288,6 +324,70 @@ TEST(MatmulDevice, RoundActivationsFollowsTheDefinition) {
             EXPECT_EQ(s.codes[200], 0);
             EXPECT_EQ(bf16_to_f32(s.codes[static_cast<size_t>(k + 5)]), 448.0f);
             EXPECT_EQ(s.scales[3], 1000.0f / 448.0f);
+        }
+    }
+}
+
+// Every path rounds adversarial rows to the same codes and scales as the definition: random bit patterns (NaN,
+// Inf, denormals), values on and next to the e4m3 rounding ties of their group's scale (normal and subnormal
+// codes, the 464 saturation edge), signed zeros, and groups whose scale underflows.
+TEST(MatmulDevice, RoundingPathsAgreeOnAdversarialRows) {
+    const IsaGuard guard;
+    ThreadPool pool(1);
+    const int64_t k = 300;  // groups of 128, 128 and 44
+    const int64_t n = 64;
+    std::mt19937 rng(3);
+    std::vector<float> x(static_cast<size_t>(n * k));
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t g0 = 0; g0 < k; g0 += 128) {
+            const int mode = static_cast<int>(rng() % 4);
+            const float scale = std::ldexp(1.0f, static_cast<int>(rng() % 240) - 140);
+            for (int64_t i = g0; i < std::min(k, g0 + 128); ++i) {
+                float v = 0.0f;
+                const uint32_t bits = static_cast<uint32_t>(rng());
+                if (mode == 0) {
+                    std::memcpy(&v, &bits, 4);
+                } else if (mode == 1) {
+                    // An e4m3 value or the midpoint to its neighbour, nudged by -1, 0 or +1 ulp, times the scale.
+                    const uint8_t c = static_cast<uint8_t>(bits & 0x7e);
+                    const float lo = fp8_e4m3_to_f32(c);
+                    const float mid = (lo + fp8_e4m3_to_f32(static_cast<uint8_t>(c + 1))) / 2;
+                    float q = bits & 0x100 ? mid : lo;
+                    if (i == g0) q = (bits & 0x200) ? 448.0f : 464.0f;
+                    q = std::nextafter(q, (bits & 0x400) ? 1e9f : -1e9f);
+                    if (bits & 0x800) q = bits & 0x1000 ? std::nextafter(q, 1e9f) : q;
+                    v = (bits & 0x2000 ? -q : q) * scale;
+                } else if (mode == 2) {
+                    v = bits & 1 ? -0.0f : 0.0f;
+                } else {
+                    v = std::ldexp(static_cast<float>(bits % 1000), -149);  // denormals: the scale underflows
+                    if (bits & 0x10000) v = -v;
+                }
+                x[static_cast<size_t>(t * k + i)] = v;
+            }
+        }
+    }
+    for (const ActRounding act : {ActRounding::kBf16, ActRounding::kE4m3x128}) {
+        const Rounded ref = ref_round(x, n, k, act);
+        ASSERT_TRUE(force_product_isa(ProductIsa::kPortable));
+        Scratch portable(n * k);
+        round_activations(pool, x.data(), n, k, act, portable.view);
+        for (ProductIsa isa : supported_isas()) {
+            ASSERT_TRUE(force_product_isa(isa));
+            Scratch s(n * k);
+            round_activations(pool, x.data(), n, k, act, s.view);
+            EXPECT_EQ(s.codes, portable.codes) << product_isa_name(isa);
+            int64_t bad = 0;
+            for (int64_t i = 0; i < n * k; ++i) {
+                const float got = bf16_to_f32(s.codes[static_cast<size_t>(i)]);
+                const float want = ref.val[static_cast<size_t>(i)];
+                bad += !(std::memcmp(&got, &want, 4) == 0 || (std::isnan(got) && std::isnan(want)));
+            }
+            EXPECT_EQ(bad, 0) << product_isa_name(isa);
+            if (act == ActRounding::kE4m3x128) {
+                EXPECT_EQ(bit_mismatches(std::vector<float>(s.scales.begin(), s.scales.begin() + n * 3), ref.scale), 0)
+                    << product_isa_name(isa);
+            }
         }
     }
 }

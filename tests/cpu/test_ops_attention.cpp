@@ -5,18 +5,22 @@
 // formats (reading through a format is exactly decoding), kv_write's bytes, and the per-head sigmoid gate. The
 // blocked (device) order likewise: a scalar spelling of it bit for bit over every KV format, blocks and splits
 // crossed by full and windowed rows, each of its rounding points and its split merge shown to change bits,
-// float64 within bf16 tolerance, and the same invariances.
+// float64 within bf16 tolerance, and the same invariances. Its SIMD paths (product_isa) give the portable path's
+// bits over every KV format pair, odd head_dims, GQA groups, windows, first_pos and adversarial values, and their
+// exp and bf16 rounding lanes are held to exp_f32 and f32_to_bf16 over a large sample of all floats.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <limits>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/matmul.h"
 #include "backend/cpu/ops_attention.h"
 #include "core/kv_format.h"
 #include "core/kv_page.h"
@@ -747,6 +751,322 @@ TEST(OpsPagedAttentionBlocked, AQueryDependsOnNothingElseInTheCall) {
             HostPool kv_p = fill_pool(written, KvFormat::kQ8_0, KvFormat::kBf16);
             MEMRA_EXPECT_SAME_BITS(run_alone(pool, written, kv_p, i, true), rows_of(all, i, i + 1, c.q_row()))
                 << "position " << P;
+        }
+    }
+}
+
+// ---- The blocked order's instruction paths (product_isa): every SIMD path gives the kPortable bits. ----
+
+// The paths other than kPortable that this CPU runs.
+std::vector<ProductIsa> simd_isas() {
+    std::vector<ProductIsa> v = supported_isas();
+    v.erase(v.begin());
+    return v;
+}
+
+// Same bits, except that a NaN matches any NaN (the lanes' NaN payloads are not part of exp_f32's contract).
+bool same_or_both_nan(float got, float want) {
+    return std::isnan(want) ? std::isnan(got) : bits(got) == bits(want);
+}
+
+TEST(OpsPagedAttentionBlockedIsa, ExpLanesAreExpF32) {
+    // Every 61st bit pattern; every float in [80, 89.5] and [-104.5, -80] (k = 128, subnormal results, both
+    // limits); every 5th float with 2^-6 <= |x| < 80 (the rounding of k next to the ties t = n + 1/2); specials.
+    // Each class of result must be reached, so a sample that missed a branch would fail.
+    const IsaGuard guard;
+    const std::vector<ProductIsa> isas = simd_isas();
+    if (isas.empty()) GTEST_SKIP() << "no SIMD path on this CPU";
+#if defined(__SANITIZE_ADDRESS__)
+    const uint32_t stride = 997, dense = 13;
+#else
+    const uint32_t stride = 61, dense = 1;
+#endif
+    for (ProductIsa isa : isas) {
+        ASSERT_TRUE(force_product_isa(isa));
+        int64_t bad = 0, nan = 0, inf = 0, zero = 0, subnormal = 0, normal = 0;
+        std::vector<float> x, y;
+        auto flush = [&] {
+            y.assign(x.size(), -7.0f);
+            blocked_exp_f32(x.data(), static_cast<int64_t>(x.size()), y.data());
+            for (size_t i = 0; i < x.size(); ++i) {
+                const float want = exp_f32(x[i]);
+                if (!same_or_both_nan(y[i], want) && bad++ < 5) {
+                    ADD_FAILURE() << std::hex << "x 0x" << bits(x[i]) << ": 0x" << bits(y[i]) << " vs 0x" << bits(want);
+                }
+                nan += std::isnan(want) ? 1 : 0;
+                inf += std::isinf(want) ? 1 : 0;
+                zero += want == 0.0f ? 1 : 0;
+                subnormal += std::fpclassify(want) == FP_SUBNORMAL ? 1 : 0;
+                normal += std::isnormal(want) ? 1 : 0;
+            }
+            x.clear();
+        };
+        auto add = [&](uint32_t u) {
+            x.push_back(from_bits(u));
+            if (x.size() == 8192) flush();
+        };
+        for (uint64_t u = 0; u <= 0xffffffffu; u += stride) add(static_cast<uint32_t>(u));
+        for (uint32_t u = bits(80.0f); u <= bits(89.5f); u += dense) add(u);
+        for (uint32_t u = bits(-80.0f); u <= bits(-104.5f); u += dense) add(u);
+        for (uint32_t u = bits(0.015625f); u < bits(80.0f); u += 5 * dense) {
+            add(u);
+            add(u | 0x80000000u);
+        }
+        for (const float f : {89.0f, -104.0f, 88.7228394f, -87.3365479f, -103.278931f, 0.34657359f, -0.34657359f}) {
+            for (uint32_t u = bits(f) - 4; u <= bits(f) + 4; ++u) add(u);
+        }
+        for (const uint32_t u : {0x00000000u, 0x80000000u, 0x00000001u, 0x80000001u, 0x00800000u, 0x80800000u,
+                                 0x7f7fffffu, 0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u,
+                                 0x7f800001u, 0xff800001u, 0x7fffffffu, 0x3f800000u, 0xbf800000u}) {
+            add(u);
+        }
+        flush();
+        EXPECT_EQ(bad, 0) << product_isa_name(isa);
+        EXPECT_GT(nan, 0);
+        EXPECT_GT(inf, 0);
+        EXPECT_GT(zero, 0);
+        EXPECT_GT(subnormal, 1000);
+        EXPECT_GT(normal, 1000000);
+    }
+}
+
+TEST(OpsPagedAttentionBlockedIsa, Bf16RoundingLanesAreF32ToBf16) {
+    // Every 61st bit pattern, and under every bf16 value the low halves around the tie: bits, NaN included
+    // (a NaN rounds to the quiet NaN with its sign).
+    const IsaGuard guard;
+    const std::vector<ProductIsa> isas = simd_isas();
+    if (isas.empty()) GTEST_SKIP() << "no SIMD path on this CPU";
+    std::vector<float> x;
+    for (uint64_t u = 0; u <= 0xffffffffu; u += 61) x.push_back(from_bits(static_cast<uint32_t>(u)));
+    for (uint32_t h = 0; h <= 0xffffu; ++h) {
+        for (const uint32_t low : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) {
+            x.push_back(from_bits((h << 16) | low));
+        }
+    }
+    x.push_back(1.0f);  // a tail past the 8-lane groups
+    int64_t up = 0, nan = 0;
+    for (const float v : x) {
+        up += bits(rne_bf16(v)) > bits(v) ? 1 : 0;
+        nan += std::isnan(v) ? 1 : 0;
+    }
+    EXPECT_GT(up, 1000);
+    EXPECT_GT(nan, 1000);
+    for (ProductIsa isa : isas) {
+        ASSERT_TRUE(force_product_isa(isa));
+        std::vector<float> y(x.size(), -7.0f);
+        blocked_round_bf16(x.data(), static_cast<int64_t>(x.size()), y.data());
+        int64_t bad = 0;
+        for (size_t i = 0; i < x.size(); ++i) {
+            if (bits(y[i]) != bits(rne_bf16(x[i])) && bad++ < 5) {
+                ADD_FAILURE() << std::hex << "x 0x" << bits(x[i]) << ": 0x" << bits(y[i]);
+            }
+        }
+        EXPECT_EQ(bad, 0) << product_isa_name(isa);
+    }
+}
+
+// Query heads / kv heads, head_dim, window and first_pos of the path tests.
+struct IsaGeometry {
+    int64_t n_heads, n_kv_heads, head_dim, window, first_pos;
+};
+// GQA groups 1, 2, 8, 9 and 10 (the last two in two batches of query heads); head_dim 32-128, and 40, 24 and 36,
+// which leave a tail past the 16 dot lanes (36 also past 8 lanes); full causal, windows inside an 8-key chunk,
+// inside a block, across blocks and across splits; first_pos at and off a block boundary.
+constexpr IsaGeometry kIsaGeometries[] = {{2, 2, 32, 0, 0},    {4, 2, 64, 200, 0}, {8, 1, 128, 0, 300},
+                                          {20, 2, 32, 5, 0},   {9, 1, 64, 700, 130}, {6, 3, 40, 16, 0},
+                                          {16, 2, 24, 0, 0},   {3, 1, 36, 129, 0}};
+
+// A sequence of 1320 positions and one of 70 on shuffled pages; queries at the edges of the 8-key chunks, the
+// 128-position blocks and the 512-position splits, up to 1319, from first_pos on.
+Case make_isa_case(const IsaGeometry &g, uint32_t seed) {
+    std::vector<int32_t> pages(23);
+    for (size_t b = 0; b < pages.size(); ++b) pages[b] = static_cast<int32_t>(b);
+    std::shuffle(pages.begin(), pages.end(), std::mt19937(seed));
+    Case c = make_case(g.n_heads, g.n_kv_heads, g.head_dim, g.window, {1320, 70}, pages, seed);
+    c.shape.blocked = true;
+    c.queries.clear();
+    for (const int64_t p : {0,   1,   7,   8,   9,   15,  16,  127, 128,  129,  300,  301,  302,
+                            383, 511, 512, 513, 520, 700, 1023, 1024, 1025, 1100, 1300, 1319}) {
+        if (p >= g.first_pos) c.queries.push_back(Query{0, p});
+    }
+    for (const int64_t p : {0, 5, 69}) {
+        if (p >= g.first_pos) c.queries.push_back(Query{1, p});
+    }
+    return c;
+}
+
+// The outputs of every SIMD path, each compared with kPortable's bit for bit (NaNs by their bits too); returns
+// kPortable's.
+std::vector<float> expect_every_path_gives_the_portable_bits(ThreadPool &threads, const Case &c, HostPool &kv,
+                                                             bool with_gate, int64_t first_pos,
+                                                             const std::string &what) {
+    EXPECT_TRUE(force_product_isa(ProductIsa::kPortable));
+    const std::vector<float> want = run(threads, c, kv, with_gate, first_pos);
+    for (ProductIsa isa : simd_isas()) {
+        EXPECT_TRUE(force_product_isa(isa));
+        EXPECT_EQ(product_isa(), isa);
+        const std::vector<float> got = run(threads, c, kv, with_gate, first_pos);
+        const int64_t bad = bit_mismatches(got, want);
+        EXPECT_EQ(bad, 0) << product_isa_name(isa) << " " << what;
+        for (size_t i = 0; bad > 0 && i < got.size(); ++i) {
+            if (bits(got[i]) != bits(want[i])) {
+                ADD_FAILURE() << "first difference at " << i << ": " << got[i] << " vs " << want[i];
+                break;
+            }
+        }
+    }
+    return want;
+}
+
+std::string describe(const IsaGeometry &g, KvFormat kf, KvFormat vf, bool with_gate) {
+    return std::string(kv_format_name(kf)) + "/" + kv_format_name(vf) + " heads " + std::to_string(g.n_heads) + "/" +
+           std::to_string(g.n_kv_heads) + " head_dim " + std::to_string(g.head_dim) + " window " +
+           std::to_string(g.window) + " first_pos " + std::to_string(g.first_pos) + " gate " +
+           std::to_string(with_gate);
+}
+
+TEST(OpsPagedAttentionBlockedIsa, EveryPathGivesThePortableBits) {
+    // Every KV format pair (the block formats where head_dim is a multiple of 32) at every geometry, the gate on
+    // and off in turn. The outputs must be ordinary weighted means (finite, not all alike) for the comparison to
+    // mean something.
+    const IsaGuard guard;
+    if (simd_isas().empty()) GTEST_SKIP() << "no SIMD path on this CPU";
+    ThreadPool pool(2);
+    const KvFormat formats[] = {KvFormat::kF32, KvFormat::kBf16, KvFormat::kQ8_0, KvFormat::kQ5_1};
+    uint32_t seed = 9000;
+    int flip = 0;
+    for (const IsaGeometry &g : kIsaGeometries) {
+        const Case c = make_isa_case(g, seed += 10);
+        for (const KvFormat kf : formats) {
+            for (const KvFormat vf : formats) {
+                if (g.head_dim % 32 != 0 && (kv_format_is_block(kf) || kv_format_is_block(vf))) continue;
+#if defined(__SANITIZE_ADDRESS__)
+                if (kf != vf && !(kf == KvFormat::kF32 && vf == KvFormat::kQ5_1)) continue;
+#endif
+                const bool with_gate = (flip++ % 2) == 0;
+                HostPool kv = fill_pool(c, kf, vf, g.first_pos);
+                const std::vector<float> want = expect_every_path_gives_the_portable_bits(
+                    pool, c, kv, with_gate, g.first_pos, describe(g, kf, vf, with_gate));
+                EXPECT_TRUE(std::all_of(want.begin(), want.end(), [](float v) { return std::isfinite(v); }));
+                EXPECT_GT(std::count_if(want.begin(), want.end(), [&](float v) { return v != want[0]; }),
+                          static_cast<int64_t>(want.size() / 2));
+            }
+        }
+    }
+}
+
+TEST(OpsPagedAttentionBlockedIsa, AdversarialValuesGiveThePortableBits) {
+    // Scores spread over about +-60 (exps that are subnormal or 0, blocks whose max moves, alpha = 0),
+    // scores that overflow to +-Inf and their NaNs, a NaN in q, NaNs in a stored key and value, subnormal q, keys
+    // and values, and a zero scale (every score a signed zero, so the block max is a zero) with signed zeros among
+    // the values. Each case must show its feature in kPortable's output, or it would test nothing.
+    const IsaGuard guard;
+    if (simd_isas().empty()) GTEST_SKIP() << "no SIMD path on this CPU";
+    ThreadPool pool(2);
+    const IsaGeometry g{8, 2, 32, 0, 0};
+    const IsaGeometry g_win{12, 1, 64, 300, 0};
+    auto scaled = [](std::vector<float> v, float f) {
+        for (float &x : v) x = x * f;
+        return v;
+    };
+    auto zeros = [](std::vector<float> v, uint32_t seed) {  // +0 or -0 at random
+        std::mt19937 gen(seed);
+        for (float &x : v) x = (gen() & 1) ? -0.0f : 0.0f;
+        return v;
+    };
+    enum Kind { kHuge, kOverflow, kNanQ, kNanKv, kSubnormal, kZeros };
+    for (const IsaGeometry &geo : {g, g_win}) {
+        for (const Kind kind : {kHuge, kOverflow, kNanQ, kNanKv, kSubnormal, kZeros}) {
+            Case c = make_isa_case(geo, 11000 + static_cast<uint32_t>(kind));
+            const float ks = std::sqrt(static_cast<float>(geo.head_dim));
+            switch (kind) {
+                case kHuge:  // scores with a standard deviation of 3 sqrt(head_dim): 17 and 24
+                    c.q = scaled(c.q, 9.0f * ks / 4.0f);
+                    break;
+                case kOverflow:  // even rows: q * k products of 1e40 overflow, their sums are +-Inf or NaN;
+                                 // odd rows: finite scores of about 1e34, so one key takes all the weight
+                    for (Seq &s : c.seqs) s.k = scaled(s.k, 1e20f);
+                    for (int64_t i = 0; i < c.n_q(); ++i) {
+                        for (int64_t e = 0; e < c.q_row(); ++e) {
+                            float &x = c.q[static_cast<size_t>(i * c.q_row() + e)];
+                            x = x * (i % 2 == 0 ? 1e20f : 1e15f);
+                        }
+                    }
+                    break;
+                case kNanQ:  // one NaN in every third q row of head 1 (and none elsewhere)
+                    for (int64_t i = 0; i < c.n_q(); i += 3) {
+                        c.q[static_cast<size_t>(i * c.q_row() + geo.head_dim + 5)] = from_bits(0x7fc00000u);
+                    }
+                    break;
+                case kNanKv:  // NaNs with a payload (the formats and the rounding make them quiet) in a key and a value
+                    c.seqs[0].k[static_cast<size_t>(600 * c.row() + 3)] = from_bits(0x7f812345u);
+                    c.seqs[0].v[static_cast<size_t>(1000 * c.row() + 9)] = from_bits(0x7fd54321u);
+                    break;
+                case kSubnormal:
+                    c.q = scaled(c.q, 1e-20f);
+                    for (Seq &s : c.seqs) {
+                        s.k = scaled(s.k, 1e-19f);
+                        s.v = scaled(s.v, 1e-39f);
+                    }
+                    break;
+                case kZeros:  // scale +0: every score is a zero, of the dot's sign; values with signed zeros
+                    c.shape.scale = 0.0f;
+                    for (Seq &s : c.seqs) {
+                        std::vector<float> z = zeros(s.v, 3);
+                        for (size_t e = 0; e < z.size(); e += 2) s.v[e] = z[e];
+                    }
+                    break;
+            }
+            for (const auto &[kf, vf] : {std::pair{KvFormat::kF32, KvFormat::kF32},
+                                         std::pair{KvFormat::kBf16, KvFormat::kBf16},
+                                         std::pair{KvFormat::kF32, KvFormat::kBf16}}) {
+                for (const bool with_gate : {false, true}) {
+                    HostPool kv = fill_pool(c, kf, vf, geo.first_pos);
+                    if (kind == kNanKv) {  // bf16 NaNs with a payload too, which kv_encode never writes
+                        auto slot = [&](int64_t p) {
+                            return c.seqs[0].pages[static_cast<size_t>(p / kKvPageRows)] * kKvPageRows +
+                                   p % kKvPageRows;
+                        };
+                        const std::byte nan_lo{0x81}, nan_hi{0x7f};
+                        if (kf == KvFormat::kBf16) {
+                            std::byte *k = kv.bytes.data() + kv.layout.k_at(HostPool::kLayer, slot(700)) + 2 * 5;
+                            k[0] = nan_lo;
+                            k[1] = nan_hi;
+                        }
+                        if (vf == KvFormat::kBf16) {
+                            std::byte *v = kv.bytes.data() + kv.layout.v_at(HostPool::kLayer, slot(1100)) + 2 * 7;
+                            v[0] = nan_lo;
+                            v[1] = nan_hi;
+                        }
+                    }
+                    const std::string what = describe(geo, kf, vf, with_gate) + " case " + std::to_string(kind);
+                    const std::vector<float> want =
+                        expect_every_path_gives_the_portable_bits(pool, c, kv, with_gate, geo.first_pos, what);
+                    const auto count = [&](auto pred) { return std::count_if(want.begin(), want.end(), pred); };
+                    switch (kind) {
+                        case kHuge:  // one key takes all the weight in many rows: outputs that are bf16 values
+                            if (!with_gate) {
+                                EXPECT_GT(count([](float v) { return v != 0.0f && (bits(v) & 0xffffu) == 0; }), 100)
+                                    << what;
+                            }
+                            EXPECT_EQ(count([](float v) { return !std::isfinite(v); }), 0) << what;
+                            break;
+                        case kOverflow:
+                        case kNanQ:
+                        case kNanKv:
+                            EXPECT_GT(count([](float v) { return std::isnan(v); }), 0) << what;
+                            EXPECT_GT(count([](float v) { return std::isfinite(v) && v != 0.0f; }), 0) << what;
+                            break;
+                        case kSubnormal:
+                            EXPECT_GT(count([](float v) { return std::fpclassify(v) == FP_SUBNORMAL; }), 100) << what;
+                            break;
+                        case kZeros:
+                            EXPECT_GT(count([](float v) { return v == 0.0f; }), 0) << what;
+                            EXPECT_GT(count([](float v) { return std::isfinite(v) && v != 0.0f; }), 100) << what;
+                            break;
+                    }
+                }
+            }
         }
     }
 }

@@ -2,6 +2,8 @@
 // and the per-head sigmoid gate: documented order (bits), float64 reference, thread and batch invariance.
 #include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -143,6 +145,37 @@ TEST(OpsSwiglu, OrderClampAndFloat64) {
     EXPECT_EQ(bits(out[1]), bits(silu_f32(-3.0f)));
     EXPECT_EQ(out[2], silu_f32(2.0f) * 7.0f);
     EXPECT_EQ(out[3], silu_f32(2.0f) * -7.0f);
+}
+
+// Every instruction path gives the scalar definition's bits where the special cases decide: NaN and Inf
+// gates and ups, exp overflow and underflow (|g| past 88 and 104, subnormal sigmoids), signed zeros,
+// denormals, and the clamps catching Inf while letting NaN through.
+TEST(OpsSwiglu, EveryPathGivesTheDefinitionOnSpecialValues) {
+    const IsaGuard guard;
+    const float inf = std::numeric_limits<float>::infinity();
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> g = {nan, -nan, inf, -inf, 0.0f, -0.0f, 1e-40f, -1e-40f, 88.5f, -88.5f, 89.5f, -89.5f,
+                            103.9f, -103.9f, 104.5f, -104.5f, -95.0f, -100.0f, 7.0f, 7.5f, 20.0f, -20.0f, 3e38f, -3e38f};
+    const std::vector<float> extra = random_floats(200, 12, -110.0f, 110.0f);
+    g.insert(g.end(), extra.begin(), extra.end());
+    const int64_t n = static_cast<int64_t>(g.size());
+    std::vector<float> u(g.size());
+    const float ups[] = {1.0f, -1.0f, nan, inf, -inf, 50.0f, -50.0f, 0.0f, -0.0f, 1e-40f, 3.0f};
+    for (size_t i = 0; i < u.size(); ++i) u[i] = ups[(i * 7) % std::size(ups)];
+    ThreadPool pool(1);
+    for (const float limit : {0.0f, 7.0f}) {
+        for (ProductIsa isa : supported_isas()) {
+            ASSERT_TRUE(force_product_isa(isa));
+            std::vector<float> out(g.size());
+            swiglu(pool, g.data(), u.data(), n, 1, n, limit, out.data());
+            for (int64_t i = 0; i < n; ++i) {
+                const float want = swiglu_ref(g[i], u[i], limit);
+                EXPECT_TRUE(std::isnan(want) ? std::isnan(out[i]) : bits(out[i]) == bits(want))
+                    << product_isa_name(isa) << " limit " << limit << " g " << g[i] << " u " << u[i] << ": " << out[i]
+                    << " want " << want;
+            }
+        }
+    }
 }
 
 TEST(OpsSwiglu, FusedGateUpRowsEqualSeparateArrays) {

@@ -277,14 +277,7 @@ void CpuBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, Tens
     ++counters_.launches;
     const WeightBankRef &bk = bank(b);
     const int32_t *off = grouped_offsets("matmul_grouped", x, bk, offsets, y);
-    const int64_t base = off[bk.first_expert];
-    for (int64_t e = 0; e < bk.n_experts; ++e) {
-        const int64_t r0 = off[bk.first_expert + e] - base;
-        const int64_t r1 = off[bk.first_expert + e + 1] - base;
-        if (r1 == r0) continue;
-        cpu::matmul(pool_, f32(x.row_slice(r0, r1)), r1 - r0, weight_bank_expert(bk, e), f32(y.row_slice(r0, r1)),
-                    &act_scratch_);
-    }
+    cpu::matmul_grouped(pool_, f32(x), bk, off + bk.first_expert, f32(y), &act_scratch_);
 }
 
 void CpuBackend::rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) {

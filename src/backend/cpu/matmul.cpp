@@ -407,6 +407,64 @@ void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const Weigh
     run_task(pool, task);
 }
 
+void matmul_grouped(ThreadPool &pool, const float *x, const WeightBankRef &bank, const int32_t *rows, float *y,
+                    const ActScratch *scratch) {
+    MEMRA_CHECK(bank.n_experts >= 1, "matmul_grouped: a bank of {} experts", bank.n_experts);
+    const WeightRef w0 = weight_bank_expert(bank, 0);
+    check_weight(w0);
+    int64_t total_cost = 0;  // output elements: each expert's tokens times the bank's rows
+    for (int64_t e = 0; e < bank.n_experts; ++e) {
+        MEMRA_CHECK(rows[e] <= rows[e + 1], "matmul_grouped: expert {} has rows [{}, {})", e, rows[e], rows[e + 1]);
+        total_cost += int64_t{rows[e + 1] - rows[e]} * bank.rows;
+    }
+    const int64_t n_tokens = rows[bank.n_experts] - rows[0];
+    if (n_tokens == 0 || bank.rows == 0) return;
+    Task all;  // the rounded activations of every row, shared by the experts' tasks
+    all.w = &w0;
+    all.x = x;
+    all.x_stride = bank.cols;
+    all.n_tokens = n_tokens;
+    prepare_device_inputs(pool, all, scratch);
+    // Work items: the weight-row blocks of each expert with rows, in expert order; a prefill-sized expert takes
+    // larger blocks (its activations are prepared once per item). The pool's threads take contiguous runs of items
+    // of about equal cost; one thread computes each output element, so the split never shows in the bits.
+    const auto block_rows = [](int64_t tokens) { return tokens >= 4 * kTileTokens ? 4 * kRowBlock : kRowBlock; };
+    const int64_t n_slots = pool.n_threads();
+    pool.parallel_for(n_slots, [&](int64_t slot_begin, int64_t slot_end) {
+        const int64_t lo = total_cost * slot_begin / n_slots;
+        const int64_t hi = total_cost * slot_end / n_slots;
+        int64_t cost = 0;
+        for (int64_t e = 0; e < bank.n_experts && cost < hi; ++e) {
+            const int64_t r0 = rows[e] - rows[0];
+            const int64_t tokens = rows[e + 1] - rows[e];
+            const int64_t expert_cost = tokens * bank.rows;
+            if (tokens == 0 || cost + expert_cost <= lo) {
+                cost += expert_cost;
+                continue;
+            }
+            const WeightRef w = weight_bank_expert(bank, e);
+            Task task = all;
+            task.w = &w;
+            task.x = x + r0 * bank.cols;
+            task.n_tokens = tokens;
+            task.n_rows = bank.rows;
+            task.seg_len = bank.cols;
+            task.y = y + r0 * bank.rows;
+            task.y_stride = bank.rows;
+            if (all.xq != nullptr) {
+                task.xq = all.xq + r0 * bank.cols;
+                if (all.w->act == ActRounding::kE4m3x128) task.xs = all.xs + r0 * all.xs_stride;
+            }
+            const int64_t block = block_rows(tokens);
+            for (int64_t rb = 0; rb < bank.rows; rb += block) {
+                const int64_t start = cost + rb * tokens;  // an item belongs to the slot its first element falls in
+                if (start >= lo && start < hi) run_range(task, rb, std::min(bank.rows, rb + block), 0, tokens);
+            }
+            cost += expert_cost;
+        }
+    }, 1);
+}
+
 int64_t canonical_block_size(const WeightRef &w) {
     const int64_t k = weight_k_full(w);
     MEMRA_CHECK(k > 0 && k % kCanonicalBlocks == 0,

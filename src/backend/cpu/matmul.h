@@ -175,6 +175,14 @@ void matmul(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef 
 void matmul_rows(ThreadPool &pool, const float *x, int64_t n_tokens, const WeightRef &w, int64_t n0, int64_t n1,
                  float *y, int64_t y_stride, const ActScratch *scratch = nullptr);
 
+// The grouped product of a bank's experts over their sorted rows: held expert e multiplies x rows
+// [rows[e] - rows[0], rows[e + 1] - rows[0]) (rows: [bank.n_experts + 1] non-decreasing) and writes the same rows
+// of y. x: [rows[n] - rows[0], bank.cols] f32; y: [.., bank.rows] f32. Each expert's product is matmul's (the
+// same bits); the activations are rounded once for all rows and every (expert, row block) is one work item of a
+// single parallel region, so a decode step hands off to the pool once per grouped product, not once per expert.
+void matmul_grouped(ThreadPool &pool, const float *x, const WeightBankRef &bank, const int32_t *rows, float *y,
+                    const ActScratch *scratch = nullptr);
+
 // ---------------------------------------------------------------------------------------------
 // Row-parallel products (attention o_proj, dense and expert down_proj): K is cut into kCanonicalBlocks
 // blocks of B = K / 8 columns (K = weight_k_full(w), K % 8 == 0: MEMRA_CHECK); block b covers K range

@@ -9,16 +9,11 @@
 #include <atomic>
 
 #include "backend/cpu/matmul_kernels.h"
+#include "backend/cpu/simd_avx2.h"
 #include "core/check.h"
 #include "core/device_numerics.h"
 #include "core/float_formats.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MEMRA_X86 1
-#else
-#define MEMRA_X86 0
-#endif
 
 namespace memra::cpu {
 
@@ -42,20 +37,8 @@ void round_activations(ThreadPool &pool, const float *x, int64_t n_tokens, int64
                 n_tokens * groups);
     const auto round_rows = [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
-            const float *xr = x + t * k;
-            uint16_t *codes = scratch.codes + t * k;
-            if (act == ActRounding::kBf16) {
-                for (int64_t i = 0; i < k; ++i) codes[i] = f32_to_bf16(xr[i]);
-                continue;
-            }
-            float values[kE4m3Group];
-            for (int64_t g = 0; g < groups; ++g) {
-                const int64_t g0 = g * kE4m3Group;
-                const int64_t len = std::min(k, g0 + kE4m3Group) - g0;
-                scratch.scales[t * groups + g] = e4m3_quantize_group(xr + g0, len, values);
-                // Exact: every e4m3 value is a bf16 value.
-                for (int64_t i = 0; i < len; ++i) codes[g0 + i] = f32_to_bf16(values[i]);
-            }
+            detail::round_row(x + t * k, k, act, scratch.codes + t * k,
+                              act == ActRounding::kE4m3x128 ? scratch.scales + t * groups : nullptr);
         }
     };
     // A few rows (decode) round on the calling thread: cheaper than waking the pool a second time per product.
@@ -152,6 +135,19 @@ MEMRA_SIMD float lane_sum16(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
 
+// lane_sum16 of four accumulators at once, each by its own tree: level 1 is hadd(lo, hi) = [p0 p1 p4 p5 | p2 p3 p6
+// p7] per accumulator; hadd of two of those gives [q0 q2 q0' q2' | q1 q3 q1' q3'] (q_j = p_2j + p_2j+1); the halves
+// of two such vectors side by side add to [r0 r1 r0' r1' | ..] (r0 = q0 + q1: lanes 0-7, r1: lanes 8-15); a last
+// hadd forms r0 + r1. Returns the four sums in order.
+MEMRA_SIMD __m128 lane_sum16_x4(__m256 lo0, __m256 hi0, __m256 lo1, __m256 hi1, __m256 lo2, __m256 hi2, __m256 lo3,
+                                __m256 hi3) {
+    const __m256 q01 = _mm256_hadd_ps(_mm256_hadd_ps(lo0, hi0), _mm256_hadd_ps(lo1, hi1));
+    const __m256 q23 = _mm256_hadd_ps(_mm256_hadd_ps(lo2, hi2), _mm256_hadd_ps(lo3, hi3));
+    const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(q01, q23, 0x20), _mm256_permute2f128_ps(q01, q23, 0x31));
+    const __m256 f = _mm256_hadd_ps(r, r);  // [s0 s1 s0 s1 | s2 s3 s2 s3]
+    return _mm_shuffle_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1), 0x44);
+}
+
 // What the SIMD paths share: plain scalar operations (MXCSR gives them FTZ/DAZ).
 struct SimdOps {
     // Prefetching never faults, so an address past the weight is harmless.
@@ -232,6 +228,266 @@ struct Avx2Path : SimdOps {
 namespace avx2 {
 #include "backend/cpu/matmul_device_tile.inc"
 }  // namespace avx2
+
+// The packed AVX2 path, for ranges of at least kPackTile tokens (prefill): the same FMAs per lane in the same
+// order as Avx2Path's tiles, with the widening work moved out of the inner loop. A panel of tokens has its
+// rounded activations widened once into the lane layout (per group of 32: the odd then the even elements of
+// lanes 0-7, then of lanes 8-15, as f32), token tiles of kPackTile side by side per group so that a micro-tile
+// reads one block at fixed offsets; fp8 weight rows are converted to bf16 groups once per block of
+// kPackRowBlock rows and panel; a micro-tile is one weight row by up to kPackTile tokens, 12 accumulators.
+constexpr int kPackTile = 6;
+constexpr int64_t kPackMaxGroups = 256;                              // segments up to K = 8192
+constexpr int64_t kPackPanelFloats = kPackTile * kPackMaxGroups * kDeviceGroup;  // 192 KiB of activations
+constexpr int64_t kPackRowBlock = 16;
+
+// The end of the chunk that starts at c0 (matmul.h step 1 of the device K loop).
+MEMRA_SIMD int64_t chunk_end(bool e4m3, int64_t c0, int64_t k1) {
+    return e4m3 ? std::min(k1, (c0 / kE4m3Group + 1) * kE4m3Group) : k1;
+}
+
+// The groups of 32 the device K loop reads over [k0, k1): a partial group ends each chunk that needs one.
+MEMRA_SIMD int64_t device_groups(bool e4m3, int64_t k0, int64_t k1) {
+    int64_t n = 0;
+    for (int64_t c0 = k0; c0 < k1;) {
+        const int64_t c1 = chunk_end(e4m3, c0, k1);
+        n += (c1 - c0 + kDeviceGroup - 1) / kDeviceGroup;
+        c0 = c1;
+    }
+    return n;
+}
+
+// Floats of one packed group of a token tile.
+constexpr int64_t kPackGroupFloats = kPackTile * kDeviceGroup;
+
+// One token's rounded row over [k0, k1) (x points at k0) in the lane layout, zero-padded groups: group g at
+// out + g * kPackGroupFloats (out points at the token's place in its tile).
+MEMRA_SIMD void pack_activations(const uint16_t *x, bool e4m3, int64_t k0, int64_t k1, float *out) {
+    for (int64_t c0 = k0; c0 < k1;) {
+        const int64_t c1 = chunk_end(e4m3, c0, k1);
+        for (int64_t g = c0; g < c1; g += kDeviceGroup, out += kPackGroupFloats) {
+            const Avx2Path::Group xg = Avx2Path::load_x(x + (g - k0), std::min(kDeviceGroup, c1 - g));
+            _mm256_store_ps(out, Avx2Path::odd(xg.lo));
+            _mm256_store_ps(out + 8, Avx2Path::even(xg.lo));
+            _mm256_store_ps(out + 16, Avx2Path::odd(xg.hi));
+            _mm256_store_ps(out + 24, Avx2Path::even(xg.hi));
+        }
+        c0 = c1;
+    }
+}
+
+// One fp8 weight row's groups over [k0, k1) as bf16 bits, zero-padded groups.
+MEMRA_SIMD void convert_fp8_row(const void *row, int64_t kb, bool e4m3, int64_t k0, int64_t k1, uint16_t *out) {
+    for (int64_t c0 = k0; c0 < k1;) {
+        const int64_t c1 = chunk_end(e4m3, c0, k1);
+        for (int64_t g = c0; g < c1; g += kDeviceGroup, out += kDeviceGroup) {
+            const Avx2Path::Group wg =
+                Avx2Path::load_w<DType::kF8E4M3>(row, g - kb, std::min(kDeviceGroup, c1 - g));
+            _mm256_store_si256(reinterpret_cast<__m256i *>(out), wg.lo);
+            _mm256_store_si256(reinterpret_cast<__m256i *>(out + 16), wg.hi);
+        }
+        c0 = c1;
+    }
+}
+
+// The device K loop of one weight row with kT packed tokens over [k0, k1): the weight groups come from `row`
+// (bf16, kConverted false) or from `converted` (convert_fp8_row); xp is the token tile (pack_activations).
+template <bool kConverted, int kT>
+MEMRA_SIMD void packed_row(const void *row, const uint16_t *converted, int64_t kb, bool e4m3, const float *w_scales,
+                           const float *xp, const float *const *sc, int64_t k0, int64_t k1, float *y,
+                           int64_t y_stride) {
+    float total[kT];
+    for (int t = 0; t < kT; ++t) total[t] = 0.0f;
+    int64_t gi = 0;
+    for (int64_t c0 = k0; c0 < k1;) {
+        const int64_t c1 = chunk_end(e4m3, c0, k1);
+        __m256 lo[kT];
+        __m256 hi[kT];
+        for (int t = 0; t < kT; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
+        for (int64_t g = c0; g < c1; g += kDeviceGroup, ++gi) {
+            Avx2Path::Group wg;
+            if constexpr (kConverted) {
+                wg = Avx2Path::load32(converted + gi * kDeviceGroup);
+            } else {
+                wg = Avx2Path::load_w<DType::kBF16>(row, g - kb, std::min(kDeviceGroup, c1 - g));
+            }
+            const float *xg = xp + gi * kPackGroupFloats;
+            const __m256 w_odd_lo = Avx2Path::odd(wg.lo);
+            const __m256 w_even_lo = Avx2Path::even(wg.lo);
+            for (int t = 0; t < kT; ++t) {
+                lo[t] = _mm256_fmadd_ps(_mm256_load_ps(xg + t * kDeviceGroup), w_odd_lo, lo[t]);
+                lo[t] = _mm256_fmadd_ps(_mm256_load_ps(xg + t * kDeviceGroup + 8), w_even_lo, lo[t]);
+            }
+            const __m256 w_odd_hi = Avx2Path::odd(wg.hi);
+            const __m256 w_even_hi = Avx2Path::even(wg.hi);
+            for (int t = 0; t < kT; ++t) {
+                hi[t] = _mm256_fmadd_ps(_mm256_load_ps(xg + t * kDeviceGroup + 16), w_odd_hi, hi[t]);
+                hi[t] = _mm256_fmadd_ps(_mm256_load_ps(xg + t * kDeviceGroup + 24), w_even_hi, hi[t]);
+            }
+        }
+        float sums[kT + 3];
+        for (int t = 0; t < kT; t += 4) {
+            // A last group of fewer than 4 repeats its first accumulator in the unused places.
+            const int t1 = t + 1 < kT ? t + 1 : t;
+            const int t2 = t + 2 < kT ? t + 2 : t;
+            const int t3 = t + 3 < kT ? t + 3 : t;
+            _mm_storeu_ps(sums + t, lane_sum16_x4(lo[t], hi[t], lo[t1], hi[t1], lo[t2], hi[t2], lo[t3], hi[t3]));
+        }
+        for (int t = 0; t < kT; ++t) {
+            float chunk = sums[t];
+            if (e4m3) {
+                const int64_t ci = c0 / kE4m3Group;
+                chunk = chunk * (sc[t][ci] * w_scales[ci]);
+            }
+            total[t] = total[t] + chunk;
+        }
+        c0 = c1;
+    }
+    for (int t = 0; t < kT; ++t) y[t * y_stride] = total[t];
+}
+
+template <bool kConverted>
+MEMRA_SIMD void packed_row_tokens(int tt, const void *row, const uint16_t *converted, int64_t kb, bool e4m3,
+                                  const float *w_scales, const float *xp, const float *const *sc, int64_t k0,
+                                  int64_t k1, float *y, int64_t y_stride) {
+    static_assert(kPackTile == 6);
+    switch (tt) {
+        case 6: packed_row<kConverted, 6>(row, converted, kb, e4m3, w_scales, xp, sc, k0, k1, y, y_stride); return;
+        case 5: packed_row<kConverted, 5>(row, converted, kb, e4m3, w_scales, xp, sc, k0, k1, y, y_stride); return;
+        case 4: packed_row<kConverted, 4>(row, converted, kb, e4m3, w_scales, xp, sc, k0, k1, y, y_stride); return;
+        case 3: packed_row<kConverted, 3>(row, converted, kb, e4m3, w_scales, xp, sc, k0, k1, y, y_stride); return;
+        case 2: packed_row<kConverted, 2>(row, converted, kb, e4m3, w_scales, xp, sc, k0, k1, y, y_stride); return;
+        default: packed_row<kConverted, 1>(row, converted, kb, e4m3, w_scales, xp, sc, k0, k1, y, y_stride); return;
+    }
+}
+
+// Whether the packed path takes rows x tokens [tb, te) of a task: enough tokens, and segments it can hold.
+MEMRA_SIMD bool packed_takes(const Task &task, int64_t tb, int64_t te) {
+    const bool e4m3 = task.w->act == ActRounding::kE4m3x128;
+    return te - tb >= kPackTile && device_groups(e4m3, task.seg_k0, task.seg_k0 + task.seg_len) <= kPackMaxGroups;
+}
+
+// Rows [rb, re) x tokens [tb, te) of a device task on the packed path: for each segment, panels of tokens;
+// for each panel, blocks of rows; for each block, micro-tiles of kPackTile tokens by each row.
+template <DType kDt>
+MEMRA_SIMD void packed_range(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    constexpr bool kConverted = kDt == DType::kF8E4M3;
+    constexpr int64_t elem = kConverted ? 1 : 2;
+    const WeightRef &w = *task.w;
+    const bool e4m3 = w.act == ActRounding::kE4m3x128;
+    const int64_t ld = weight_ld(w);
+    const int64_t scale_cols = (weight_k_full(w) + w.block_cols - 1) / w.block_cols;
+    alignas(32) float xp[kPackPanelFloats];
+    alignas(32) uint16_t converted[kConverted ? kPackRowBlock * kPackMaxGroups * kDeviceGroup : 1];
+    for (int64_t s = 0; s < task.n_segs; ++s) {
+        const int64_t k0 = task.seg_k0 + s * task.seg_len;
+        const int64_t k1 = k0 + task.seg_len;
+        const int64_t groups = device_groups(e4m3, k0, k1);
+        const int64_t tile_floats = groups * kPackGroupFloats;  // one packed token tile
+        const int64_t panel = kPackPanelFloats / tile_floats * kPackTile;  // tokens a panel holds
+        for (int64_t p0 = tb; p0 < te; p0 += panel) {
+            const int64_t pn = std::min(panel, te - p0);
+            for (int64_t t = 0; t < pn; ++t) {
+                pack_activations(task.xq + (p0 + t) * task.x_stride + s * task.seg_len, e4m3, k0, k1,
+                                 xp + (t / kPackTile) * tile_floats + (t % kPackTile) * kDeviceGroup);
+            }
+            for (int64_t r0 = rb; r0 < re; r0 += kPackRowBlock) {
+                const int64_t r1 = std::min(re, r0 + kPackRowBlock);
+                const auto row = [&](int64_t r) {
+                    return static_cast<const uint8_t *>(w.data) + (task.n0 + r) * ld * elem;
+                };
+                const auto converted_row = [&](int64_t r) {
+                    return kConverted ? converted + (r - r0) * groups * kDeviceGroup : nullptr;
+                };
+                if constexpr (kConverted) {
+                    for (int64_t r = r0; r < r1; ++r) convert_fp8_row(row(r), w.k_begin, e4m3, k0, k1, converted_row(r));
+                }
+                for (int64_t t0 = 0; t0 < pn; t0 += kPackTile) {
+                    const int tt = static_cast<int>(std::min<int64_t>(kPackTile, pn - t0));
+                    const float *sc[kPackTile] = {};
+                    if (e4m3) {
+                        for (int i = 0; i < tt; ++i) sc[i] = task.xs + (p0 + t0 + i) * task.xs_stride;
+                    }
+                    const float *tile = xp + (t0 / kPackTile) * tile_floats;
+                    for (int64_t r = r0; r < r1; ++r) {
+                        const int64_t n = task.n0 + r;
+                        const float *w_scales =
+                            e4m3 ? w.scale_inv + ((w.row_offset + n) / w.block_rows) * scale_cols : nullptr;
+                        float *y = task.y + s * task.seg_out_stride + (p0 + t0) * task.y_stride + r;
+                        packed_row_tokens<kConverted>(tt, row(r), converted_row(r), w.k_begin, e4m3, w_scales, tile,
+                                                      sc, k0, k1, y, task.y_stride);
+                    }
+                }
+            }
+        }
+    }
+}
+// Activation rounding on AVX2, the same bits as round_row_portable (IEEE mode: no FTZ/DAZ here).
+
+// The e4m3 value of f32_to_fp8_e4m3(v, saturate) as f32, for 8 values: NaN -> quiet NaN of its sign; above 464
+// (and Inf) -> 448; below 2^-6 -> the nearest multiple of 2^-9 (ties to even, by adding and subtracting 2^14,
+// whose ulp is 2^-9); otherwise 3 mantissa bits, ties to even.
+MEMRA_SIMD __m256 e4m3_values8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+    const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+    const __m256i normal = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7ffff)), lsb),
+                                            _mm256_set1_epi32(static_cast<int>(0xfff00000u)));
+    const __m256 magic = _mm256_set1_ps(16384.0f);
+    const __m256i sub =
+        _mm256_castps_si256(_mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(a), magic), magic));
+    __m256i r = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), a));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x43e00000), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x43e80000)));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000)));
+    return _mm256_castsi256_ps(_mm256_or_si256(r, sign));
+}
+
+// Stores 16 bf16 codes: two vectors of 8, each code in the low half of a 32-bit lane.
+MEMRA_SIMD void store_codes16(__m256i lo, __m256i hi, uint16_t *out) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out), packed);
+}
+
+[[gnu::target("avx2,fma"), gnu::noinline]] void round_row_avx2(const float *x, int64_t k, ActRounding act,
+                                                              uint16_t *codes, float *scales) {
+    if (act == ActRounding::kBf16) {
+        int64_t i = 0;
+        for (; i + 16 <= k; i += 16) {
+            store_codes16(_mm256_srli_epi32(_mm256_castps_si256(simd::round_bf16_8(_mm256_loadu_ps(x + i))), 16),
+                          _mm256_srli_epi32(_mm256_castps_si256(simd::round_bf16_8(_mm256_loadu_ps(x + i + 8))), 16),
+                          codes + i);
+        }
+        for (; i < k; ++i) codes[i] = f32_to_bf16(x[i]);
+        return;
+    }
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t g0 = 0; g0 < k; g0 += kE4m3Group) {
+        const int64_t len = std::min(k - g0, kE4m3Group);
+        alignas(32) float group[kE4m3Group] = {};  // zero-padded: |0| never raises the max
+        std::memcpy(group, x + g0, static_cast<size_t>(len) * 4);
+        // amax: vmaxps returns its second operand when the first is NaN, so a NaN never wins, and the max of
+        // the remaining values does not depend on the order.
+        __m256 m = _mm256_setzero_ps();
+        for (int64_t i = 0; i < kE4m3Group; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_load_ps(group + i), abs_mask), m);
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, m);
+        float amax = 0.0f;
+        for (const float v : lanes) amax = v > amax ? v : amax;
+        const float scale = e4m3_group_scale(amax);
+        scales[g0 / kE4m3Group] = scale;
+        const __m256 sv = _mm256_set1_ps(scale);
+        alignas(32) uint16_t out[kE4m3Group];
+        for (int64_t i = 0; i < kE4m3Group; i += 16) {
+            const __m256 a = e4m3_values8(_mm256_div_ps(_mm256_load_ps(group + i), sv));
+            const __m256 b = e4m3_values8(_mm256_div_ps(_mm256_load_ps(group + i + 8), sv));
+            // The e4m3 values are bf16 values: their top halves are the codes.
+            store_codes16(_mm256_srli_epi32(_mm256_castps_si256(a), 16), _mm256_srli_epi32(_mm256_castps_si256(b), 16),
+                          out + i);
+        }
+        std::memcpy(codes + g0, out, static_cast<size_t>(len) * 2);
+    }
+}
+
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -284,6 +540,21 @@ namespace avx512 {
 #undef MEMRA_SIMD
 #endif
 
+// One row of round_activations in scalar code: the definition (device_numerics.h, float_formats.h).
+void round_row_portable(const float *x, int64_t k, ActRounding act, uint16_t *codes, float *scales) {
+    if (act == ActRounding::kBf16) {
+        for (int64_t i = 0; i < k; ++i) codes[i] = f32_to_bf16(x[i]);
+        return;
+    }
+    float values[kE4m3Group];
+    for (int64_t g0 = 0; g0 < k; g0 += kE4m3Group) {
+        const int64_t len = std::min(k - g0, kE4m3Group);
+        scales[g0 / kE4m3Group] = e4m3_quantize_group(x + g0, len, values);
+        // Exact: every e4m3 value is a bf16 value.
+        for (int64_t i = 0; i < len; ++i) codes[g0 + i] = f32_to_bf16(values[i]);
+    }
+}
+
 [[gnu::noinline]] void run_portable(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
     if (task.w->dtype == DType::kBF16) {
         portable::device_range<PortablePath, DType::kBF16>(task, rb, re, tb, te);
@@ -295,8 +566,15 @@ namespace avx512 {
 #if MEMRA_X86
 [[gnu::target("avx2,fma"), gnu::noinline]] void run_avx2(const Task &task, int64_t rb, int64_t re, int64_t tb,
                                                         int64_t te) {
+    const bool packed = packed_takes(task, tb, te);
     if (task.w->dtype == DType::kBF16) {
-        avx2::device_range<Avx2Path, DType::kBF16>(task, rb, re, tb, te);
+        if (packed) {
+            packed_range<DType::kBF16>(task, rb, re, tb, te);
+        } else {
+            avx2::device_range<Avx2Path, DType::kBF16>(task, rb, re, tb, te);
+        }
+    } else if (packed) {
+        packed_range<DType::kF8E4M3>(task, rb, re, tb, te);
     } else {
         avx2::device_range<Avx2Path, DType::kF8E4M3>(task, rb, re, tb, te);
     }
@@ -340,6 +618,16 @@ std::atomic<ProductIsa> &isa_choice() {
 }
 
 }  // namespace
+
+void round_row(const float *x, int64_t k, ActRounding act, uint16_t *codes, float *scales) {
+#if MEMRA_X86
+    if (product_isa() != ProductIsa::kPortable) {
+        round_row_avx2(x, k, act, codes, scales);
+        return;
+    }
+#endif
+    round_row_portable(x, k, act, codes, scales);
+}
 
 void run_device_range(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
     switch (product_isa()) {

@@ -81,6 +81,10 @@ struct Task {
     int64_t xs_stride = 0;
 };
 
+// One token's row of round_activations (matmul.h) on product_isa(): x [k] f32 to codes [k] and, for kE4m3x128,
+// scales [ceil(k / 128)]. Every path gives the same bits.
+void round_row(const float *x, int64_t k, ActRounding act, uint16_t *codes, float *scales);
+
 // Rows [rb, re) x tokens [tb, te) of a device task (matmul_device.cpp), on product_isa().
 void run_device_range(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te);
 

@@ -6,9 +6,12 @@
 #include <cmath>
 #include <limits>
 
+#include "backend/cpu/matmul.h"
 #include "backend/cpu/ops_common.h"
+#include "backend/cpu/simd_avx2.h"
 #include "core/check.h"
 #include "core/math.h"
+
 
 namespace memra::cpu {
 namespace {
@@ -20,17 +23,296 @@ constexpr int64_t kScoreCache = 2048;
 constexpr int64_t kMaxHeadDim = 512;
 
 // The blocked (device) order: blocks of 128 positions and splits of 512, both aligned to position 0. A work
-// item keeps the scores of one split and its accumulators: 8 * 512 + 8 * 512 floats, 32 KiB of stack.
+// item keeps its q rows, a chunk of decoded keys or values, the scores of one split and its accumulators: 8 * 512
+// floats each, 64 KiB of stack.
 constexpr int64_t kBlockRows = 128;
 constexpr int64_t kSplitRows = 512;
+constexpr int64_t kKeyChunk = 8;  // keys scored by one call of Ops::score
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float round_to_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// The inner operations of the blocked order on one instruction path; the loops around them are shared
+// (paged_attention). Every path gives the bits of the scalar spelling below, which is the reference:
+//   round_bf16  x[d] = round_to_bf16(x[d]), d < n
+//   decode      kv_decode(format, in, n, y), then round_bf16(y, n) when `round`
+//   score       scores[j][at + c] = dot_f32(qbuf[j], keys[c], head_dim) * scale, j < nh, c < n (<= kKeyChunk);
+//               qbuf and keys rows are +0 from head_dim to the next multiple of 16
+//   block_max   bm = -inf, then bm = s[p] > bm ? s[p] : bm for p < n increasing (a NaN is skipped)
+//   exp_sums    for live heads j: s[p] = exp_f32(s[p] - m_new[j]) and b_sum[j] = +0 + s[0] + s[1] + ... in
+//               increasing p, over s = scores[j] + at, p < n
+//   add_values  for c < n (<= kKeyChunk), then the live heads j: acc[j][d] = acc[j][d] + round_to_bf16(scores[j]
+//               [at + c]) * rows[c][d], d < head_dim
+struct BlockedPortable {
+    static void round_bf16(float *x, int64_t n) {
+        for (int64_t d = 0; d < n; ++d) x[d] = round_to_bf16(x[d]);
+    }
+    static void decode(KvFormat format, const std::byte *in, int64_t n, bool round, float *y) {
+        kv_decode(format, in, n, y);
+        if (round) round_bf16(y, n);
+    }
+    static void score(const float (*qbuf)[kMaxHeadDim], int64_t nh, const float (*keys)[kMaxHeadDim], int64_t n,
+                      int64_t head_dim, float scale, float (*scores)[kSplitRows], int64_t at) {
+        for (int64_t c = 0; c < n; ++c) {
+            for (int64_t j = 0; j < nh; ++j) scores[j][at + c] = dot_f32(qbuf[j], keys[c], head_dim) * scale;
+        }
+    }
+    static float block_max(const float *s, int64_t n) {
+        float bm = kNegInf;
+        for (int64_t p = 0; p < n; ++p) bm = s[p] > bm ? s[p] : bm;
+        return bm;
+    }
+    static void exp_sums(float (*scores)[kSplitRows], int64_t at, int64_t n, int64_t nh, const bool *live,
+                         const float *m_new, float *b_sum) {
+        for (int64_t j = 0; j < nh; ++j) {
+            if (!live[j]) continue;
+            float *sj = scores[j] + at;
+            float sum = 0.0f;
+            for (int64_t p = 0; p < n; ++p) {
+                sj[p] = exp_f32(sj[p] - m_new[j]);
+                sum = sum + sj[p];
+            }
+            b_sum[j] = sum;
+        }
+    }
+    static void add_values(float (*acc)[kMaxHeadDim], const float (*scores)[kSplitRows], int64_t at, int64_t n,
+                           int64_t nh, const bool *live, const float (*rows)[kMaxHeadDim], int64_t head_dim) {
+        for (int64_t c = 0; c < n; ++c) {
+            for (int64_t j = 0; j < nh; ++j) {
+                if (!live[j]) continue;
+                const float pw = round_to_bf16(scores[j][at + c]);
+                float *aj = acc[j];
+                for (int64_t d = 0; d < head_dim; ++d) aj[d] = aj[d] + pw * rows[c][d];
+            }
+        }
+    }
+};
+
+#if MEMRA_X86
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define MEMRA_LANES [[gnu::always_inline]] inline
+using simd::exp_8;
+using simd::round_bf16_8;
+// The same operations in 8 AVX2 lanes, each lane performing the scalar operations of its value in the scalar
+// order: _mm256_mul_ps then _mm256_add_ps for every a * b + c (no FMA), no MXCSR change (no FTZ/DAZ), and only
+// the exact integer steps of the bit-level functions. A scalar tail handles what does not fill 8 lanes.
+
+// round_bf16_8 of values that are bf16 already: only a NaN changes (to the quiet NaN with its sign).
+MEMRA_LANES __m256 round_bf16_8_of_bf16(__m256 x) {
+    const __m256 quiet = _mm256_or_ps(_mm256_and_ps(x, _mm256_set1_ps(-0.0f)),
+                                      _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+    return _mm256_blendv_ps(x, quiet, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// [x0 + x1, x2 + x3, y0 + y1, y2 + y3 | x4 + x5, x6 + x7, y4 + y5, y6 + y7]
+MEMRA_LANES __m256 add_pairs(__m256 x, __m256 y) {
+    return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Lane k of the result: the first three levels of the lane tree (core/math.h reduce_lanes_tree),
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), over the lanes l0..l7 of a[k].
+MEMRA_LANES __m256 tree_8x8(const __m256 (&a)[kKeyChunk]) {
+    // t0 = [a0:0123 a1:0123 a2:0123 a3:0123 | a0:4567 .. a3:4567] with a:0123 = (l0 + l1) + (l2 + l3) of a and
+    // a:4567 = (l4 + l5) + (l6 + l7); t1 likewise for a4..a7.
+    const __m256 t0 = add_pairs(add_pairs(a[0], a[1]), add_pairs(a[2], a[3]));
+    const __m256 t1 = add_pairs(add_pairs(a[4], a[5]), add_pairs(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+struct BlockedAvx2 {
+    static void round_bf16(float *x, int64_t n) {
+        int64_t d = 0;
+        for (; d + 8 <= n; d += 8) _mm256_storeu_ps(x + d, round_bf16_8(_mm256_loadu_ps(x + d)));
+        for (; d < n; ++d) x[d] = round_to_bf16(x[d]);
+    }
+    // f32 and bf16 rows are widened and rounded 8 values at a time (kv_decode takes the tail); the block formats
+    // are decoded by kv_decode.
+    static void decode(KvFormat format, const std::byte *in, int64_t n, bool round, float *y) {
+        int64_t d = 0;
+        if (format == KvFormat::kF32 || format == KvFormat::kBf16) {
+            const bool f32 = format == KvFormat::kF32;
+            for (; d + 8 <= n; d += 8) {
+                if (f32) {
+                    const __m256 x = _mm256_loadu_ps(reinterpret_cast<const float *>(in + 4 * d));
+                    _mm256_storeu_ps(y + d, round ? round_bf16_8(x) : x);
+                } else {
+                    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(in + 2 * d));
+                    const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                    _mm256_storeu_ps(y + d, round ? round_bf16_8_of_bf16(x) : x);
+                }
+            }
+            if (d < n) kv_decode(format, in + (f32 ? 4 : 2) * d, n - d, y + d);
+        } else {
+            kv_decode(format, in, n, y);
+        }
+        if (round) round_bf16(y + d, n - d);
+    }
+    // The 16 dot lanes of one q row against kKeyChunk keys, as lanes 0..7 (h = 0) and 8..15 (h = 1) in two
+    // passes of 8 accumulators, key c in a[c]; then the tree's first three levels over each half and its last
+    // add, (lanes 0..7) + (lanes 8..15). Keys past n are computed from the other rows and dropped.
+    static void score(const float (*qbuf)[kMaxHeadDim], int64_t nh, const float (*keys)[kMaxHeadDim], int64_t n,
+                      int64_t head_dim, float scale, float (*scores)[kSplitRows], int64_t at) {
+        const int64_t padded = (head_dim + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
+        for (int64_t j = 0; j < nh; ++j) {
+            __m256 half[2];
+            for (int h = 0; h < 2; ++h) {
+                __m256 a[kKeyChunk];
+#pragma GCC unroll 8
+                for (int c = 0; c < kKeyChunk; ++c) a[c] = _mm256_setzero_ps();
+                for (int64_t d = 8 * h; d < padded; d += kReduceLanes) {
+                    const __m256 qv = _mm256_load_ps(qbuf[j] + d);
+#pragma GCC unroll 8
+                    for (int c = 0; c < kKeyChunk; ++c) {
+                        a[c] = _mm256_add_ps(a[c], _mm256_mul_ps(qv, _mm256_load_ps(keys[c] + d)));
+                    }
+                }
+                half[h] = tree_8x8(a);
+            }
+            const __m256 s = _mm256_mul_ps(_mm256_add_ps(half[0], half[1]), _mm256_set1_ps(scale));
+            if (n == kKeyChunk) {
+                _mm256_storeu_ps(scores[j] + at, s);
+            } else {
+                alignas(32) float tmp[kKeyChunk];
+                _mm256_store_ps(tmp, s);
+                std::copy(tmp, tmp + n, scores[j] + at);
+            }
+        }
+    }
+    // The max of a set of non-NaN floats is one value, whatever the order in which `>` visits it, and every value
+    // has one encoding but zero: so 8 lanes with vmaxps (vmaxps(s, m) is s > m ? s : m, NaN s keeps m) give the
+    // scalar result unless the max is a zero, for which the scalar loop decides the sign (the first zero seen).
+    static float block_max(const float *s, int64_t n) {
+        if (n < 8) return BlockedPortable::block_max(s, n);
+        __m256 vm = _mm256_set1_ps(kNegInf);
+        int64_t p = 0;
+        for (; p + 8 <= n; p += 8) vm = _mm256_max_ps(_mm256_loadu_ps(s + p), vm);
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, vm);
+        float bm = BlockedPortable::block_max(lanes, 8);
+        for (; p < n; ++p) bm = s[p] > bm ? s[p] : bm;
+        return bm == 0.0f ? BlockedPortable::block_max(s, n) : bm;
+    }
+    // The exps 8 positions at a time; then each head's sum in increasing p, the heads side by side: 8 x 8 tiles
+    // of e are transposed so that column p holds e_p of every head (lane j = head j), added to the running sums
+    // in order. Lanes of heads that are not live or past nh add rows that are not used.
+    static void exp_sums(float (*scores)[kSplitRows], int64_t at, int64_t n, int64_t nh, const bool *live,
+                         const float *m_new, float *b_sum) {
+        for (int64_t j = 0; j < nh; ++j) {
+            if (!live[j]) continue;
+            float *sj = scores[j] + at;
+            const __m256 mj = _mm256_set1_ps(m_new[j]);
+            int64_t p = 0;
+            for (; p + 8 <= n; p += 8) {
+                _mm256_storeu_ps(sj + p, exp_8(_mm256_sub_ps(_mm256_loadu_ps(sj + p), mj)));
+            }
+            for (; p < n; ++p) sj[p] = exp_f32(sj[p] - m_new[j]);
+        }
+        __m256 sum = _mm256_setzero_ps();
+        int64_t p = 0;
+        for (; p + 8 <= n; p += 8) {
+            __m256 r[8];
+            for (int64_t j = 0; j < 8; ++j) {
+                r[j] = j < nh ? _mm256_loadu_ps(scores[j] + at + p) : _mm256_setzero_ps();
+            }
+            // 8 x 8 transpose: r[j] lane c = e of head j at p + c  ->  col[c] lane j.
+            const __m256 u0 = _mm256_unpacklo_ps(r[0], r[1]), u1 = _mm256_unpackhi_ps(r[0], r[1]);
+            const __m256 u2 = _mm256_unpacklo_ps(r[2], r[3]), u3 = _mm256_unpackhi_ps(r[2], r[3]);
+            const __m256 u4 = _mm256_unpacklo_ps(r[4], r[5]), u5 = _mm256_unpackhi_ps(r[4], r[5]);
+            const __m256 u6 = _mm256_unpacklo_ps(r[6], r[7]), u7 = _mm256_unpackhi_ps(r[6], r[7]);
+            const __m256 v0 = _mm256_shuffle_ps(u0, u2, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m256 v1 = _mm256_shuffle_ps(u0, u2, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m256 v2 = _mm256_shuffle_ps(u1, u3, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m256 v3 = _mm256_shuffle_ps(u1, u3, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m256 v4 = _mm256_shuffle_ps(u4, u6, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m256 v5 = _mm256_shuffle_ps(u4, u6, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m256 v6 = _mm256_shuffle_ps(u5, u7, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m256 v7 = _mm256_shuffle_ps(u5, u7, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m256 col[8] = {
+                _mm256_permute2f128_ps(v0, v4, 0x20), _mm256_permute2f128_ps(v1, v5, 0x20),
+                _mm256_permute2f128_ps(v2, v6, 0x20), _mm256_permute2f128_ps(v3, v7, 0x20),
+                _mm256_permute2f128_ps(v0, v4, 0x31), _mm256_permute2f128_ps(v1, v5, 0x31),
+                _mm256_permute2f128_ps(v2, v6, 0x31), _mm256_permute2f128_ps(v3, v7, 0x31)};
+            for (const __m256 &cp : col) sum = _mm256_add_ps(sum, cp);
+        }
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, sum);
+        for (int64_t j = 0; j < nh; ++j) {
+            if (!live[j]) continue;
+            float s = sums[j];
+            for (int64_t t = p; t < n; ++t) s = s + scores[j][at + t];
+            b_sum[j] = s;
+        }
+    }
+    // Each head's accumulators 8 at a time, through the n values in order (a full chunk unrolled).
+    static void add_values(float (*acc)[kMaxHeadDim], const float (*scores)[kSplitRows], int64_t at, int64_t n,
+                           int64_t nh, const bool *live, const float (*rows)[kMaxHeadDim], int64_t head_dim) {
+        for (int64_t j = 0; j < nh; ++j) {
+            if (!live[j]) continue;
+            float pw[kKeyChunk];
+            __m256 pv[kKeyChunk];
+            for (int64_t c = 0; c < n; ++c) {
+                pw[c] = round_to_bf16(scores[j][at + c]);
+                pv[c] = _mm256_set1_ps(pw[c]);
+            }
+            float *aj = acc[j];
+            int64_t d = 0;
+            for (; d + 8 <= head_dim; d += 8) {
+                __m256 a = _mm256_load_ps(aj + d);
+                if (n == kKeyChunk) {
+#pragma GCC unroll 8
+                    for (int c = 0; c < kKeyChunk; ++c) {
+                        a = _mm256_add_ps(a, _mm256_mul_ps(pv[c], _mm256_load_ps(rows[c] + d)));
+                    }
+                } else {
+                    for (int64_t c = 0; c < n; ++c) {
+                        a = _mm256_add_ps(a, _mm256_mul_ps(pv[c], _mm256_load_ps(rows[c] + d)));
+                    }
+                }
+                _mm256_store_ps(aj + d, a);
+            }
+            for (; d < head_dim; ++d) {
+                for (int64_t c = 0; c < n; ++c) aj[d] = aj[d] + pw[c] * rows[c][d];
+            }
+        }
+    }
+    static void exp_rows(const float *x, int64_t n, float *y) {
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp_8(_mm256_loadu_ps(x + i)));
+        for (; i < n; ++i) y[i] = exp_f32(x[i]);
+    }
+};
+#undef MEMRA_LANES
+#pragma GCC pop_options
+#endif
 
 }  // namespace
 
 float attention_scale(int64_t head_dim) {
     MEMRA_CHECK(head_dim > 0, "attention_scale: head_dim must be > 0, got {}", head_dim);
     return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+void blocked_exp_f32(const float *x, int64_t n, float *y) {
+#if MEMRA_X86
+    if (product_isa() != ProductIsa::kPortable) {
+        BlockedAvx2::exp_rows(x, n, y);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i) y[i] = exp_f32(x[i]);
+}
+
+void blocked_round_bf16(const float *x, int64_t n, float *y) {
+    if (y != x) std::copy(x, x + n, y);
+#if MEMRA_X86
+    if (product_isa() != ProductIsa::kPortable) {
+        BlockedAvx2::round_bf16(y, n);
+        return;
+    }
+#endif
+    BlockedPortable::round_bf16(y, n);
 }
 
 void kv_write(ThreadPool &pool, const PagedLayer &layer, int64_t row_elems, const float *k, const float *v,
@@ -117,105 +399,117 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
     const int64_t span = shape.window > 0 ? shape.window : 1024;
     if (shape.blocked) {
         const bool round_keys = layer.k_format == KvFormat::kF32 || layer.k_format == KvFormat::kBf16;
-        constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-        detail::parallel_rows(pool, n_items, span * head_dim * 3, [&](int64_t begin, int64_t end) {
-            float kbuf[kMaxHeadDim];
-            float vbuf[kMaxHeadDim];
-            float scores[kHeadBatch][kSplitRows];  // s_p of the split, then e_p once its block's max is known
-            float acc[kHeadBatch][kMaxHeadDim];    // the split's acc; the running ACC lives in out
-            float m[kHeadBatch];
-            float l[kHeadBatch];
-            float run_m[kHeadBatch];
-            float run_l[kHeadBatch];
-            for (int64_t item = begin; item < end; ++item) {
-                const WorkItem w = work_item(item);
-                const int64_t i = w.i, g = w.g, h0 = w.h0, nh = w.nh, hi = w.hi, lo = w.lo;
-                auto row = [&](int64_t p) { return w.page(p); };
-                const float *qv[kHeadBatch];
-                for (int64_t j = 0; j < nh; ++j) qv[j] = q + i * q_stride + (h0 + j) * head_dim;
-                float *o = out + (i * n_heads + h0) * head_dim;  // heads h0 .. h0 + nh of query i: ACC, then out
-                for (int64_t s0 = lo; s0 <= hi;) {
-                    const int64_t s1 = std::min(hi, (s0 / kSplitRows + 1) * kSplitRows - 1);  // split [s0, s1]
-                    // The split's scores, each key decoded once.
-                    for (int64_t p = s0; p <= s1; ++p) {
-                        kv_decode(layer.k_format,
-                                  row(p) + layer.k_offset + (p % kKvPageRows) * layer.k_row_bytes + g * k_head_bytes,
-                                  head_dim, kbuf);
-                        if (round_keys) {
-                            for (int64_t d = 0; d < head_dim; ++d) kbuf[d] = round_to_bf16(kbuf[d]);
+        const int64_t padded_dim = (head_dim + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
+        // The loops of the blocked order, over the inner operations of one instruction path (Ops).
+        auto blocked = [&](auto ops) {
+            using Ops = decltype(ops);
+            detail::parallel_rows(pool, n_items, span * head_dim * 3, [&](int64_t begin, int64_t end) {
+                // q rows and kKeyChunk decoded keys or values, zero past head_dim up to padded_dim (Ops::decode
+                // and the copy below write only head_dim values, so the zeros stay).
+                alignas(32) float qbuf[kHeadBatch][kMaxHeadDim];
+                alignas(32) float rows[kKeyChunk][kMaxHeadDim] = {};
+                alignas(32) float scores[kHeadBatch][kSplitRows];  // s_p of the split, then e_p by blocks
+                alignas(32) float acc[kHeadBatch][kMaxHeadDim];    // the split's acc; the running ACC lives in out
+                float m[kHeadBatch];
+                float l[kHeadBatch];
+                float m_new[kHeadBatch];
+                float b_sum[kHeadBatch];
+                bool live[kHeadBatch];
+                float run_m[kHeadBatch];
+                float run_l[kHeadBatch];
+                for (auto &qj : qbuf) std::fill(qj + head_dim, qj + padded_dim, 0.0f);
+                for (int64_t item = begin; item < end; ++item) {
+                    const WorkItem w = work_item(item);
+                    const int64_t i = w.i, g = w.g, h0 = w.h0, nh = w.nh, hi = w.hi, lo = w.lo;
+                    // Positions [p0, p0 + n) of kv head g's keys or values, decoded into rows[0 .. n).
+                    auto decode_rows = [&](KvFormat format, int64_t offset, int64_t row_bytes, int64_t head_bytes,
+                                           int64_t p0, int64_t n, bool round) {
+                        for (int64_t c = 0; c < n; ++c) {
+                            const int64_t p = p0 + c;
+                            Ops::decode(format, w.page(p) + offset + (p % kKvPageRows) * row_bytes + g * head_bytes,
+                                        head_dim, round, rows[c]);
                         }
-                        for (int64_t j = 0; j < nh; ++j) scores[j][p - s0] = dot_f32(qv[j], kbuf, head_dim) * scale;
-                    }
+                    };
                     for (int64_t j = 0; j < nh; ++j) {
-                        m[j] = kNegInf;
-                        l[j] = 0.0f;
-                        for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = 0.0f;
+                        const float *qv = q + i * q_stride + (h0 + j) * head_dim;
+                        std::copy(qv, qv + head_dim, qbuf[j]);
                     }
-                    for (int64_t b0 = s0; b0 <= s1;) {
-                        const int64_t b1 = std::min(s1, (b0 / kBlockRows + 1) * kBlockRows - 1);  // block [b0, b1]
-                        bool live[kHeadBatch];
-                        bool any_live = false;
-                        for (int64_t j = 0; j < nh; ++j) {
-                            float *sj = scores[j];  // sj[p - s0] for p in [s0, s1]
-                            float bm = kNegInf;
-                            for (int64_t p = b0 - s0; p <= b1 - s0; ++p) bm = sj[p] > bm ? sj[p] : bm;
-                            const float m_new = bm > m[j] ? bm : m[j];
-                            live[j] = m_new != kNegInf;
-                            if (!live[j]) continue;
-                            any_live = true;
-                            const float alpha = m[j] == kNegInf ? 0.0f : exp_f32(m[j] - m_new);
-                            float b_sum = 0.0f;
-                            for (int64_t p = b0 - s0; p <= b1 - s0; ++p) {
-                                sj[p] = exp_f32(sj[p] - m_new);
-                                b_sum = b_sum + sj[p];
-                            }
-                            l[j] = l[j] * alpha + b_sum;
-                            for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = acc[j][d] * alpha;
-                            m[j] = m_new;
+                    float *o = out + (i * n_heads + h0) * head_dim;  // heads h0 .. h0 + nh of query i: ACC, then out
+                    for (int64_t s0 = lo; s0 <= hi;) {
+                        const int64_t s1 = std::min(hi, (s0 / kSplitRows + 1) * kSplitRows - 1);  // split [s0, s1]
+                        // The split's scores, each key decoded once.
+                        for (int64_t p0 = s0; p0 <= s1; p0 += kKeyChunk) {
+                            const int64_t n = std::min(kKeyChunk, s1 - p0 + 1);  // keys [p0, p0 + n)
+                            decode_rows(layer.k_format, layer.k_offset, layer.k_row_bytes, k_head_bytes, p0, n,
+                                        round_keys);
+                            Ops::score(qbuf, nh, rows, n, head_dim, scale, scores, p0 - s0);
                         }
-                        for (int64_t p = b0; any_live && p <= b1; ++p) {
-                            kv_decode(
-                                layer.v_format,
-                                row(p) + layer.v_offset + (p % kKvPageRows) * layer.v_row_bytes + g * v_head_bytes,
-                                head_dim, vbuf);
-                            for (int64_t d = 0; d < head_dim; ++d) vbuf[d] = round_to_bf16(vbuf[d]);
+                        for (int64_t j = 0; j < nh; ++j) {
+                            m[j] = kNegInf;
+                            l[j] = 0.0f;
+                            for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = 0.0f;
+                        }
+                        for (int64_t b0 = s0; b0 <= s1;) {
+                            const int64_t b1 = std::min(s1, (b0 / kBlockRows + 1) * kBlockRows - 1);  // block [b0, b1]
+                            bool any_live = false;
+                            for (int64_t j = 0; j < nh; ++j) {
+                                const float bm = Ops::block_max(scores[j] + (b0 - s0), b1 - b0 + 1);
+                                m_new[j] = bm > m[j] ? bm : m[j];
+                                live[j] = m_new[j] != kNegInf;
+                                any_live = any_live || live[j];
+                            }
+                            Ops::exp_sums(scores, b0 - s0, b1 - b0 + 1, nh, live, m_new, b_sum);
                             for (int64_t j = 0; j < nh; ++j) {
                                 if (!live[j]) continue;
-                                const float pw = round_to_bf16(scores[j][p - s0]);
-                                float *aj = acc[j];
-                                for (int64_t d = 0; d < head_dim; ++d) aj[d] = aj[d] + pw * vbuf[d];
+                                const float alpha = m[j] == kNegInf ? 0.0f : exp_f32(m[j] - m_new[j]);
+                                l[j] = l[j] * alpha + b_sum[j];
+                                for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = acc[j][d] * alpha;
+                                m[j] = m_new[j];
                             }
+                            for (int64_t p0 = b0; any_live && p0 <= b1; p0 += kKeyChunk) {
+                                const int64_t n = std::min(kKeyChunk, b1 - p0 + 1);  // values [p0, p0 + n)
+                                decode_rows(layer.v_format, layer.v_offset, layer.v_row_bytes, v_head_bytes, p0, n,
+                                            true);
+                                Ops::add_values(acc, scores, p0 - s0, n, nh, live, rows, head_dim);
+                            }
+                            b0 = b1 + 1;
                         }
-                        b0 = b1 + 1;
+                        // Merge the split into the running state, left to right.
+                        for (int64_t j = 0; j < nh; ++j) {
+                            float *oj = o + j * head_dim;
+                            if (s0 == lo) {
+                                run_m[j] = m[j];
+                                run_l[j] = l[j];
+                                for (int64_t d = 0; d < head_dim; ++d) oj[d] = acc[j][d];
+                                continue;
+                            }
+                            const float m_next = m[j] > run_m[j] ? m[j] : run_m[j];
+                            const float a = exp_f32(run_m[j] - m_next);
+                            const float b = exp_f32(m[j] - m_next);
+                            run_l[j] = run_l[j] * a + l[j] * b;
+                            for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * a + acc[j][d] * b;
+                            run_m[j] = m_next;
+                        }
+                        s0 = s1 + 1;
                     }
-                    // Merge the split into the running state, left to right.
                     for (int64_t j = 0; j < nh; ++j) {
                         float *oj = o + j * head_dim;
-                        if (s0 == lo) {
-                            run_m[j] = m[j];
-                            run_l[j] = l[j];
-                            for (int64_t d = 0; d < head_dim; ++d) oj[d] = acc[j][d];
-                            continue;
+                        for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] / run_l[j];
+                        if (gate != nullptr) {
+                            const float gv = sigmoid_f32(gate[i * gate_stride + h0 + j]);
+                            for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * gv;
                         }
-                        const float m_next = m[j] > run_m[j] ? m[j] : run_m[j];
-                        const float a = exp_f32(run_m[j] - m_next);
-                        const float b = exp_f32(m[j] - m_next);
-                        run_l[j] = run_l[j] * a + l[j] * b;
-                        for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * a + acc[j][d] * b;
-                        run_m[j] = m_next;
-                    }
-                    s0 = s1 + 1;
-                }
-                for (int64_t j = 0; j < nh; ++j) {
-                    float *oj = o + j * head_dim;
-                    for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] / run_l[j];
-                    if (gate != nullptr) {
-                        const float gv = sigmoid_f32(gate[i * gate_stride + h0 + j]);
-                        for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * gv;
                     }
                 }
-            }
-        });
+            });
+        };
+#if MEMRA_X86
+        if (product_isa() != ProductIsa::kPortable) {
+            blocked(BlockedAvx2{});
+            return;
+        }
+#endif
+        blocked(BlockedPortable{});
         return;
     }
     detail::parallel_rows(pool, n_items, span * head_dim * 3, [&](int64_t begin, int64_t end) {

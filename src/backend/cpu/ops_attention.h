@@ -92,6 +92,10 @@ void kv_write(ThreadPool &pool, const PagedLayer &layer, int64_t row_elems, cons
 //     L' = L * a + l_t * b;  ACC'[d] = ACC[d] * a + acc_t[d] * b   (each product rounded, then the add)
 //   out[i, h, d] = ACC[d] / L, then the gate as above.
 // (Each visible key is decoded once per work item and its scores kept for its split: at most 512 per head.)
+// The blocked order runs on the instruction path of product_isa() (backend/cpu/matmul.h): kPortable is the scalar
+// spelling; kAvx2Fma and kAvx512Bf16 run the dots, exps, bf16 roundings, block maxima and value updates in AVX2
+// lanes that perform each value's operations above in the same order (multiply then add, never fused; no
+// FTZ/DAZ), so every path gives the same bits.
 //
 // A work item is one (query, kv head): it decodes each visible key and value once for the query heads that
 // share them, which changes no per-head order.
@@ -104,5 +108,12 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
                      const int64_t *q_pos, const int32_t *q_seq, int64_t n_q, const PagedLayer &layer,
                      const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
                      const float *gate, int64_t gate_stride, float *out);
+
+// The blocked order's exp_f32 and bf16 rounding (bf16_to_f32(f32_to_bf16(x))) of x[0..n) into y (y may be x), on
+// the instruction path the blocked order runs on: the AVX2 lanes when product_isa() (backend/cpu/matmul.h) is
+// kAvx2Fma or kAvx512Bf16, the scalar functions on kPortable. Every path gives the scalar bits; the tests hold
+// the lanes to them.
+void blocked_exp_f32(const float *x, int64_t n, float *y);
+void blocked_round_bf16(const float *x, int64_t n, float *y);
 
 }  // namespace memra::cpu
