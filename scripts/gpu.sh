@@ -83,8 +83,8 @@ if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
     done
 fi
 
-op_rows() {  # profile log -> the five most expensive ops
-    grep -E '^\| [a-z_]+ \|' "$1" | grep -v '^| op |' | head -5 | awk -F'|' -v w="$2" '{gsub(/ /, "", $2); printf "| op %s %s | %s calls, %s ms, %s us each (%s) |\n", w, $2, $3, $4, $5, $6}'
+op_rows() {  # profile log -> the most expensive ops (products per shape, with their weight GB/s)
+    grep -E '^\| [a-z_]+[ |]' "$1" | grep -v '^| op |' | head -"$3" | awk -F'|' -v w="$2" '{gsub(/^ +| +$/, "", $2); gsub(/ +$/, "", $7); printf "| op %s %s | %s calls, %s ms, %s us each (%s) %s GB/s |\n", w, $2, $3, $4, $5, $6, $7}'
 }
 
 bench_rows() {  # file -> "| bench <model> <test> | t/s |" rows
@@ -123,8 +123,8 @@ for name in sorted(rows):
 EOF
 fi
 grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
-op_rows "$out/op_times_prefill.log" prefill
-op_rows "$out/op_times_decode.log" decode
+op_rows "$out/op_times_prefill.log" prefill 5
+op_rows "$out/op_times_decode.log" decode 12
 grep -h -m2 -E "STEP_WORK" "$out/verify_release.log" | sed 's/^/| verify release | /; s/$/ |/'
 # The device tool brings back a few files: the table, the JSON reports and one archive of every log.
 (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='bench_*.json' -- * 2>/dev/null &&

@@ -138,6 +138,17 @@ void CudaBackend::launched(const char *op, int status) {
     }
 }
 
+void CudaBackend::launched_product(const char *op, int status, const CudaMatrix &m, int64_t tokens) {
+    if (!profile_) {
+        launched(op, status);
+        return;
+    }
+    // One row per op, shape and token count (the key is built only when profiling).
+    const std::string key = fmt::format("{} {} [{}, {}] x{}", op, dtype_name(m.dtype), m.rows, m.cols, tokens);
+    launched(key.c_str(), status);
+    op_times_[key].weight_bytes += m.rows * m.cols * static_cast<int64_t>(dtype_size(m.dtype));
+}
+
 void CudaBackend::profile_mark() {
     if (profile_) profile_mark_ = std::chrono::steady_clock::now();
 }
@@ -147,11 +158,14 @@ std::string CudaBackend::op_time_table() const {
     std::sort(rows.begin(), rows.end(), [](const auto &a, const auto &b) { return a.second.seconds > b.second.seconds; });
     double total = 0.0;
     for (const auto &r : rows) total += r.second.seconds;
-    std::string out = fmt::format("| op | calls | total ms | mean us | share |\n| --- | ---: | ---: | ---: | ---: |\n");
+    std::string out = fmt::format(
+        "| op | calls | total ms | mean us | share | weight GB/s |\n| --- | ---: | ---: | ---: | ---: | ---: |\n");
     for (const auto &[name, t] : rows) {
-        out += fmt::format("| {} | {} | {:.2f} | {:.1f} | {:.1f} % |\n", name, t.calls, t.seconds * 1e3,
+        const std::string rate =
+            t.weight_bytes > 0 && t.seconds > 0.0 ? fmt::format("{:.0f}", 1e-9 * static_cast<double>(t.weight_bytes) / t.seconds) : "";
+        out += fmt::format("| {} | {} | {:.2f} | {:.1f} | {:.1f} % | {} |\n", name, t.calls, t.seconds * 1e3,
                            t.seconds * 1e6 / static_cast<double>(std::max<int64_t>(t.calls, 1)),
-                           total > 0.0 ? 100.0 * t.seconds / total : 0.0);
+                           total > 0.0 ? 100.0 * t.seconds / total : 0.0, rate);
     }
     return out;
 }
@@ -376,7 +390,7 @@ void CudaBackend::residual_add(TensorView a, TensorView b, TensorView out) {
 void CudaBackend::matmul(TensorView x, MatrixId w, TensorView y) {
     const CudaMatrix &m = matrix(w);
     op_checks::matmul("matmul", x, m.rows, m.cols, y);
-    launched("matmul", cuda_matmul(m, f32(x), x.rows(), f32(y), stream()));
+    launched_product("matmul", cuda_matmul(m, f32(x), x.rows(), f32(y), stream()), m, x.rows());
 }
 
 int64_t CudaBackend::canonical_workspace_floats(int64_t, MatrixId) const { return 0; }
@@ -384,7 +398,7 @@ int64_t CudaBackend::canonical_workspace_floats(int64_t, MatrixId) const { retur
 void CudaBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView) {
     const CudaMatrix &m = matrix(w);
     op_checks::matmul("matmul_canonical", x, m.rows, m.cols, y);
-    launched("matmul_canonical", cuda_matmul_canonical(m, f32(x), x.rows(), f32(y), stream()));
+    launched_product("matmul_canonical", cuda_matmul_canonical(m, f32(x), x.rows(), f32(y), stream()), m, x.rows());
 }
 
 void CudaBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) {

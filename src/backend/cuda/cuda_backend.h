@@ -172,7 +172,10 @@ private:
     struct OpTime {
         int64_t calls = 0;
         double seconds = 0.0;
+        int64_t weight_bytes = 0;  // products: the weight bytes the calls read
     };
+    // launched() for a product over m with `tokens` rows: profiled per op and shape, with m's bytes.
+    void launched_product(const char *op, int status, const CudaMatrix &m, int64_t tokens);
     bool profile_ = false;
     std::chrono::steady_clock::time_point profile_mark_;
     std::map<std::string, OpTime> op_times_;
