@@ -12,7 +12,6 @@
 #include "core/check.h"
 #include "core/math.h"
 
-
 namespace memra::cpu {
 namespace {
 
