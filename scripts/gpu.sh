@@ -58,6 +58,14 @@ bench_rc=$?
 $memra bench "$release" --device cuda -p 0 -n 32 -r 2 --parallel 64 -o json >"$out/bench_release_64.json" 2>>"$out/bench_release.log"
 bench64_rc=$?
 $memra bench --device cuda -p 512 -n 64 -r 3 -o json >"$out/bench_default.json" 2>>"$out/bench_release.log"
+# The same decode issued op by op (no CUDA graphs), for the graphs' gain.
+MEMRA_CUDA_GRAPHS=0 $memra bench "$release" --device cuda -p 0 -n 64 -r 3 -o json >"$out/bench_release_eager.json" 2>>"$out/bench_release.log"
+# E7: every kernel's GPU time in the decode steps at batch 1 (Nsight Compute, clocks left alone), against the step.
+ncu --clock-control none --metrics gpu__time_duration.sum --csv $memra bench "$release" --device cuda -p 0 -n 4 -r 1 \
+    >"$out/ncu_decode.csv" 2>"$out/ncu_decode.log"
+# K1: the products at decode shapes against a copy of the same bytes, and PyTorch (cuBLAS) on the same shapes.
+build-gpu/memra_bench_cuda_products --benchmark_format=json >"$out/bench_cuda_products.json" 2>"$out/bench_cuda_products.log"
+python3 bench/cuda_peers.py >"$out/bench_cuda_peers.jsonl" 2>"$out/bench_cuda_peers.log"
 # Per-op times (each op synchronised; launch + kernel), one prefill of 512 and 16 decode steps on the release preset.
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 512 -n 0 -r 1 >/dev/null 2>"$out/op_times_prefill.log"
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 0 -n 16 -r 1 >/dev/null 2>"$out/op_times_decode.log"
@@ -106,7 +114,41 @@ echo "| run default cuda (rc $run_rc) | same text as cpu: $run_same; $(grep -E '
 echo "| run release cuda (rc $run_release_rc) | $(grep -E 'eval time' "$out/run_release.log" | tail -1 | cut -c1-100) |"
 echo "| verify default cuda (rc $verify_rc) | $(tail -1 "$out/verify_cuda.log") |"
 echo "| verify release cuda (rc $verify_release_rc, $((t4 - t3)) s incl. runs) | $(tail -1 "$out/verify_release.log") |"
-for f in bench_release_8 bench_release_64 bench_default; do bench_rows "$out/$f.json"; done
+for f in bench_release_8 bench_release_64 bench_release_eager bench_default; do bench_rows "$out/$f.json"; done
+python3 - "$out" <<'EOF' 2>/dev/null
+import csv, json, os, sys
+out = sys.argv[1]
+# E7: GPU idle share of a batch-1 decode step = 1 - (kernel time per step) / (step time with graphs).
+rows = [r for r in csv.reader(open(os.path.join(out, "ncu_decode.csv"))) if len(r) > 10]
+head = rows[0]
+name, value, unit = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
+total = sum(float(r[value].replace(",", "")) * scale.get(r[unit], 1e-9) for r in rows[1:])
+steps = sum(1 for r in rows[1:] if "sample_kernel" in r[name])
+kernels = len(rows) - 1
+tg = [t for t in json.load(open(os.path.join(out, "bench_release_8.json"))) if t["test"] == "tg64"][0]["avg_ts"]
+if steps:
+    per = total / steps
+    print(f"| E7 release decode b1 | {kernels / steps:.0f} kernels, {per * 1e6:.0f} us of kernels per step, step {1e6 / tg:.0f} us: "
+          f"GPU idle {100 * (1 - per * tg):.1f} % |")
+# K1: memra's products next to PyTorch's on the same shapes.
+peers = {}
+for line in open(os.path.join(out, "bench_cuda_peers.jsonl")):
+    p = json.loads(line)
+    if "rows" in p:
+        peers[(p["rows"], p["K"], p["tokens"])] = p
+for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchmarks"]:
+    if not b["name"].startswith("bm_bf16_product") or "weight_GB/s" not in b:
+        continue
+    a = dict(kv.split(":") for kv in b["name"].split("/")[1:5])
+    key = (int(a["rows"]), int(a["K"]), int(a["tokens"]))
+    p = peers.get(key, {})
+    print(f"| K1 bf16 [{key[0]}, {key[1]}] x{key[2]} | memra {b['real_time']:.1f} us {b['weight_GB/s']:.0f} GB/s "
+          f"({100 * b['vs_copy']:.0f} % of copy); torch {p.get('us', 0):.1f} us {p.get('weight_GB/s', 0):.0f} GB/s |")
+for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchmarks"]:
+    if b["name"].startswith("bm_add_rms_norm"):
+        print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")
+EOF
 echo "| bench rc | $bench_rc $bench64_rc ($((t5 - t4)) s) |"
 if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
     echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"

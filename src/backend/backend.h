@@ -10,6 +10,7 @@
 #include <span>
 
 #include "core/dtype.h"
+#include "core/function_ref.h"
 #include "core/kv_page.h"
 #include "core/result.h"
 #include "core/sampling.h"
@@ -287,6 +288,18 @@ public:
     // for: out[i] = the SampledToken of rows[i]. logits: [L, vocab] f32; rows: [n] SampleRow as kU8 bytes;
     // history: i32 tokens the rows' penalty windows index; out: [n] SampledToken as kU8 bytes.
     virtual void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) = 0;
+
+    // ---- Step recording ----
+
+    // Runs body, the ops of one step. A backend may record the ops body issues under `key` and, for a later call
+    // with an equal key, replay the record instead of calling body (CudaBackend: CUDA graphs). The caller
+    // guarantees that equal keys issue the same ops on the same buffers with the same host arguments (the key
+    // holds every host-side value the ops depend on: shapes, buffer offsets, counts) and that body neither
+    // copies to or from the host nor depends on host state it changes. The counters advance as if body ran.
+    virtual Result<void> run_recorded(std::span<const int64_t> key, FunctionRef<Result<void>()> body) {
+        (void)key;
+        return body();
+    }
 
     // ---- Counters ----
     virtual BackendCounters counters() const = 0;

@@ -186,6 +186,8 @@ public:
     // Observes config layer `layer` (trunk or MTP) of every later run through fn; layer -1 or an empty fn
     // turns the tap off. Off, a step pays one integer comparison per tap point.
     void set_tap(int layer, TapFn fn);
+    // Whether a tap is on (its host callback runs inside the step: the step cannot be recorded).
+    bool tapped() const { return tap_layer_ >= 0; }
 
 private:
     // What this forward computes of one layer: the whole layer, or the rank's part of it.

@@ -63,6 +63,9 @@ Engine::~Engine() = default;
 
 namespace {
 
+// Values a step key holds at most (build_step_key: about 45 per stream and 30 more).
+constexpr size_t kStepKeyCapacity = 512;
+
 // Bytes the packed tables of a step need at most (the layout pack_tables uses, at the capacity).
 int64_t table_capacity(const model::ForwardCapacity &cap, int64_t max_blocks, int64_t max_sample_rows,
                        int64_t max_positions, int spec_draft) {
@@ -230,6 +233,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
         e->logit_count_[s].reserve(static_cast<size_t>(o.max_seqs));
     }
     e->run_error_.reserve(256);
+    e->step_key_.reserve(kStepKeyCapacity);
     return e;
 }
 
@@ -811,11 +815,50 @@ Result<void> Engine::run_rank(int rank) {
     return {};
 }
 
+void Engine::build_step_key() {
+    std::vector<int64_t> &k = step_key_;
+    k.clear();
+    const Rank &rk = *ranks_.front();
+    const auto view = [&k](const TensorView &v) {
+        k.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(v.data)));
+        k.push_back(static_cast<int64_t>(v.dtype));
+        k.push_back(v.rank);
+        for (int i = 0; i < v.rank; ++i) k.push_back(v.shape[static_cast<size_t>(i)]);
+    };
+    k.push_back(mtp_first_ ? 1 : 0);
+    k.push_back(cap_.n_mtp);
+    k.push_back(n_logit_rows_);
+    k.push_back(n_sample_rows_);
+    k.push_back(options_.sample_vocab);
+    for (const int64_t g : group_end_) k.push_back(g);
+    for (int j = 0; j < model::kMaxMtp; ++j) {
+        k.push_back(pairs_offset_[j]);
+        k.push_back(pairs_count_[j]);
+    }
+    const model::StepTables &t = rk.step;
+    k.push_back(t.n_seqs);
+    for (const model::StreamTables &s : t.streams) {
+        k.push_back(s.n_rows);
+        k.push_back(s.n_logit_rows);
+        k.push_back(s.logit_begin);
+        for (const TensorView *v : {&s.ids, &s.pos, &s.seq, &s.slot_full, &s.slot_swa, &s.logit_rows, &s.hidden_src,
+                                    &s.carry_dst}) {
+            view(*v);
+        }
+    }
+    for (const TensorView *v : {&t.bt_full, &t.bt_swa, &rk.sample_rows, &rk.history}) view(*v);
+    MEMRA_CHECK(k.size() <= kStepKeyCapacity, "engine: a step key of {} values", k.size());
+}
+
 void Engine::run() {
     MEMRA_CHECK(phase_ == Phase::kPlanned, "engine: run() without a planned step");
     Result<void> ok;
     if (group_) {
         ok = group_->run([this](int r, parallel::Communicator &) { return run_rank(r); });
+    } else if (!ranks_.front()->forward->tapped()) {
+        // One rank, no tap: the step may be recorded and replayed (CUDA graphs).
+        build_step_key();
+        ok = ranks_.front()->backend->run_recorded(step_key_, [this] { return run_rank(0); });
     } else {
         ok = run_rank(0);
     }

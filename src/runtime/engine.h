@@ -284,6 +284,9 @@ private:
     void pack_tables(std::span<const StepItem> items);
     void rollback_all();
     Result<void> run_rank(int rank);
+    // step_key_ for the planned step: every host-side value run_rank(0) and its forward depend on, so two
+    // steps with equal keys issue the same ops on the same buffers (Backend::run_recorded).
+    void build_step_key();
     // keep against what s staged, and the MTP chain: no stream keeps a row whose source row is dropped.
     Result<void> check_keep(size_t item, const Keep &keep) const;
     // The keep count of a stream of item i when the caller leaves it at -1.
@@ -333,6 +336,7 @@ private:
     std::vector<int64_t> logit_begin_[kv::kMaxStreams];  // [stream][item] first logit row of the item
     std::vector<int64_t> logit_count_[kv::kMaxStreams];  // [stream][item]
     std::string run_error_;
+    std::vector<int64_t> step_key_;  // capacity reserved at create: building it never allocates
 
     // Results.
     std::vector<SampledToken> sampled_;  // [sample row]

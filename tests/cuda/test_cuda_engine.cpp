@@ -35,6 +35,9 @@ namespace fs = std::filesystem;
 struct Trace {
     std::vector<float> logits;
     std::vector<int32_t> tokens;
+    std::vector<int64_t> launches;  // [step] the GPU backend's launches
+    int64_t graph_replays = 0;      // the GPU backend's, at the end
+    int64_t graph_captures = 0;
 };
 
 Trace run_engine(const fs::path &dir, Device device, KvFormat k, KvFormat v, const std::vector<int32_t> &prompt,
@@ -52,10 +55,12 @@ Trace run_engine(const fs::path &dir, Device device, KvFormat k, KvFormat v, con
     o.ctx_size = 1024;
     o.step_rows = static_cast<int64_t>(prompt.size());
     o.max_logit_rows = o.step_rows;
-    o.make_backend = [device](int) -> Result<std::unique_ptr<Backend>> {
+    cuda::CudaBackend *gpu = nullptr;  // owned by the engine
+    o.make_backend = [device, &gpu](int) -> Result<std::unique_ptr<Backend>> {
         if (device == Device::kCuda) {
             auto be = cuda::CudaBackend::create(0, Numerics::kDevice);
             if (!be) return tl::unexpected(be.error());
+            gpu = be->get();
             return std::unique_ptr<Backend>(std::move(*be));
         }
         return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(8, Numerics::kDevice));
@@ -77,9 +82,11 @@ Trace run_engine(const fs::path &dir, Device device, KvFormat k, KvFormat v, con
     it.sample = true;
     it.return_logits = true;
     for (int step = 0; step <= decode_steps; ++step) {
+        const int64_t launched = gpu != nullptr ? gpu->counters().launches : 0;
         auto ok = (*engine)->step(std::span(&it, 1));
         EXPECT_TRUE(ok.has_value()) << ok.error().message;
         if (!ok) return t;
+        if (gpu != nullptr) t.launches.push_back(gpu->counters().launches - launched);
         const auto lg = (*engine)->logits(0);
         t.logits.insert(t.logits.end(), lg.begin(), lg.end());
         const int32_t next = (*engine)->sampled(0).id;
@@ -87,6 +94,10 @@ Trace run_engine(const fs::path &dir, Device device, KvFormat k, KvFormat v, con
         s.tokens.push_back(next);
         it.rows = 1;
         it.logits = runtime::LogitRows::kLast;
+    }
+    if (gpu != nullptr) {
+        t.graph_replays = gpu->graph_replays();
+        t.graph_captures = gpu->graph_captures();
     }
     return t;
 }
@@ -240,6 +251,28 @@ TEST(CudaEngine, DefaultModelLogitsEqualTheCpuBitForBit) {
     compare(default_model(), KvFormat::kBf16, KvFormat::kBf16);
     compare(default_model(), KvFormat::kF32, KvFormat::kF32);
     compare(default_model(), KvFormat::kQ8_0, KvFormat::kQ5_1);
+}
+
+// Decode steps recorded as a CUDA graph and replayed give the bits of the same steps issued op by op
+// (MEMRA_CUDA_GRAPHS=0), and a replayed step counts the launches of an issued one.
+TEST(CudaEngine, ReplayedStepsEqualIssuedSteps) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    auto cfg = model::load_step35_config(default_model());
+    ASSERT_TRUE(cfg.has_value()) << cfg.error().message;
+    const std::vector<int32_t> prompt = prompt_ids(40, static_cast<int32_t>(cfg->vocab_size));
+    ASSERT_EQ(setenv("MEMRA_CUDA_GRAPHS", "0", 1), 0);
+    const Trace issued = run_engine(default_model(), Device::kCuda, KvFormat::kQ8_0, KvFormat::kQ5_1, prompt, 16);
+    ASSERT_EQ(unsetenv("MEMRA_CUDA_GRAPHS"), 0);
+    const Trace replayed = run_engine(default_model(), Device::kCuda, KvFormat::kQ8_0, KvFormat::kQ5_1, prompt, 16);
+    ASSERT_FALSE(issued.logits.empty());
+    EXPECT_EQ(bit_mismatches(issued.logits, replayed.logits), 0);
+    EXPECT_EQ(issued.tokens, replayed.tokens);
+    EXPECT_EQ(issued.launches, replayed.launches);
+    EXPECT_EQ(issued.graph_replays, 0);
+    EXPECT_EQ(issued.graph_captures, 0);
+    // The prefill and the first decode step run as issued, the second decode step is captured, the rest replay.
+    EXPECT_EQ(replayed.graph_captures, 1);
+    EXPECT_EQ(replayed.graph_replays, 14);
 }
 
 TEST(CudaEngine, ReleaseWidthPresetLogitsEqualTheCpuBitForBit) {

@@ -265,7 +265,8 @@ TEST(CudaOpsRows, EmbeddingBadIdWritesZeroRowAndRaisesFlag) {
 
 // ---- RMSNorm family ----
 
-constexpr int64_t kNormWidths[] = {1, 2, 15, 16, 17, 31, 32, 33, 100, 127, 128, 1000, 4096, 4097};
+// 8193: past the block kernel's staged row (kBlockNormMax), so the warp-per-row kernel runs.
+constexpr int64_t kNormWidths[] = {1, 2, 15, 16, 17, 31, 32, 33, 100, 127, 128, 1000, 4096, 4097, 8192, 8193};
 
 TEST(CudaOpsRows, RmsNormMatchesCpuOutOfPlaceAndInPlace) {
     MEMRA_SKIP_WITHOUT_GPU();
@@ -335,7 +336,7 @@ TEST(CudaOpsRows, AddRmsNormMatchesCpuWithEveryAllowedAliasing) {
     MEMRA_SKIP_WITHOUT_GPU();
     ThreadPool pool(2);
     enum class Alias { kNone, kHIsX, kHIsR, kYIsX, kYIsR };
-    for (int64_t d : {1, 17, 128, 1000, 4096, 4097}) {
+    for (int64_t d : {1, 17, 128, 1000, 4096, 4097, 8192, 8193}) {
         const int64_t n = 23;
         const Floats x = norm_rows(n, d, 50 + static_cast<uint32_t>(d), true);
         // r: wide values, so h = x + r rounds; adversarial rows of x stay adversarial in h (or become NaN).

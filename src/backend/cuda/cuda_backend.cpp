@@ -86,6 +86,9 @@ CudaBackend::CudaBackend(int device_index, cudaStream_t stream, const DraftForci
     const char *profile = std::getenv("MEMRA_CUDA_PROFILE");
     profile_ = profile != nullptr && std::strcmp(profile, "1") == 0;
     profile_mark_ = std::chrono::steady_clock::now();
+    const char *graphs = std::getenv("MEMRA_CUDA_GRAPHS");
+    graphs_ = !profile_ && forcing_ == nullptr && !(graphs != nullptr && std::strcmp(graphs, "0") == 0);
+    if (graphs_) step_graphs_ = std::make_unique<StepGraph[]>(kMaxStepGraphs);
 }
 
 CudaBackend::~CudaBackend() {
@@ -95,8 +98,87 @@ CudaBackend::~CudaBackend() {
         std::fprintf(stderr, "cuda op times (MEMRA_CUDA_PROFILE; GPU %d, this backend's life):\n%s", device_,
                      op_time_table().c_str());
     }
+    for (size_t i = 0; step_graphs_ && i < kMaxStepGraphs; ++i) {
+        if (step_graphs_[i].exec != nullptr) cudaGraphExecDestroy(step_graphs_[i].exec);
+    }
     for (void *p : allocations_) cudaFree(p);
     cudaStreamDestroy(stream_);
+}
+
+namespace {
+
+uint64_t hash_key(std::span<const int64_t> key) {  // FNV-1a over the values' bytes
+    uint64_t h = 1469598103934665603ull;
+    for (const int64_t v : key) {
+        for (int b = 0; b < 8; ++b) {
+            h ^= (static_cast<uint64_t>(v) >> (8 * b)) & 0xffu;
+            h *= 1099511628211ull;
+        }
+    }
+    return h;
+}
+
+void add_counts(BackendCounters &to, const BackendCounters &d) {
+    to.launches += d.launches;
+    to.h2d_copies += d.h2d_copies;
+    to.d2h_copies += d.d2h_copies;
+    to.copy_bytes += d.copy_bytes;
+}
+
+}  // namespace
+
+Result<void> CudaBackend::run_recorded(std::span<const int64_t> key, FunctionRef<Result<void>()> body) {
+    if (!graphs_ || key.size() > kMaxStepKey) return body();
+    cudaSetDevice(device_);
+    StepGraph *lru = &step_graphs_[0];
+    for (size_t i = 0; i < kMaxStepGraphs; ++i) {
+        StepGraph &g = step_graphs_[i];
+        if (g.exec != nullptr && g.key_len == key.size() &&
+            std::equal(key.begin(), key.end(), static_cast<const int64_t *>(g.key))) {
+            const cudaError_t e = cudaGraphLaunch(g.exec, stream_);
+            MEMRA_CHECK(e == cudaSuccess, "cuda: replaying a recorded step: {}", cuda_message(e));
+            add_counts(counters_, g.counts);
+            g.last_use = ++graph_clock_;
+            ++graph_replays_;
+            return {};
+        }
+        if (lru->exec != nullptr && (g.exec == nullptr || g.last_use < lru->last_use)) lru = &g;
+    }
+    // A key seen once runs as it is (a one-off shape, such as a prompt's, is not worth a capture).
+    const uint64_t h = hash_key(key);
+    if (std::find(std::begin(seen_), std::end(seen_), h) == std::end(seen_)) {
+        seen_[seen_next_++ % kSeenKeys] = h;
+        return body();
+    }
+    if (lru->exec != nullptr) {
+        cudaGraphExecDestroy(lru->exec);
+        lru->exec = nullptr;
+    }
+    const BackendCounters before = counters_;
+    cudaError_t e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
+    MEMRA_CHECK(e == cudaSuccess, "cuda: starting a step capture: {}", cuda_message(e));
+    capturing_ = true;
+    Result<void> ok = body();
+    capturing_ = false;
+    cudaGraph_t graph = nullptr;
+    e = cudaStreamEndCapture(stream_, &graph);
+    if (!ok) {  // nothing ran: the captured work is dropped with the step
+        if (graph != nullptr) cudaGraphDestroy(graph);
+        return ok;
+    }
+    MEMRA_CHECK(e == cudaSuccess && graph != nullptr, "cuda: capturing a step: {}", cuda_message(e));
+    e = cudaGraphInstantiate(&lru->exec, graph, 0);
+    cudaGraphDestroy(graph);
+    MEMRA_CHECK(e == cudaSuccess, "cuda: instantiating a step graph: {}", cuda_message(e));
+    std::copy(key.begin(), key.end(), static_cast<int64_t *>(lru->key));
+    lru->key_len = key.size();
+    lru->counts = {counters_.launches - before.launches, counters_.h2d_copies - before.h2d_copies,
+                   counters_.d2h_copies - before.d2h_copies, counters_.copy_bytes - before.copy_bytes};
+    lru->last_use = ++graph_clock_;
+    ++graph_captures_;
+    e = cudaGraphLaunch(lru->exec, stream_);
+    MEMRA_CHECK(e == cudaSuccess, "cuda: launching a step graph: {}", cuda_message(e));
+    return {};
 }
 
 Result<void *> CudaBackend::device_alloc(size_t bytes, const std::string &what) {
@@ -306,6 +388,7 @@ const CudaBackend::Vector &CudaBackend::vector(VectorId id) const {
 }
 
 void CudaBackend::copy_from_host(const void *src, TensorView dst) {
+    MEMRA_CHECK(!capturing_, "cuda: a host copy inside a recorded step");
     ++counters_.h2d_copies;
     counters_.copy_bytes += static_cast<int64_t>(dst.n_bytes());
     if (dst.n_bytes() == 0) return;
@@ -320,6 +403,7 @@ void CudaBackend::copy_from_host(const void *src, TensorView dst) {
 }
 
 void CudaBackend::copy_to_host(TensorView src, void *dst) {
+    MEMRA_CHECK(!capturing_, "cuda: a host copy inside a recorded step");
     ++counters_.d2h_copies;
     counters_.copy_bytes += static_cast<int64_t>(src.n_bytes());
     if (src.n_bytes() == 0) return;

@@ -114,6 +114,15 @@ public:
     void concat_cols(TensorView a, TensorView b, TensorView out) override;
     void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) override;
 
+    // Steps recorded as CUDA graphs: a key seen for the second time is captured (its ops run as the graph's
+    // first replay), later ones replay it; the least recently used of kMaxStepGraphs is dropped for a new one.
+    // Off with MEMRA_CUDA_GRAPHS=0, with MEMRA_CUDA_PROFILE=1 (each op synchronises) and with draft forcing
+    // (host state per step).
+    Result<void> run_recorded(std::span<const int64_t> key, FunctionRef<Result<void>()> body) override;
+    // Graph replays and captures so far.
+    int64_t graph_replays() const { return graph_replays_; }
+    int64_t graph_captures() const { return graph_captures_; }
+
     BackendCounters counters() const override { return counters_; }
     void reset_counters() override { counters_ = {}; }
 
@@ -184,6 +193,26 @@ private:
     int forcing_stage_ = 0;
     std::function<void(int64_t)> upload_observer_;
     BackendCounters counters_;
+
+    // Recorded steps, in storage made at creation (recording a step allocates nothing on the host heap).
+    static constexpr size_t kMaxStepKey = 512;
+    static constexpr size_t kMaxStepGraphs = 16;
+    static constexpr size_t kSeenKeys = 64;  // hashes of keys seen once, a ring
+    struct StepGraph {
+        cudaGraphExec_t exec = nullptr;  // null: the slot is free
+        size_t key_len = 0;
+        int64_t key[kMaxStepKey] = {};
+        BackendCounters counts;  // what the recorded body added to the counters
+        uint64_t last_use = 0;
+    };
+    bool graphs_ = true;
+    bool capturing_ = false;
+    std::unique_ptr<StepGraph[]> step_graphs_;
+    uint64_t seen_[kSeenKeys] = {};
+    size_t seen_next_ = 0;
+    uint64_t graph_clock_ = 0;
+    int64_t graph_replays_ = 0;
+    int64_t graph_captures_ = 0;
 };
 
 }  // namespace memra::cuda

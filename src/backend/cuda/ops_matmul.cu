@@ -6,6 +6,7 @@
 // contracted or flushed behind our back). The uploads are host code, in the header.
 #include "backend/cuda/ops_matmul.h"
 
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 
@@ -206,11 +207,11 @@ __device__ float dot_exact(const ProductParams &p, const float *gx, const uint8_
     return total;
 }
 
-// The device K loop with bf16 activations (ActRounding::kBf16, BF16 weights) over [k0, k1), one chunk: groups
-// of 32 from k0 (the last zero-padded); lane j adds element g + 2j + 1, then g + 2j, by an FTZ fma, x rounded
-// to bf16 as it is read; the lane tree; +0 plus the chunk.
-__device__ float dot_bf16(const ProductParams &p, const float *gx, const uint8_t *gw, int64_t k0, int64_t k1,
-                          int lane, unsigned mask) {
+// Lane `lane`'s part of the device K loop with bf16 activations (ActRounding::kBf16, BF16 weights) over
+// [k0, k1), one chunk: groups of 32 from k0 (the last zero-padded); the lane adds element g + 2j + 1, then
+// g + 2j, by an FTZ fma from +0, x rounded to bf16 as it is read.
+__device__ float lane_chain_bf16(const ProductParams &p, const float *gx, const uint8_t *gw, int64_t k0, int64_t k1,
+                                 int lane) {
     float acc = 0.0f;
     for (int64_t g = k0; g < k1; g += 32) {
         const int64_t k_odd = g + 2 * lane + 1;
@@ -224,7 +225,26 @@ __device__ float dot_bf16(const ProductParams &p, const float *gx, const uint8_t
         const float w_even = k_even < k1 ? weight_at<DType::kBF16>(gw, i_even) : 0.0f;
         acc = ftz_fma(x_even, w_even, acc);
     }
-    return ftz_add(0.0f, lane_tree_ftz(acc, mask));
+    return acc;
+}
+
+// The whole device K loop with bf16 activations over [k0, k1): the lanes' chains, the lane tree, +0 plus the
+// chunk.
+__device__ float dot_bf16(const ProductParams &p, const float *gx, const uint8_t *gw, int64_t k0, int64_t k1,
+                          int lane, unsigned mask) {
+    return ftz_add(0.0f, lane_tree_ftz(lane_chain_bf16(p, gx, gw, k0, k1, lane), mask));
+}
+
+// cpu::canonical_tree_reduce over n_blocks (1, 2, 4 or 8) block partials: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)).
+__device__ __forceinline__ float canonical_tree(const float *part, int64_t n_blocks) {
+    switch (n_blocks) {
+        case 1: return part[0];
+        case 2: return __fadd_rn(part[0], part[1]);
+        case 4: return __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
+        default:
+            return __fadd_rn(__fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])),
+                             __fadd_rn(__fadd_rn(part[4], part[5]), __fadd_rn(part[6], part[7])));
+    }
 }
 
 // One element's K loop over [k0, k1) in the kernel's mode.
@@ -265,25 +285,220 @@ __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p
         const float *gx = p.x + t * p.x_ld;  // [x_ld] f32
         float out;
         if constexpr (kOp == Op::kCanonical) {
-            // Block partials in block order, then cpu::canonical_tree_reduce's balanced tree over them.
+            // Block partials in block order, then the canonical tree over them.
             float part[8];
             for (int64_t b = 0; b < p.n_blocks; ++b) {
                 const int64_t b0 = p.k0 + b * p.block_size;
                 part[b] = dot_range<kDt, kBf16Act>(p, gx, gw, gs, b0, b0 + p.block_size, lane, mask);
             }
-            switch (p.n_blocks) {
-                case 1: out = part[0]; break;
-                case 2: out = __fadd_rn(part[0], part[1]); break;
-                case 4: out = __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])); break;
-                default:
-                    out = __fadd_rn(__fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])),
-                                    __fadd_rn(__fadd_rn(part[4], part[5]), __fadd_rn(part[6], part[7])));
-                    break;
-            }
+            out = canonical_tree(part, p.n_blocks);
         } else {
             out = dot_range<kDt, kBf16Act>(p, gx, gw, gs, p.k0, p.k1, lane, mask);
         }
         if (lane == 0) p.y[t * p.y_ld + n] = out;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Skinny bf16 products: the device loop with bf16 activations (BF16 weights, every K segment a whole number of
+// 32-wide groups) with product_kernel's per-lane chains, arranged for the memory system. A block is 16 groups of
+// 16 threads over 16 output rows and kT tokens, walking K in chunks of 16 groups. The weight tiles (16 rows x
+// one chunk) stream into shared memory through a kStages-deep cp.async pipeline, so a block keeps
+// (kStages - 1) x 16 KiB of weights in flight; the tokens' x chunk is fetched into registers one chunk ahead and
+// stored rounded to bf16, as floats (double-buffered). Each weight word is read once for kT tokens. The chain
+// runs on the hardware's FTZ fma, whose DAZ of the inputs is the CPU's, and keeps the least magnitude of its
+// results: one at or below FLT_MIN (there PTX leaves open whether tininess is detected before or after rounding,
+// and a zero may be a flushed FLT_MIN) makes the lane rerun that (token, segment) chain with ftz_fma
+// (lane_chain_bf16), so every element keeps product_kernel's bits.
+
+constexpr int kSkinnyGroups = 16;                 // 32-wide groups per chunk
+constexpr int kSkinnyChunk = kSkinnyGroups * 32;  // K elements per chunk
+constexpr int kSkinnyMaxTokens = 8;
+constexpr int kMaxCanonicalBlocks = 8;
+constexpr int kStages = 4;
+constexpr int kTileWords = kSkinnyChunk / 2 + 16;  // a tile row's u32 words, padded: the two rows a warp reads
+                                                   // fall in different banks
+constexpr int kTileUnits = kSkinnyChunk * 2 / 16;  // 16-byte copies per tile row
+static_assert(kSkinnyChunk / 2 == kThreads && (kTileWords * 4) % 16 == 0);
+
+// Dynamic shared memory of skinny_bf16_kernel<kT>: the weight stages, then the two x buffers.
+constexpr size_t skinny_smem_bytes(int kt) {
+    return static_cast<size_t>(kStages) * kRowsPerItem * kTileWords * 4u + 2u * kt * (kSkinnyChunk / 2) * 8u;
+}
+
+__device__ __forceinline__ float fma_ftz_hw(float a, float b, float c) {
+    float r;
+    asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_stages() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2)); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+__device__ __forceinline__ float high_bf16(uint32_t word) { return __uint_as_float(word & 0xffff0000u); }
+__device__ __forceinline__ float low_bf16(uint32_t word) { return __uint_as_float(word << 16); }
+
+template <int kT, bool kCanonical>
+__global__ void __launch_bounds__(kThreads) skinny_bf16_kernel(const ProductParams p) {
+    extern __shared__ uint4 s_dyn[];
+    uint32_t *s_w = reinterpret_cast<uint32_t *>(s_dyn);             // [kStages][16 rows][kTileWords]
+    // [2][kT][256] x pairs rounded to bf16, as floats: .x element 2i, .y element 2i + 1.
+    float2 *s_x = reinterpret_cast<float2 *>(s_w + kStages * kRowsPerItem * kTileWords);
+    __shared__ float s_part[kCanonical ? kRowsPerItem * kT * kMaxCanonicalBlocks : 1];
+    const int group = static_cast<int>(threadIdx.x) / kLanes;
+    const int lane = static_cast<int>(threadIdx.x) % kLanes;
+    const unsigned mask = 0xffffu << (threadIdx.x & 16u);
+    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerItem;
+    const int64_t n = row0 + group;
+    const bool active = n < p.rows;
+    const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kT;
+    const int n_tok = static_cast<int>(min_i64(kT, p.n_tokens - t0));
+    const uint8_t *gw = p.data + (active ? n : 0) * p.ld * 2;  // [ld] bf16
+    const int64_t seg_len = kCanonical ? p.block_size : p.k1 - p.k0;
+    const int per_seg = static_cast<int>((seg_len + kSkinnyChunk - 1) / kSkinnyChunk);
+    const int n_segs = kCanonical ? static_cast<int>(p.n_blocks) : 1;
+    // Chunks are walked by cursors (segment, chunk within it), never by dividing a chunk index: an integer
+    // division per use cost more instructions than the products themselves.
+    struct Chunk {
+        int seg = 0;
+        int j = 0;          // chunk within the segment
+        int64_t begin = 0;  // first K
+        int groups = 0;     // 32-wide groups (0: past the last chunk)
+    };
+    const auto locate = [&](Chunk &ch) {
+        const int64_t s0 = p.k0 + ch.seg * seg_len;
+        ch.begin = s0 + static_cast<int64_t>(ch.j) * kSkinnyChunk;
+        ch.groups = ch.seg < n_segs ? static_cast<int>((min_i64(ch.begin + kSkinnyChunk, s0 + seg_len) - ch.begin) / 32)
+                                    : 0;
+    };
+    const auto advance = [&](Chunk &ch) {
+        if (++ch.j == per_seg) {
+            ch.j = 0;
+            ++ch.seg;
+        }
+        locate(ch);
+    };
+    // The weight tile of a chunk into stage `stage`: thread u copies 16-byte units u, u + 256, ... of the tile's
+    // rows (row u / kTileUnits). One commit group per call, also past the last chunk (an empty group), so that
+    // waiting for all but kStages - 2 groups always means the oldest issued chunk has landed.
+    const auto issue = [&](const Chunk &ch, int stage) {
+        const int units = ch.groups * 4;
+        uint32_t *tile = s_w + stage * kRowsPerItem * kTileWords;
+        for (int u = static_cast<int>(threadIdx.x); u < kRowsPerItem * kTileUnits; u += kThreads) {
+            const int r = u / kTileUnits;
+            const int unit = u % kTileUnits;
+            if (unit < units && row0 + r < p.rows) {
+                cp_async16(tile + r * kTileWords + unit * 4,
+                           p.data + ((row0 + r) * p.ld + (ch.begin - p.k_begin)) * 2 + unit * 16);
+            }
+        }
+        cp_async_commit();
+    };
+    const auto fetch_x = [&](const Chunk &ch, float2 (&xs)[kT]) {  // thread i: pair i of each token's chunk
+        const int64_t k = ch.begin + 2 * static_cast<int64_t>(threadIdx.x);
+        const bool in_chunk = static_cast<int>(threadIdx.x) < ch.groups * kLanes;
+#pragma unroll
+        for (int t = 0; t < kT; ++t) {
+            xs[t] = t < n_tok && in_chunk
+                        ? *reinterpret_cast<const float2 *>(p.x + (t0 + t) * p.x_ld + (k - p.k_begin))
+                        : make_float2(0.0f, 0.0f);
+        }
+    };
+    const auto store_x = [&](const float2 (&xs)[kT], int buf) {
+#pragma unroll
+        for (int t = 0; t < kT; ++t) {
+            s_x[(buf * kT + t) * (kSkinnyChunk / 2) + threadIdx.x] =
+                make_float2(bf16_to_f32(f32_to_bf16(xs[t].x)), bf16_to_f32(f32_to_bf16(xs[t].y)));
+        }
+    };
+
+    float acc[kT];
+    float least[kT];  // the least |result| of the chain so far (a NaN never counts)
+#pragma unroll
+    for (int t = 0; t < kT; ++t) {
+        acc[t] = 0.0f;
+        least[t] = INFINITY;
+    }
+    Chunk cur;    // the chunk being computed
+    Chunk ahead;  // the next one to issue
+    locate(cur);
+    locate(ahead);
+    for (int s = 0; s < kStages - 1; ++s) {
+        issue(ahead, s);
+        advance(ahead);
+    }
+    float2 xs[kT];
+    fetch_x(cur, xs);
+    store_x(xs, 0);
+    for (int c = 0; cur.groups > 0; ++c) {
+        cp_async_wait_stages();
+        __syncthreads();  // chunk c's tile and x are visible; every thread is done with chunk c - 1's stage
+        issue(ahead, (c + kStages - 1) % kStages);
+        advance(ahead);
+        Chunk next = cur;
+        advance(next);
+        if (next.groups > 0) fetch_x(next, xs);
+        const int groups = cur.groups;
+        const uint32_t *tile = s_w + ((c % kStages) * kRowsPerItem + group) * kTileWords;
+        const float2 *xb = s_x + (c & 1) * kT * (kSkinnyChunk / 2);
+        if (active) {
+#pragma unroll
+            for (int gi = 0; gi < kSkinnyGroups; ++gi) {
+                if (gi < groups) {
+                    const uint32_t w = tile[gi * kLanes + lane];
+                    const float w_odd = high_bf16(w);
+                    const float w_even = low_bf16(w);
+#pragma unroll
+                    for (int t = 0; t < kT; ++t) {
+                        if (t < n_tok) {
+                            const float2 xv = xb[t * (kSkinnyChunk / 2) + gi * kLanes + lane];
+                            acc[t] = fma_ftz_hw(xv.y, w_odd, acc[t]);
+                            least[t] = fminf(least[t], fabsf(acc[t]));
+                            acc[t] = fma_ftz_hw(xv.x, w_even, acc[t]);
+                            least[t] = fminf(least[t], fabsf(acc[t]));
+                        }
+                    }
+                }
+            }
+        }
+        if (cur.j == per_seg - 1 && active) {  // the segment's last chunk: its lanes' chains are complete
+            const int seg = cur.seg;
+            const int64_t s0 = p.k0 + seg * seg_len;
+#pragma unroll
+            for (int t = 0; t < kT; ++t) {
+                if (t < n_tok) {
+                    const float *gx = p.x + (t0 + t) * p.x_ld;
+                    const float chain =
+                        least[t] <= FLT_MIN ? lane_chain_bf16(p, gx, gw, s0, s0 + seg_len, lane) : acc[t];
+                    const float v = ftz_add(0.0f, lane_tree_ftz(chain, mask));
+                    if (lane == 0) {
+                        if constexpr (kCanonical) {
+                            s_part[(group * kT + t) * kMaxCanonicalBlocks + seg] = v;
+                        } else {
+                            p.y[(t0 + t) * p.y_ld + n] = v;
+                        }
+                    }
+                    acc[t] = 0.0f;
+                    least[t] = INFINITY;
+                }
+            }
+        }
+        if (next.groups > 0) store_x(xs, (c + 1) & 1);  // chunk c - 1's buffer: free
+        cur = next;
+    }
+    cp_async_wait_all();
+    if constexpr (kCanonical) {
+        if (active && lane == 0) {  // the block partials this thread wrote, by the canonical tree
+            for (int t = 0; t < n_tok; ++t) {
+                const float *part = s_part + (group * kT + t) * kMaxCanonicalBlocks;
+                p.y[(t0 + t) * p.y_ld + n] = canonical_tree(part, p.n_blocks);
+            }
+        }
     }
 }
 
@@ -376,8 +591,54 @@ cudaError_t launch(void (*kernel)(ProductParams), const ProductParams &p, cudaSt
     return cudaGetLastError();
 }
 
+// Whether skinny_bf16_kernel takes a product: bf16 activations and weights, K segments of whole 32-wide groups,
+// 16-byte aligned weight rows and chunk starts (cp.async), 8-byte x pairs, a grid within CUDA's y limit.
+bool skinny_bf16(DType dtype, ActRounding act, const ProductParams &p, int64_t seg_len) {
+    return act == ActRounding::kBf16 && dtype == DType::kBF16 && seg_len > 0 && seg_len % 32 == 0 &&
+           (p.k0 - p.k_begin) % 8 == 0 && p.ld % 8 == 0 && p.x_ld % 2 == 0 &&
+           reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && reinterpret_cast<uintptr_t>(p.x) % 8 == 0 &&
+           ceil_div(p.n_tokens, kSkinnyMaxTokens) <= 65535 && ceil_div(p.rows, kRowsPerItem) <= INT32_MAX;
+}
+
+// Launches skinny_bf16_kernel<kT, kCanonical>, first raising its dynamic shared memory limit on this device
+// (once per device: the first launch on a device is never inside a graph capture, whose steps run as issued
+// first).
+template <int kT, bool kCanonical>
+cudaError_t launch_skinny_tokens(const ProductParams &p, dim3 grid, cudaStream_t stream) {
+    static std::atomic<uint64_t> raised{0};  // bit d: done on device d
+    int device = 0;
+    if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+    const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+    if ((raised.load() & bit) == 0 || bit == 0) {
+        const cudaError_t e = cudaFuncSetAttribute(skinny_bf16_kernel<kT, kCanonical>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(skinny_smem_bytes(kT)));
+        if (e != cudaSuccess) return e;
+        raised.fetch_or(bit);
+    }
+    skinny_bf16_kernel<kT, kCanonical><<<grid, kThreads, skinny_smem_bytes(kT), stream>>>(p);
+    return cudaGetLastError();
+}
+
+template <bool kCanonical>
+cudaError_t launch_skinny(const ProductParams &p, cudaStream_t stream) {
+    const int64_t tokens = p.n_tokens < kSkinnyMaxTokens ? p.n_tokens : kSkinnyMaxTokens;
+    const int kt = tokens <= 1 ? 1 : tokens <= 2 ? 2 : tokens <= 4 ? 4 : 8;
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kRowsPerItem)), static_cast<unsigned>(ceil_div(p.n_tokens, kt)));
+    switch (kt) {
+        case 1: return launch_skinny_tokens<1, kCanonical>(p, grid, stream);
+        case 2: return launch_skinny_tokens<2, kCanonical>(p, grid, stream);
+        case 4: return launch_skinny_tokens<4, kCanonical>(p, grid, stream);
+        default: return launch_skinny_tokens<8, kCanonical>(p, grid, stream);
+    }
+}
+
 template <Op kOp>
 cudaError_t dispatch(DType dtype, ActRounding act, const ProductParams &p, cudaStream_t stream) {
+    if constexpr (kOp != Op::kGrouped) {
+        const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
+        if (skinny_bf16(dtype, act, p, seg_len)) return launch_skinny<kOp == Op::kCanonical>(p, stream);
+    }
     if (act == ActRounding::kE4m3x128) {
         if constexpr (kOp == Op::kCanonical) {
             return cudaErrorInvalidValue;  // e4m3 groups span canonical blocks (the CPU refuses it too)

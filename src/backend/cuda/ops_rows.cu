@@ -75,17 +75,22 @@ __device__ float load_weight(const void *gw, bool bf16, int64_t i) {
 __device__ float warp_sum_squares(const float *x, int64_t n) {
     const int l = static_cast<int>(threadIdx.x % kWarp) % kReduceLanes;
     float acc = 0.0f;
+#pragma unroll 8
     for (int64_t i = l; i < n; i += kReduceLanes) acc = acc + x[i] * x[i];
     for (int w = 1; w < kReduceLanes; w *= 2) acc = acc + __shfl_xor_sync(kFullMask, acc, w);
     return acc;
 }
 
+// The factor cpu norm_row scales by: 1 / sqrt(ss / d + eps).
+__device__ float norm_inv(float ss, int64_t d, float eps) {
+    const float mean = ss / static_cast<float>(d);
+    return rsqrt_f32(mean + eps);
+}
+
 // cpu norm_row (ops_norm.cpp) by one warp: y[0..d) = rms_norm(x[0..d)); y may equal x (every thread has read
 // its reduction terms before the shuffles complete, and __syncwarp orders them before the first write).
 __device__ void warp_norm_row(const float *x, int64_t d, const void *gw, bool w_bf16, float eps, float *y) {
-    const float ss = warp_sum_squares(x, d);
-    const float mean = ss / static_cast<float>(d);
-    const float inv = rsqrt_f32(mean + eps);
+    const float inv = norm_inv(warp_sum_squares(x, d), d, eps);
     __syncwarp();
     for (int64_t i = threadIdx.x % kWarp; i < d; i += kWarp) {
         const float factor = 1.0f + load_weight(gw, w_bf16, i);
@@ -120,6 +125,45 @@ __global__ void add_rms_norm_kernel(const float *gx, const float *gr, int64_t n_
         warp_norm_row(gh + off, d, gw, w_bf16, eps, gy + off);
     }
 }
+
+// Rows of up to kBlockNormMax floats, one block each (rms_norm and add_rms_norm; a warp per row waits on its
+// reduction's loads one after another): the block stages the row, or h = x + r (written to gh), in shared
+// memory with every thread, the first warp runs warp_sum_squares from there (the same lanes and tree), and the
+// block writes y. y may equal x, and gh may be x or r: every element is read before it is written.
+constexpr int64_t kBlockNormMax = 8192;  // 32 KiB of staged row (the static smem beside it stays under 48 KiB)
+
+__global__ void block_norm_kernel(const float *gx, const float *gr, int64_t n_rows, int64_t d, const void *gw,
+                                  bool w_bf16, float eps, float *gh, float *gy) {
+    extern __shared__ float s_row[];  // [d]
+    __shared__ float s_inv;
+    for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x) {
+        const int64_t off = row * d;
+        for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+            float v = gx[off + i];
+            if (gr != nullptr) {
+                v = v + gr[off + i];
+                gh[off + i] = v;
+            }
+            s_row[i] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < kWarp) {
+            const float inv = norm_inv(warp_sum_squares(s_row, d), d, eps);
+            if (threadIdx.x == 0) s_inv = inv;
+        }
+        __syncthreads();
+        const float inv = s_inv;
+        for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+            const float factor = 1.0f + load_weight(gw, w_bf16, i);
+            gy[off + i] = (s_row[i] * inv) * factor;
+        }
+        __syncthreads();  // s_row and s_inv are rewritten for the next row
+    }
+}
+
+unsigned grid_blocks(int64_t n) { return static_cast<unsigned>(n < kMaxBlocks ? n : kMaxBlocks); }
+
+size_t block_norm_smem(int64_t d) { return static_cast<size_t>(d) * sizeof(float); }
 
 // ---- Element-wise -------------------------------------------------------------------------------------
 
@@ -362,8 +406,13 @@ cudaError_t rms_norm(const float *x, int64_t n_rows, int64_t d, DType w_dtype, c
                      cudaStream_t stream) {
     if (d <= 0 || !norm_dtype_ok(w_dtype) || bad_ptrs(n_rows, {x, w, y})) return cudaErrorInvalidValue;
     if (n_rows == 0) return cudaSuccess;
-    rms_norm_kernel<<<grid_rows(n_rows), kThreads, 0, stream>>>(x, y, n_rows, 1, d, d, w, w_dtype == DType::kBF16,
-                                                                 eps);
+    if (d <= kBlockNormMax) {
+        block_norm_kernel<<<grid_blocks(n_rows), kThreads, block_norm_smem(d), stream>>>(
+            x, nullptr, n_rows, d, w, w_dtype == DType::kBF16, eps, nullptr, y);
+    } else {
+        rms_norm_kernel<<<grid_rows(n_rows), kThreads, 0, stream>>>(x, y, n_rows, 1, d, d, w, w_dtype == DType::kBF16,
+                                                                     eps);
+    }
     return launch_status();
 }
 
@@ -385,8 +434,13 @@ cudaError_t add_rms_norm(const float *x, const float *r, int64_t n_rows, int64_t
     if (d <= 0 || !norm_dtype_ok(w_dtype) || bad_ptrs(n_rows, {x, r, w, h, y})) return cudaErrorInvalidValue;
     if (n_rows > 0 && h == y) return cudaErrorInvalidValue;
     if (n_rows == 0) return cudaSuccess;
-    add_rms_norm_kernel<<<grid_rows(n_rows), kThreads, 0, stream>>>(x, r, n_rows, d, w, w_dtype == DType::kBF16, eps,
-                                                                     h, y);
+    if (d <= kBlockNormMax) {
+        block_norm_kernel<<<grid_blocks(n_rows), kThreads, block_norm_smem(d), stream>>>(
+            x, r, n_rows, d, w, w_dtype == DType::kBF16, eps, h, y);
+    } else {
+        add_rms_norm_kernel<<<grid_rows(n_rows), kThreads, 0, stream>>>(x, r, n_rows, d, w, w_dtype == DType::kBF16,
+                                                                         eps, h, y);
+    }
     return launch_status();
 }
 

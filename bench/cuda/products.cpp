@@ -1,0 +1,178 @@
+// GPU products and norms at decode shapes (PERFORMANCE.md K1), timed with CUDA events: each benchmark
+// launches the op back to back and reports its mean time per launch, the weight bytes it streamed per second
+// (weight_GB/s) and the ratio of that rate to a device-to-device copy moving the same bytes, timed the same way
+// (vs_copy: the copy reads and writes, so its bytes are counted twice). Shapes are the release architecture's
+// (d_model 4096): q/k/v/gate-width products, the dense MLP's 11264-row gate/up, the lm_head, the canonical
+// o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens. Random bf16 weights (the values do not change
+// the work), in copies that exceed the L2 and take turns, so every launch streams from HBM.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime_api.h>
+
+#include "backend/cuda/ops_matmul.h"
+#include "backend/cuda/ops_rows.h"
+
+namespace memra {
+namespace {
+
+constexpr size_t kRotateBytes = size_t{120} << 20;
+
+bool gpu_present() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// A device buffer of `bytes` bytes; with `bf16_values`, random bf16 of magnitude 2^-8 .. 2^0 (never denormal,
+// never NaN) in a 1 MiB pattern repeated over the buffer.
+struct DeviceBlock {
+    void *ptr = nullptr;
+    DeviceBlock(size_t bytes, bool bf16_values) {
+        if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
+            ptr = nullptr;
+            return;
+        }
+        if (!bf16_values) return;
+        std::vector<uint16_t> pattern(size_t{1} << 19);
+        std::mt19937 rng(7);
+        for (uint16_t &h : pattern) {
+            h = static_cast<uint16_t>(((rng() & 1u) << 15) | ((119u + rng() % 8u) << 7) | (rng() & 0x7fu));
+        }
+        for (size_t at = 0; at < bytes; at += pattern.size() * 2) {
+            const size_t n = std::min(pattern.size() * 2, bytes - at);
+            cudaMemcpy(static_cast<char *>(ptr) + at, pattern.data(), n, cudaMemcpyHostToDevice);
+        }
+    }
+    ~DeviceBlock() { cudaFree(ptr); }
+    DeviceBlock(const DeviceBlock &) = delete;
+    DeviceBlock &operator=(const DeviceBlock &) = delete;
+};
+
+// Mean seconds per call of `launch` over `reps` back-to-back launches on the default stream, after 3 warm-ups.
+template <class F>
+double time_launches(const F &launch, int reps) {
+    for (int i = 0; i < 3; ++i) launch();
+    cudaEvent_t a = nullptr;
+    cudaEvent_t b = nullptr;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    cudaEventRecord(a, nullptr);
+    for (int i = 0; i < reps; ++i) launch();
+    cudaEventRecord(b, nullptr);
+    cudaEventSynchronize(b);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, a, b);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    return static_cast<double>(ms) * 1e-3 / reps;
+}
+
+// Seconds of a device-to-device copy of `bytes` bytes (the same timing): the ceiling a streaming op can reach.
+double copy_seconds(size_t bytes) {
+    DeviceBlock src(bytes, false);
+    DeviceBlock dst(bytes, false);
+    return time_launches([&] { cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, nullptr); }, 20);
+}
+
+void report(benchmark::State &state, double seconds, double weight_bytes) {
+    state.counters["weight_GB/s"] = weight_bytes / seconds * 1e-9;
+    const double copy_rate = 2.0 * weight_bytes / copy_seconds(static_cast<size_t>(weight_bytes));
+    state.counters["vs_copy"] = (weight_bytes / seconds) / copy_rate;
+}
+
+// args: rows, K, tokens, canonical (0/1).
+void bm_bf16_product(benchmark::State &state) {
+    if (!gpu_present()) {
+        state.SkipWithError("no CUDA device");
+        return;
+    }
+    const int64_t rows = state.range(0);
+    const int64_t k = state.range(1);
+    const int64_t tokens = state.range(2);
+    const bool canonical = state.range(3) != 0;
+    const size_t weight_bytes = static_cast<size_t>(rows * k * 2);
+    // Copies of the weight enough to exceed the 60 MB L2 twice, used in turn: every launch reads from HBM.
+    const size_t copies = std::max<size_t>(1, (kRotateBytes + weight_bytes - 1) / weight_bytes);
+    std::vector<std::unique_ptr<DeviceBlock>> w;
+    for (size_t i = 0; i < copies; ++i) w.push_back(std::make_unique<DeviceBlock>(weight_bytes, true));
+    DeviceBlock x(static_cast<size_t>(tokens * k * 4), false);
+    DeviceBlock y(static_cast<size_t>(tokens * rows * 4), false);
+    // x: f32 activations of moderate size (the random bits of a bf16 block, widened by the kernel's rounding).
+    std::vector<float> hx(static_cast<size_t>(tokens * k));
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    for (float &v : hx) v = u(rng);
+    cudaMemcpy(x.ptr, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
+    cuda::CudaMatrix m;
+    m.dtype = DType::kBF16;
+    m.rows = rows;
+    m.cols = k;
+    m.full_rows = rows;
+    m.k_full = k;
+    m.act = cuda::ActRounding::kBf16;
+    size_t turn = 0;
+    const auto launch = [&] {
+        m.data = w[turn++ % copies]->ptr;
+        const cudaError_t e = canonical ? cuda::cuda_matmul_canonical(m, static_cast<const float *>(x.ptr), tokens,
+                                                                      static_cast<float *>(y.ptr), nullptr)
+                                        : cuda::cuda_matmul(m, static_cast<const float *>(x.ptr), tokens,
+                                                            static_cast<float *>(y.ptr), nullptr);
+        if (e != cudaSuccess) std::fprintf(stderr, "product: %s\n", cudaGetErrorString(e));
+    };
+    double seconds = 0.0;
+    for (auto _ : state) {
+        seconds = time_launches(launch, 20);
+        state.SetIterationTime(seconds);
+    }
+    report(state, seconds, static_cast<double>(weight_bytes));
+}
+
+// args: rows, d. add_rms_norm's h = x + r and y = rms_norm(h).
+void bm_add_rms_norm(benchmark::State &state) {
+    if (!gpu_present()) {
+        state.SkipWithError("no CUDA device");
+        return;
+    }
+    const int64_t rows = state.range(0);
+    const int64_t d = state.range(1);
+    const auto n = static_cast<size_t>(rows * d * 4);
+    DeviceBlock x(n, false), r(n, false), h(n, false), y(n, false), w(static_cast<size_t>(d * 2), true);
+    cudaMemset(x.ptr, 0, n);
+    cudaMemset(r.ptr, 0, n);
+    const auto launch = [&] {
+        cuda::add_rms_norm(static_cast<const float *>(x.ptr), static_cast<const float *>(r.ptr), rows, d,
+                           DType::kBF16, w.ptr, 1e-5f, static_cast<float *>(h.ptr), static_cast<float *>(y.ptr),
+                           nullptr);
+    };
+    double seconds = 0.0;
+    for (auto _ : state) {
+        seconds = time_launches(launch, 50);
+        state.SetIterationTime(seconds);
+    }
+    state.counters["us"] = seconds * 1e6;
+}
+
+void product_args(benchmark::internal::Benchmark *b) {
+    b->ArgNames({"rows", "K", "tokens", "canonical"});
+    for (const int64_t tokens : {1, 8, 64}) {
+        for (const auto &[rows, k] : {std::pair<int64_t, int64_t>{4096, 4096}, {11264, 4096}, {128896, 4096}}) {
+            b->Args({rows, k, tokens, 0});
+        }
+        b->Args({4096, 12288, tokens, 1});
+    }
+}
+
+BENCHMARK(bm_bf16_product)->Apply(product_args)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_add_rms_norm)->Args({1, 4096})->Args({64, 4096})->Args({512, 4096})->UseManualTime()->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace memra
+
+BENCHMARK_MAIN();
