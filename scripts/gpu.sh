@@ -2,7 +2,8 @@
 # Runs ON the GPU machine (device tool), over a copy of the tree with .deps carried (scripts/gpu_deps.sh makes
 # it): builds with CUDA for sm_90a, runs the GPU tests (every kernel against its CPU twin, the whole model on the
 # GPU against the CPU), `memra run` / `verify` / `bench --device cuda` on the embedded default model and on the
-# release-width preset (generated here), and prints a short table last. Logs go to $OUT (or ./gpu-out).
+# release-width preset (generated here), the product benchmarks beside PyTorch (bench/cuda, bench/cuda_peers.py),
+# E7 through Nsight Compute, and prints a short table last. Logs go to $OUT (or ./gpu-out).
 #   device run:  bash scripts/gpu.sh            (carry: [".deps"])
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
 set -uo pipefail
@@ -60,8 +61,9 @@ bench64_rc=$?
 $memra bench --device cuda -p 512 -n 64 -r 3 -o json >"$out/bench_default.json" 2>>"$out/bench_release.log"
 # The same decode issued op by op (no CUDA graphs), for the graphs' gain.
 MEMRA_CUDA_GRAPHS=0 $memra bench "$release" --device cuda -p 0 -n 64 -r 3 -o json >"$out/bench_release_eager.json" 2>>"$out/bench_release.log"
-# E7: every kernel's GPU time in the decode steps at batch 1 (Nsight Compute, clocks left alone), against the step.
-ncu --clock-control none --metrics gpu__time_duration.sum --csv $memra bench "$release" --device cuda -p 0 -n 4 -r 1 \
+# E7: every kernel's GPU time in the decode steps at batch 1 (Nsight Compute, clocks and caches left alone),
+# against the step.
+ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv $memra bench "$release" --device cuda -p 0 -n 4 -r 1 \
     >"$out/ncu_decode.csv" 2>"$out/ncu_decode.log"
 # K1: the products at decode shapes against a copy of the same bytes, and PyTorch (cuBLAS) on the same shapes.
 build-gpu/memra_bench_cuda_products --benchmark_format=json >"$out/bench_cuda_products.json" 2>"$out/bench_cuda_products.log"
@@ -146,6 +148,9 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
     print(f"| K1 bf16 [{key[0]}, {key[1]}] x{key[2]} | memra {b['real_time']:.1f} us {b['weight_GB/s']:.0f} GB/s "
           f"({100 * b['vs_copy']:.0f} % of copy); torch {p.get('us', 0):.1f} us {p.get('weight_GB/s', 0):.0f} GB/s |")
 for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchmarks"]:
+    if b["name"].startswith("bm_e4m3_grouped") and "weight_GB/s" in b:
+        print(f"| K3 {b['name'].split('/iter')[0]} (8 experts, 1 row each) | {b['real_time']:.1f} us "
+              f"{b['weight_GB/s']:.0f} GB/s ({100 * b['vs_copy']:.0f} % of copy) |")
     if b["name"].startswith("bm_add_rms_norm"):
         print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")
 EOF

@@ -80,7 +80,14 @@ double copy_seconds(size_t bytes) {
     return time_launches([&] { cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, nullptr); }, 20);
 }
 
-void report(benchmark::State &state, double seconds, double weight_bytes) {
+// Times 20 launches of `launch` and reports them with the weight bytes each streams (weight_GB/s, vs_copy).
+template <class F>
+void time_and_report(benchmark::State &state, const F &launch, double weight_bytes) {
+    double seconds = 0.0;
+    for (auto _ : state) {
+        seconds = time_launches(launch, 20);
+        state.SetIterationTime(seconds);
+    }
     state.counters["weight_GB/s"] = weight_bytes / seconds * 1e-9;
     const double copy_rate = 2.0 * weight_bytes / copy_seconds(static_cast<size_t>(weight_bytes));
     state.counters["vs_copy"] = (weight_bytes / seconds) / copy_rate;
@@ -125,12 +132,55 @@ void bm_bf16_product(benchmark::State &state) {
                                                             static_cast<float *>(y.ptr), nullptr);
         if (e != cudaSuccess) std::fprintf(stderr, "product: %s\n", cudaGetErrorString(e));
     };
-    double seconds = 0.0;
-    for (auto _ : state) {
-        seconds = time_launches(launch, 20);
-        state.SetIterationTime(seconds);
+    time_and_report(state, launch, static_cast<double>(weight_bytes));
+}
+
+// args: rows, K. The routed experts of one token at batch 1 (K3): 8 FP8 experts [rows, K] with 128x128 scale
+// tiles, one row of x each (W8A8: e4m3 activation groups of 128), as the decode step's grouped product runs them.
+void bm_e4m3_grouped(benchmark::State &state) {
+    if (!gpu_present()) {
+        state.SkipWithError("no CUDA device");
+        return;
     }
-    report(state, seconds, static_cast<double>(weight_bytes));
+    constexpr int64_t kExperts = 8;
+    const int64_t rows = state.range(0);
+    const int64_t k = state.range(1);
+    const size_t weight_bytes = static_cast<size_t>(kExperts * rows * k);
+    const int64_t tiles = kExperts * ((rows + 127) / 128) * ((k + 127) / 128);
+    const size_t copies = std::max<size_t>(1, (kRotateBytes + weight_bytes - 1) / weight_bytes);
+    std::vector<std::unique_ptr<DeviceBlock>> w;
+    // Random bytes as e4m3 codes, NaN codes (0x7f, 0xff) among them: the work does not depend on the values.
+    for (size_t i = 0; i < copies; ++i) w.push_back(std::make_unique<DeviceBlock>(weight_bytes, true));
+    std::vector<float> host_scales(static_cast<size_t>(tiles), 1.0f / 256.0f);
+    DeviceBlock scales(host_scales.size() * 4, false);
+    cudaMemcpy(scales.ptr, host_scales.data(), host_scales.size() * 4, cudaMemcpyHostToDevice);
+    std::vector<float> hx(static_cast<size_t>(kExperts * k));
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    for (float &v : hx) v = u(rng);
+    DeviceBlock x(hx.size() * 4, false);
+    cudaMemcpy(x.ptr, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
+    std::vector<int32_t> offsets(kExperts + 1);
+    for (int64_t e = 0; e <= kExperts; ++e) offsets[static_cast<size_t>(e)] = static_cast<int32_t>(e);
+    DeviceBlock d_offsets(offsets.size() * 4, false);
+    cudaMemcpy(d_offsets.ptr, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice);
+    DeviceBlock y(static_cast<size_t>(kExperts * rows * 4), false);
+    cuda::CudaBank b;
+    b.dtype = DType::kF8E4M3;
+    b.n_experts = kExperts;
+    b.rows = rows;
+    b.cols = k;
+    b.scale_inv = static_cast<const float *>(scales.ptr);
+    b.act = cuda::ActRounding::kE4m3x128;
+    size_t turn = 0;
+    const auto launch = [&] {
+        b.data = w[turn++ % copies]->ptr;
+        const cudaError_t e = cuda::cuda_matmul_grouped(b, static_cast<const float *>(x.ptr), kExperts,
+                                                        static_cast<const int32_t *>(d_offsets.ptr),
+                                                        kExperts + 1, static_cast<float *>(y.ptr), nullptr);
+        if (e != cudaSuccess) std::fprintf(stderr, "grouped: %s\n", cudaGetErrorString(e));
+    };
+    time_and_report(state, launch, static_cast<double>(weight_bytes));
 }
 
 // args: rows, d. add_rms_norm's h = x + r and y = rms_norm(h).
@@ -169,6 +219,8 @@ void product_args(benchmark::internal::Benchmark *b) {
 }
 
 BENCHMARK(bm_bf16_product)->Apply(product_args)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K"})->Args({2560, 4096})->Args({4096, 1280})->UseManualTime()
+    ->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_add_rms_norm)->Args({1, 4096})->Args({64, 4096})->Args({512, 4096})->UseManualTime()->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
 

@@ -572,9 +572,11 @@ TEST(CudaMatmulGrouped, EveryBankEqualsTheCpuWithEmptyExpertsAndUnevenOffsets) {
         int64_t cols;
         int64_t block_rows, block_cols;
     };
-    // bf16: bf16 activations; fp8 with 128-wide tiles: e4m3 groups (300 = 2 groups + a partial 44); fp8 with
-    // other tiles, F32 and F16: the exact loop.
-    const Kind kinds[] = {{DType::kBF16, 300, 128, 128},   {DType::kF8E4M3, 300, 128, 128},
+    // bf16: bf16 activations (K 256: whole 32-wide groups, the skinny kernel; K 300: the 16-thread one); fp8
+    // with 128-wide tiles: e4m3 groups (304 = 2 groups + a partial 48, the skinny kernel; 300: a partial 44, K
+    // not a multiple of 16, the 16-thread one); fp8 with other tiles, F32 and F16: the exact loop.
+    const Kind kinds[] = {{DType::kBF16, 300, 128, 128},   {DType::kBF16, 256, 128, 128},
+                          {DType::kF8E4M3, 300, 128, 128},  {DType::kF8E4M3, 304, 128, 128},
                           {DType::kF8E4M3, 256, 16, 128},  {DType::kF8E4M3, 200, 64, 64},
                           {DType::kF32, 100, 128, 128},    {DType::kF16, 130, 128, 128}};
     const int64_t n_layer_experts = 8;
@@ -752,76 +754,80 @@ TEST(CudaMatmulAdversarial, E4m3GroupsWhereSaturationAndFlushingDecide) {
     MEMRA_SKIP_WITHOUT_GPU();
     const IsaGuard guard;
     const int64_t rows = 37;
-    const int64_t k = 6 * 128 + 50;
     const int64_t n = 6;
-    const int64_t block_rows = 16;  // 3 tile rows; tiles 128 wide (e4m3 groups)
-    Weights w = make_weights(DType::kF8E4M3, 2, rows, k, 5, false, block_rows, 128);
-    std::mt19937 rng(23);
-    for (int64_t e = 0; e < 2; ++e) {
-        for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t i = 0; i < k; ++i) {
-                const int64_t at = (e * rows + r) * k + i;
-                switch ((r + i) % 9) {
-                    case 0: w.bytes[sz(at)] = static_cast<uint8_t>(1 + rng() % 7); break;  // subnormal codes
-                    case 1: w.bytes[sz(at)] = 0x7e; break;                                  // 448
-                    case 2: w.bytes[sz(at)] = 0xfe; break;                                  // -448
-                    case 3: w.bytes[sz(at)] = 0x80; break;                                  // -0
-                    default: break;
+    // K 818: a partial last group of 50 (not a multiple of 16: the 16-thread kernel); K 816: of 48 (the skinny
+    // kernel).
+    for (const int64_t k : {int64_t{6 * 128 + 50}, int64_t{6 * 128 + 48}}) {
+        const int64_t block_rows = 16;  // 3 tile rows; tiles 128 wide (e4m3 groups)
+        Weights w = make_weights(DType::kF8E4M3, 2, rows, k, 5, false, block_rows, 128);
+        std::mt19937 rng(23);
+        for (int64_t e = 0; e < 2; ++e) {
+            for (int64_t r = 0; r < rows; ++r) {
+                for (int64_t i = 0; i < k; ++i) {
+                    const int64_t at = (e * rows + r) * k + i;
+                    switch ((r + i) % 9) {
+                        case 0: w.bytes[sz(at)] = static_cast<uint8_t>(1 + rng() % 7); break;  // subnormal codes
+                        case 1: w.bytes[sz(at)] = 0x7e; break;                                  // 448
+                        case 2: w.bytes[sz(at)] = 0xfe; break;                                  // -448
+                        case 3: w.bytes[sz(at)] = 0x80; break;                                  // -0
+                        default: break;
+                    }
                 }
             }
         }
-    }
-    w.bytes[sz(3 * k + 5)] = 0x7f;  // a NaN weight in expert 0 row 3
-    const int64_t tiles = w.tiles();
-    for (int64_t i = 0; i < 2 * tiles; ++i) {
-        switch (i % 5) {
-            case 0: w.scales[sz(i)] = std::ldexp(1.5f, -130); break;   // denormal: DAZ
-            case 1: w.scales[sz(i)] = std::ldexp(1.25f, -100); break;  // scale products underflow
-            case 2: w.scales[sz(i)] = std::ldexp(1.0f, 100); break;    // overflow with the huge groups
-            default: break;
-        }
-    }
-    Floats x(sz(n * k));
-    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
-    for (int64_t t = 0; t < n; ++t) {
-        for (int64_t i = 0; i < k; ++i) {
-            const int64_t ci = i / 128;
-            const int64_t j = i % 128;
-            float v = dist(rng);
-            switch ((ci + t) % 6) {  // each token puts the roles in other groups
-                case 0: v = 0.0f; break;
-                case 1: v = j == 3 ? 3.0e38f : v; break;
-                case 2: v = std::ldexp(v, -143); break;  // amax / 448 underflows: scale 2^-149
-                case 3: v = (j % 2 ? 448.0f : 464.0f) * std::ldexp(1.0f, -60) * (v < 0 ? -1.0f : 1.0f); break;
-                case 4: v = std::ldexp(v, -135); break;  // a denormal activation scale
+        w.bytes[sz(3 * k + 5)] = 0x7f;  // a NaN weight in expert 0 row 3
+        const int64_t tiles = w.tiles();
+        for (int64_t i = 0; i < 2 * tiles; ++i) {
+            switch (i % 5) {
+                case 0: w.scales[sz(i)] = std::ldexp(1.5f, -130); break;   // denormal: DAZ
+                case 1: w.scales[sz(i)] = std::ldexp(1.25f, -100); break;  // scale products underflow
+                case 2: w.scales[sz(i)] = std::ldexp(1.0f, 100); break;    // overflow with the huge groups
                 default: break;
             }
-            if (t == 4 && ci == 2 && j == 9) v = -std::numeric_limits<float>::infinity();
-            if (t == 5 && ci == 4 && j == 11) v = std::nanf("");
-            x[sz(t * k + i)] = v;
         }
-    }
-    // Tokens split over the two experts: 4 rows to expert 0, 2 to expert 1.
-    const std::vector<int32_t> offsets = {0, 4, 6};
-    GpuBank g;
-    ASSERT_NO_FATAL_FAILURE(gpu_upload(w.bank(), BankWindow::whole(w.bank()), &g));
-    ASSERT_EQ(g.w.act, cuda::ActRounding::kE4m3x128);
-    const Floats y_init(sz(n * rows), 0.0f);
-    Floats got;
-    ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, offsets, x, n, y_init, &got));
-    int64_t nans = 0;
-    int64_t finite = 0;
-    for (float v : got) {
-        nans += std::isnan(v);
-        finite += std::isfinite(v);
-    }
-    EXPECT_GT(nans, 0);            // the NaN weight, the Inf and NaN tokens reached outputs
-    EXPECT_GT(finite, n * rows / 3);  // ... but many stay finite and compare as bits
-    for (cpu::ProductIsa isa : supported_isas()) {
-        ASSERT_TRUE(cpu::force_product_isa(isa));
-        Floats want;
-        ASSERT_NO_FATAL_FAILURE(cpu_grouped(w.bank(), BankWindow::whole(w.bank()), offsets, x, n, y_init, &want));
-        EXPECT_SAME_BITS(got, want, std::string("e4m3 adversarial, CPU path ") + cpu::product_isa_name(isa));
+        Floats x(sz(n * k));
+        std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t i = 0; i < k; ++i) {
+                const int64_t ci = i / 128;
+                const int64_t j = i % 128;
+                float v = dist(rng);
+                switch ((ci + t) % 6) {  // each token puts the roles in other groups
+                    case 0: v = 0.0f; break;
+                    case 1: v = j == 3 ? 3.0e38f : v; break;
+                    case 2: v = std::ldexp(v, -143); break;  // amax / 448 underflows: scale 2^-149
+                    case 3: v = (j % 2 ? 448.0f : 464.0f) * std::ldexp(1.0f, -60) * (v < 0 ? -1.0f : 1.0f); break;
+                    case 4: v = std::ldexp(v, -135); break;  // a denormal activation scale
+                    default: break;
+                }
+                if (t == 4 && ci == 2 && j == 9) v = -std::numeric_limits<float>::infinity();
+                if (t == 5 && ci == 4 && j == 11) v = std::nanf("");
+                x[sz(t * k + i)] = v;
+            }
+        }
+        // Tokens split over the two experts: 4 rows to expert 0, 2 to expert 1.
+        const std::vector<int32_t> offsets = {0, 4, 6};
+        GpuBank g;
+        ASSERT_NO_FATAL_FAILURE(gpu_upload(w.bank(), BankWindow::whole(w.bank()), &g));
+        ASSERT_EQ(g.w.act, cuda::ActRounding::kE4m3x128);
+        const Floats y_init(sz(n * rows), 0.0f);
+        Floats got;
+        ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, offsets, x, n, y_init, &got));
+        int64_t nans = 0;
+        int64_t finite = 0;
+        for (float v : got) {
+            nans += std::isnan(v);
+            finite += std::isfinite(v);
+        }
+        EXPECT_GT(nans, 0);            // the NaN weight, the Inf and NaN tokens reached outputs
+        EXPECT_GT(finite, n * rows / 3);  // ... but many stay finite and compare as bits
+        for (cpu::ProductIsa isa : supported_isas()) {
+            ASSERT_TRUE(cpu::force_product_isa(isa));
+            Floats want;
+            ASSERT_NO_FATAL_FAILURE(cpu_grouped(w.bank(), BankWindow::whole(w.bank()), offsets, x, n, y_init, &want));
+            EXPECT_SAME_BITS(got, want,
+                             "e4m3 adversarial K " + std::to_string(k) + ", CPU path " + cpu::product_isa_name(isa));
+        }
     }
 }
 

@@ -3,7 +3,9 @@
 // fp32 operations. The exact loop uses IEEE operations with gradual underflow (the host's default mode); the
 // device loop uses FTZ/DAZ operations written out below, which reproduce core/device_numerics.cpp bit for bit
 // (this file is not built with -ftz=true, and every operation is an explicit _rn intrinsic, so nothing is
-// contracted or flushed behind our back). The uploads are host code, in the header.
+// contracted or flushed behind our back). Products whose rows and K segments suit 16-byte copies take the skinny
+// kernels below (cp.async weight pipelines; the same chains on the hardware's FTZ operations, rerun exactly where
+// a result is tiny), the rest product_kernel / e4m3_product_kernel. The uploads are host code, in the header.
 #include "backend/cuda/ops_matmul.h"
 
 #include <atomic>
@@ -343,22 +345,47 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 __device__ __forceinline__ float high_bf16(uint32_t word) { return __uint_as_float(word & 0xffff0000u); }
 __device__ __forceinline__ float low_bf16(uint32_t word) { return __uint_as_float(word << 16); }
 
-template <int kT, bool kCanonical>
+// Where a thread of a skinny block works: the block's 16-row tile (blockIdx.x), the thread's row (its group of
+// 16) and lane, the half-warp mask of its group, and whether the row exists.
+struct SkinnyPlace {
+    int group;
+    int lane;
+    unsigned mask;
+    int64_t row0;
+    int64_t n;
+    bool active;
+};
+
+__device__ __forceinline__ SkinnyPlace skinny_place(const ProductParams &p) {
+    SkinnyPlace at;
+    at.group = static_cast<int>(threadIdx.x) / kLanes;
+    at.lane = static_cast<int>(threadIdx.x) % kLanes;
+    at.mask = 0xffffu << (threadIdx.x & 16u);
+    at.row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerItem;
+    at.n = at.row0 + at.group;
+    at.active = at.n < p.rows;
+    return at;
+}
+
+template <int kT, Op kOp>
 __global__ void __launch_bounds__(kThreads) skinny_bf16_kernel(const ProductParams p) {
+    constexpr bool kCanonical = kOp == Op::kCanonical;
     extern __shared__ uint4 s_dyn[];
     uint32_t *s_w = reinterpret_cast<uint32_t *>(s_dyn);             // [kStages][16 rows][kTileWords]
     // [2][kT][256] x pairs rounded to bf16, as floats: .x element 2i, .y element 2i + 1.
     float2 *s_x = reinterpret_cast<float2 *>(s_w + kStages * kRowsPerItem * kTileWords);
     __shared__ float s_part[kCanonical ? kRowsPerItem * kT * kMaxCanonicalBlocks : 1];
-    const int group = static_cast<int>(threadIdx.x) / kLanes;
-    const int lane = static_cast<int>(threadIdx.x) % kLanes;
-    const unsigned mask = 0xffffu << (threadIdx.x & 16u);
-    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerItem;
-    const int64_t n = row0 + group;
-    const bool active = n < p.rows;
+    const auto [group, lane, mask, row0, n, active] = skinny_place(p);
     const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kT;
     const int n_tok = static_cast<int>(min_i64(kT, p.n_tokens - t0));
-    const uint8_t *gw = p.data + (active ? n : 0) * p.ld * 2;  // [ld] bf16
+    const uint8_t *wdata = p.data;  // [rows, ld] bf16: the matrix, or the row's expert
+    if constexpr (kOp == Op::kGrouped) {
+        static_assert(kT == 1, "a grouped block takes one row: its expert");
+        int64_t e = 0;
+        if (!grouped_expert(p, t0, &e)) return;  // the whole block: a row past the held experts' rows
+        wdata += e * p.expert_elems * 2;
+    }
+    const uint8_t *gw = wdata + (active ? n : 0) * p.ld * 2;  // [ld] bf16
     const int64_t seg_len = kCanonical ? p.block_size : p.k1 - p.k0;
     const int per_seg = static_cast<int>((seg_len + kSkinnyChunk - 1) / kSkinnyChunk);
     const int n_segs = kCanonical ? static_cast<int>(p.n_blocks) : 1;
@@ -394,7 +421,7 @@ __global__ void __launch_bounds__(kThreads) skinny_bf16_kernel(const ProductPara
             const int unit = u % kTileUnits;
             if (unit < units && row0 + r < p.rows) {
                 cp_async16(tile + r * kTileWords + unit * 4,
-                           p.data + ((row0 + r) * p.ld + (ch.begin - p.k_begin)) * 2 + unit * 16);
+                           wdata + ((row0 + r) * p.ld + (ch.begin - p.k_begin)) * 2 + unit * 16);
             }
         }
         cp_async_commit();
@@ -502,6 +529,50 @@ __global__ void __launch_bounds__(kThreads) skinny_bf16_kernel(const ProductPara
     }
 }
 
+// memra::e4m3_quantize_group by one warp: x[c0, c1) (at most 128 values of the row gx, column 0 = K 0) as e4m3
+// values widened to f32 into q[0, c1 - c0): amax ignoring NaN, IEEE division, scale 1 for amax 0 and 2^-149 on
+// underflow, saturating RNE e4m3. Every lane returns the scale.
+__device__ float warp_quantize_group(const float *gx, int64_t c0, int64_t c1, float *q) {
+    const int l = static_cast<int>(threadIdx.x % 32);
+    float v[kE4m3Chunk / 32];
+    float amax = 0.0f;
+    for (int i = 0; i < kE4m3Chunk / 32; ++i) {
+        const int64_t k = c0 + l + 32 * i;
+        v[i] = k < c1 ? gx[k] : 0.0f;
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;  // a NaN never wins
+    }
+    // The maximum of non-NaN values does not depend on the order it is taken in.
+    for (int d = 16; d > 0; d >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, amax, d);
+        amax = o > amax ? o : amax;
+    }
+    float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, 448.0f);
+    if (scale == 0.0f) scale = 0x1p-149f;  // amax / 448 underflowed
+    for (int i = 0; i < kE4m3Chunk / 32; ++i) {
+        const int64_t k = c0 + l + 32 * i;
+        if (k < c1) q[l + 32 * i] = fp8_e4m3_to_f32(f32_to_fp8_e4m3(__fdiv_rn(v[i], scale), Fp8Saturation::kSaturate));
+    }
+    return scale;
+}
+
+// One lane's chain of an e4m3 chunk [c0, c1): from +0 over groups of 32 (element g + 2j + 1, then g + 2j, by an
+// FTZ fma; the last group zero-padded). q: the chunk's quantized x (q[0] = K c0); gw: the weight row (K 0).
+__device__ float lane_chain_e4m3(const float *q, const uint8_t *gw, int64_t c0, int64_t c1, int lane) {
+    float acc = 0.0f;
+    for (int64_t g = c0; g < c1; g += 32) {
+        const int64_t k_odd = g + 2 * lane + 1;
+        const int64_t k_even = g + 2 * lane;
+        const float x_odd = k_odd < c1 ? q[k_odd - c0] : 0.0f;
+        const float w_odd = k_odd < c1 ? fp8_e4m3_to_f32(gw[k_odd]) : 0.0f;
+        acc = ftz_fma(x_odd, w_odd, acc);
+        const float x_even = k_even < c1 ? q[k_even - c0] : 0.0f;
+        const float w_even = k_even < c1 ? fp8_e4m3_to_f32(gw[k_even]) : 0.0f;
+        acc = ftz_fma(x_even, w_even, acc);
+    }
+    return acc;
+}
+
 // The device K loop with e4m3 activations (ActRounding::kE4m3x128, F8_E4M3 weights with 128-wide scale tiles,
 // whole K from 0). Per 128-wide chunk, warp 0 quantizes the item's x group into shared memory exactly as
 // memra::e4m3_quantize_group (amax ignoring NaN, IEEE division, scale 1 for amax 0 and 2^-149 on underflow,
@@ -533,44 +604,12 @@ __global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductPar
         for (int64_t c0 = p.k0; c0 < p.k1; c0 += kE4m3Chunk) {
             const int64_t c1 = min_i64(p.k1, c0 + kE4m3Chunk);
             if (threadIdx.x < 32) {
-                const int l = static_cast<int>(threadIdx.x);
-                float v[kE4m3Chunk / 32];
-                float amax = 0.0f;
-                for (int i = 0; i < kE4m3Chunk / 32; ++i) {
-                    const int64_t k = c0 + l + 32 * i;
-                    v[i] = k < c1 ? gx[k] : 0.0f;
-                    const float a = fabsf(v[i]);
-                    amax = a > amax ? a : amax;  // a NaN never wins
-                }
-                // The maximum of non-NaN values does not depend on the order it is taken in.
-                for (int d = 16; d > 0; d >>= 1) {
-                    const float o = __shfl_xor_sync(0xffffffffu, amax, d);
-                    amax = o > amax ? o : amax;
-                }
-                float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, 448.0f);
-                if (scale == 0.0f) scale = 0x1p-149f;  // amax / 448 underflowed
-                for (int i = 0; i < kE4m3Chunk / 32; ++i) {
-                    const int64_t k = c0 + l + 32 * i;
-                    if (k < c1) {
-                        s_x[l + 32 * i] =
-                            fp8_e4m3_to_f32(f32_to_fp8_e4m3(__fdiv_rn(v[i], scale), Fp8Saturation::kSaturate));
-                    }
-                }
-                if (l == 0) s_scale = scale;
+                const float scale = warp_quantize_group(gx, c0, c1, s_x);
+                if (threadIdx.x == 0) s_scale = scale;
             }
             __syncthreads();
             if (active) {
-                float acc = 0.0f;
-                for (int64_t g = c0; g < c1; g += 32) {
-                    const int64_t k_odd = g + 2 * lane + 1;
-                    const int64_t k_even = g + 2 * lane;
-                    const float x_odd = k_odd < c1 ? s_x[k_odd - c0] : 0.0f;
-                    const float w_odd = k_odd < c1 ? fp8_e4m3_to_f32(gw[k_odd]) : 0.0f;
-                    acc = ftz_fma(x_odd, w_odd, acc);
-                    const float x_even = k_even < c1 ? s_x[k_even - c0] : 0.0f;
-                    const float w_even = k_even < c1 ? fp8_e4m3_to_f32(gw[k_even]) : 0.0f;
-                    acc = ftz_fma(x_even, w_even, acc);
-                }
+                const float acc = lane_chain_e4m3(s_x, gw, c0, c1, lane);
                 const float chunk = lane_tree_ftz(acc, mask);
                 total = ftz_add(total, ftz_mul(chunk, ftz_mul(s_scale, gs[c0 / kE4m3Chunk - p.scale_col0])));
             }
@@ -578,6 +617,154 @@ __global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductPar
         }
         if (active && lane == 0) p.y[t * p.y_ld + n] = total;
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Skinny e4m3 products: e4m3_product_kernel's chains (W8A8, whole K from 0, K a multiple of 16 up to
+// kSkinnyE4m3MaxK), arranged as skinny_bf16_kernel is. A block is 16 rows of one row of x (grouped: its expert):
+// its warps first quantize the whole x row into shared memory, group by group; the weight tiles (16 rows x 4
+// chunks of 128) then stream through the kStages-deep cp.async pipeline. Each 128-wide chunk runs its chain, the
+// lane tree and the scaling on the hardware's FTZ operations (fp8 pairs widened by cvt, exactly), keeping the
+// least magnitude of every result; when a lane of the group saw one at or below FLT_MIN, the group redoes the
+// chunk with lane_chain_e4m3, lane_tree_ftz and ftz_mul / ftz_add from the previous sum: e4m3_product_kernel's
+// bits.
+
+constexpr int64_t kSkinnyE4m3MaxK = 8192;
+constexpr int kE4m3TileChunks = 4;                                  // 128-wide chunks per stage
+constexpr int kE4m3TileBytes = kE4m3TileChunks * kE4m3Chunk + 32;   // a tile row, padded (banks, as above)
+constexpr int kE4m3TileUnits = kE4m3TileChunks * kE4m3Chunk / 16;   // 16-byte copies per tile row
+constexpr size_t kE4m3StageBytes = static_cast<size_t>(kStages) * kRowsPerItem * kE4m3TileBytes;
+
+// Dynamic shared memory of skinny_e4m3_kernel for K columns: the weight stages, the quantized row (whole
+// chunks, zero-padded) and the chunks' scales.
+size_t skinny_e4m3_smem_bytes(int64_t k) {
+    const int64_t chunks = (k + kE4m3Chunk - 1) / kE4m3Chunk;
+    return kE4m3StageBytes + static_cast<size_t>(chunks * kE4m3Chunk + chunks) * 4u;
+}
+
+__device__ __forceinline__ float add_ftz_hw(float a, float b) {
+    float r;
+    asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float mul_ftz_hw(float a, float b) {
+    float r;
+    asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// Two e4m3 codes (element 2i in the low byte) widened exactly: on sm_89 and later through f16, which holds every
+// e4m3 value; before, by the shared scalar code (the compute_80 PTX).
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+    float lo;
+    float hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(static_cast<uint16_t>(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(static_cast<uint16_t>(h2 >> 16)));
+    return make_float2(lo, hi);
+#else
+    return make_float2(fp8_e4m3_to_f32(static_cast<uint8_t>(pair & 0xffu)),
+                       fp8_e4m3_to_f32(static_cast<uint8_t>(pair >> 8)));
+#endif
+}
+
+template <Op kOp>
+__global__ void __launch_bounds__(kThreads) skinny_e4m3_kernel(const ProductParams p) {
+    extern __shared__ uint4 s_dyn[];
+    uint8_t *s_w = reinterpret_cast<uint8_t *>(s_dyn);  // [kStages][16 rows][kE4m3TileBytes]
+    const int n_chunks = static_cast<int>((p.k1 + kE4m3Chunk - 1) / kE4m3Chunk);
+    float *s_q = reinterpret_cast<float *>(s_w + kE4m3StageBytes);  // [n_chunks * 128] the quantized row
+    float *s_scale = s_q + n_chunks * kE4m3Chunk;                   // [n_chunks]
+    const auto [group, lane, mask, row0, n, active] = skinny_place(p);
+    const int64_t t = blockIdx.y;
+    const uint8_t *wdata = p.data;
+    const float *wscale = p.scale;
+    if constexpr (kOp == Op::kGrouped) {
+        int64_t e = 0;
+        if (!grouped_expert(p, t, &e)) return;  // the whole block: a row past the held experts' rows
+        wdata += e * p.expert_elems;
+        wscale += e * p.expert_scales;
+    }
+    const uint8_t *gw = wdata + (active ? n : 0) * p.ld;  // [ld] e4m3
+    const float *gs = wscale + ((p.row_begin + (active ? n : 0)) / p.block_rows - p.scale_row0) * p.scale_ld;
+    const int n_tiles = (n_chunks + kE4m3TileChunks - 1) / kE4m3TileChunks;
+    const auto issue = [&](int tile) {
+        if (tile < n_tiles) {
+            const int64_t b0 = static_cast<int64_t>(tile) * kE4m3TileChunks * kE4m3Chunk;
+            const int64_t units = (min_i64(p.k1 - b0, kE4m3TileChunks * kE4m3Chunk) + 15) / 16;
+            uint8_t *dst = s_w + (tile % kStages) * kRowsPerItem * kE4m3TileBytes;
+            for (int u = static_cast<int>(threadIdx.x); u < kRowsPerItem * kE4m3TileUnits; u += kThreads) {
+                const int r = u / kE4m3TileUnits;
+                const int unit = u % kE4m3TileUnits;
+                if (unit < units && row0 + r < p.rows) {
+                    cp_async16(dst + r * kE4m3TileBytes + unit * 16, wdata + (row0 + r) * p.ld + b0 + unit * 16);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    for (int s = 0; s < kStages - 1; ++s) issue(s);
+    // The x row, quantized group by group (warp w: groups w, w + 8, ...), zero past K.
+    const float *gx = p.x + t * p.x_ld;  // [x_ld] f32, column 0 = K 0
+    for (int c = static_cast<int>(threadIdx.x) / 32; c < n_chunks; c += kThreads / 32) {
+        const int64_t c0 = static_cast<int64_t>(c) * kE4m3Chunk;
+        const float scale = warp_quantize_group(gx, c0, min_i64(p.k1, c0 + kE4m3Chunk), s_q + c0);
+        if (threadIdx.x % 32 == 0) s_scale[c] = scale;
+    }
+    for (int64_t k = p.k1 + threadIdx.x; k < static_cast<int64_t>(n_chunks) * kE4m3Chunk; k += kThreads) s_q[k] = 0.0f;
+
+    float total = 0.0f;
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        cp_async_wait_stages();
+        __syncthreads();  // the tile (and, first, the quantized row) is visible; the oldest stage is free
+        issue(tile + kStages - 1);
+        if (!active) continue;
+        const uint8_t *w_row = s_w + ((tile % kStages) * kRowsPerItem + group) * kE4m3TileBytes;
+        for (int ci = 0; ci < kE4m3TileChunks; ++ci) {
+            const int c = tile * kE4m3TileChunks + ci;
+            if (c >= n_chunks) break;
+            const int64_t c0 = static_cast<int64_t>(c) * kE4m3Chunk;
+            const int64_t c1 = min_i64(p.k1, c0 + kE4m3Chunk);
+            float acc = 0.0f;
+            float least = INFINITY;
+#pragma unroll
+            for (int gi = 0; gi < kE4m3Chunk / 32; ++gi) {
+                const int64_t k = c0 + 32 * gi + 2 * lane;  // even; K is even, so k + 1 < c1 iff k < c1
+                if (c0 + 32 * gi < c1) {
+                    const uint16_t pair =
+                        k < c1 ? *reinterpret_cast<const uint16_t *>(w_row + ci * kE4m3Chunk + 32 * gi + 2 * lane) : 0;
+                    const float2 w = e4m3x2_to_float2(pair);
+                    const float2 x = *reinterpret_cast<const float2 *>(s_q + k);
+                    acc = fma_ftz_hw(x.y, w.y, acc);
+                    least = fminf(least, fabsf(acc));
+                    acc = fma_ftz_hw(x.x, w.x, acc);
+                    least = fminf(least, fabsf(acc));
+                }
+            }
+            float v = acc;
+            for (int d = 1; d < kLanes; d <<= 1) {
+                v = add_ftz_hw(v, __shfl_xor_sync(mask, v, d, kLanes));
+                least = fminf(least, fabsf(v));
+            }
+            const float xs = s_scale[c];
+            const float ws = gs[c - p.scale_col0];
+            const float m1 = mul_ftz_hw(xs, ws);
+            const float m2 = mul_ftz_hw(v, m1);
+            const float sum = add_ftz_hw(total, m2);
+            least = fminf(least, fminf(fabsf(m1), fminf(fabsf(m2), fabsf(sum))));
+            if (__any_sync(mask, least <= FLT_MIN)) {
+                const float chunk = lane_tree_ftz(lane_chain_e4m3(s_q + c0, gw, c0, c1, lane), mask);
+                total = ftz_add(total, ftz_mul(chunk, ftz_mul(xs, ws)));
+            } else {
+                total = sum;
+            }
+        }
+    }
+    cp_async_wait_all();
+    if (active && lane == 0) p.y[t * p.y_ld + n] = total;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -592,57 +779,86 @@ cudaError_t launch(void (*kernel)(ProductParams), const ProductParams &p, cudaSt
 }
 
 // Whether skinny_bf16_kernel takes a product: bf16 activations and weights, K segments of whole 32-wide groups,
-// 16-byte aligned weight rows and chunk starts (cp.async), 8-byte x pairs, a grid within CUDA's y limit.
+// 16-byte aligned weight rows and chunk starts (cp.async), 8-byte x pairs, a grid within CUDA's y limit (a
+// grouped product's grid has a row of blocks per row of x).
 bool skinny_bf16(DType dtype, ActRounding act, const ProductParams &p, int64_t seg_len) {
     return act == ActRounding::kBf16 && dtype == DType::kBF16 && seg_len > 0 && seg_len % 32 == 0 &&
            (p.k0 - p.k_begin) % 8 == 0 && p.ld % 8 == 0 && p.x_ld % 2 == 0 &&
            reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && reinterpret_cast<uintptr_t>(p.x) % 8 == 0 &&
-           ceil_div(p.n_tokens, kSkinnyMaxTokens) <= 65535 && ceil_div(p.rows, kRowsPerItem) <= INT32_MAX;
+           p.n_tokens <= 65535 && ceil_div(p.rows, kRowsPerItem) <= INT32_MAX;
 }
 
-// Launches skinny_bf16_kernel<kT, kCanonical>, first raising its dynamic shared memory limit on this device
-// (once per device: the first launch on a device is never inside a graph capture, whose steps run as issued
-// first).
-template <int kT, bool kCanonical>
-cudaError_t launch_skinny_tokens(const ProductParams &p, dim3 grid, cudaStream_t stream) {
-    static std::atomic<uint64_t> raised{0};  // bit d: done on device d
+// Raises kernel's dynamic shared memory limit to `bytes` on the current device, once per device (bit d of
+// `raised`): the first launch on a device is never inside a graph capture, whose steps run as issued first.
+cudaError_t raise_smem_limit(void (*kernel)(ProductParams), size_t bytes, std::atomic<uint64_t> &raised) {
     int device = 0;
     if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
     const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-    if ((raised.load() & bit) == 0 || bit == 0) {
-        const cudaError_t e = cudaFuncSetAttribute(skinny_bf16_kernel<kT, kCanonical>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(skinny_smem_bytes(kT)));
-        if (e != cudaSuccess) return e;
-        raised.fetch_or(bit);
-    }
-    skinny_bf16_kernel<kT, kCanonical><<<grid, kThreads, skinny_smem_bytes(kT), stream>>>(p);
+    if (bit != 0 && (raised.load() & bit) != 0) return cudaSuccess;
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (e == cudaSuccess) raised.fetch_or(bit);
+    return e;
+}
+
+// Launches skinny_bf16_kernel<kT, kOp> (its shared memory limit raised first).
+template <int kT, Op kOp>
+cudaError_t launch_skinny_tokens(const ProductParams &p, dim3 grid, cudaStream_t stream) {
+    static std::atomic<uint64_t> raised{0};  // bit d: done on device d
+    const cudaError_t raise = raise_smem_limit(skinny_bf16_kernel<kT, kOp>, skinny_smem_bytes(kT), raised);
+    if (raise != cudaSuccess) return raise;
+    skinny_bf16_kernel<kT, kOp><<<grid, kThreads, skinny_smem_bytes(kT), stream>>>(p);
     return cudaGetLastError();
 }
 
-template <bool kCanonical>
+// Grid: 16-row tiles by token tiles of kT (grouped: one row of x per block, each with its own expert).
+template <Op kOp>
 cudaError_t launch_skinny(const ProductParams &p, cudaStream_t stream) {
-    const int64_t tokens = p.n_tokens < kSkinnyMaxTokens ? p.n_tokens : kSkinnyMaxTokens;
-    const int kt = tokens <= 1 ? 1 : tokens <= 2 ? 2 : tokens <= 4 ? 4 : 8;
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kRowsPerItem)), static_cast<unsigned>(ceil_div(p.n_tokens, kt)));
-    switch (kt) {
-        case 1: return launch_skinny_tokens<1, kCanonical>(p, grid, stream);
-        case 2: return launch_skinny_tokens<2, kCanonical>(p, grid, stream);
-        case 4: return launch_skinny_tokens<4, kCanonical>(p, grid, stream);
-        default: return launch_skinny_tokens<8, kCanonical>(p, grid, stream);
+    const unsigned row_tiles = static_cast<unsigned>(ceil_div(p.rows, kRowsPerItem));
+    if constexpr (kOp == Op::kGrouped) {
+        return launch_skinny_tokens<1, kOp>(p, dim3(row_tiles, static_cast<unsigned>(p.n_tokens)), stream);
+    } else {
+        const int64_t tokens = p.n_tokens < kSkinnyMaxTokens ? p.n_tokens : kSkinnyMaxTokens;
+        const int kt = tokens <= 1 ? 1 : tokens <= 2 ? 2 : tokens <= 4 ? 4 : 8;
+        const dim3 grid(row_tiles, static_cast<unsigned>(ceil_div(p.n_tokens, kt)));
+        switch (kt) {
+            case 1: return launch_skinny_tokens<1, kOp>(p, grid, stream);
+            case 2: return launch_skinny_tokens<2, kOp>(p, grid, stream);
+            case 4: return launch_skinny_tokens<4, kOp>(p, grid, stream);
+            default: return launch_skinny_tokens<8, kOp>(p, grid, stream);
+        }
     }
+}
+
+// Whether skinny_e4m3_kernel takes an e4m3 product: K from 0, a multiple of 16 up to kSkinnyE4m3MaxK,
+// 16-byte aligned weight rows (and experts), a grid within CUDA's y limit.
+bool skinny_e4m3(const ProductParams &p) {
+    return p.k0 == 0 && p.k_begin == 0 && p.k1 > 0 && p.k1 % 16 == 0 && p.k1 <= kSkinnyE4m3MaxK &&
+           p.ld % 16 == 0 && reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.expert_elems % 16 == 0 &&
+           p.n_tokens <= 65535 && ceil_div(p.rows, kRowsPerItem) <= INT32_MAX;
+}
+
+// Launches skinny_e4m3_kernel<kOp>: one block per 16 rows and row of x, its limit raised once per device.
+template <Op kOp>
+cudaError_t launch_skinny_e4m3(const ProductParams &p, cudaStream_t stream) {
+    static std::atomic<uint64_t> raised{0};  // bit d: done on device d
+    const cudaError_t raise =
+        raise_smem_limit(skinny_e4m3_kernel<kOp>, skinny_e4m3_smem_bytes(kSkinnyE4m3MaxK), raised);
+    if (raise != cudaSuccess) return raise;
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kRowsPerItem)), static_cast<unsigned>(p.n_tokens));
+    skinny_e4m3_kernel<kOp><<<grid, kThreads, skinny_e4m3_smem_bytes(p.k1), stream>>>(p);
+    return cudaGetLastError();
 }
 
 template <Op kOp>
 cudaError_t dispatch(DType dtype, ActRounding act, const ProductParams &p, cudaStream_t stream) {
-    if constexpr (kOp != Op::kGrouped) {
-        const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
-        if (skinny_bf16(dtype, act, p, seg_len)) return launch_skinny<kOp == Op::kCanonical>(p, stream);
-    }
+    const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
+    if (skinny_bf16(dtype, act, p, seg_len)) return launch_skinny<kOp>(p, stream);
     if (act == ActRounding::kE4m3x128) {
         if constexpr (kOp == Op::kCanonical) {
             return cudaErrorInvalidValue;  // e4m3 groups span canonical blocks (the CPU refuses it too)
         } else {
+            if (skinny_e4m3(p)) return launch_skinny_e4m3<kOp>(p, stream);
             return launch(e4m3_product_kernel<kOp>, p, stream);
         }
     }
