@@ -54,6 +54,32 @@ struct DeviceBlock {
     DeviceBlock &operator=(const DeviceBlock &) = delete;
 };
 
+// Copies of a weight of `bytes` bytes (random bf16 patterns) that together exceed the 60 MB L2 twice, used in
+// turn by a benchmark so that every launch reads from HBM.
+std::vector<std::unique_ptr<DeviceBlock>> rotating_weights(size_t bytes) {
+    std::vector<std::unique_ptr<DeviceBlock>> w;
+    const size_t copies = std::max<size_t>(1, (kRotateBytes + bytes - 1) / bytes);
+    for (size_t i = 0; i < copies; ++i) w.push_back(std::make_unique<DeviceBlock>(bytes, true));
+    return w;
+}
+
+// A device copy of `host`.
+template <class T>
+std::unique_ptr<DeviceBlock> device_copy(const std::vector<T> &host) {
+    auto d = std::make_unique<DeviceBlock>(host.size() * sizeof(T), false);
+    cudaMemcpy(d->ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+    return d;
+}
+
+// n f32 activations uniform in [-2, 2).
+std::unique_ptr<DeviceBlock> random_activations(int64_t n, uint32_t seed) {
+    std::vector<float> hx(static_cast<size_t>(n));
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    for (float &v : hx) v = u(rng);
+    return device_copy(hx);
+}
+
 // Mean seconds per call of `launch` over `reps` back-to-back launches on the default stream, after 3 warm-ups.
 template <class F>
 double time_launches(const F &launch, int reps) {
@@ -104,18 +130,9 @@ void bm_bf16_product(benchmark::State &state) {
     const int64_t tokens = state.range(2);
     const bool canonical = state.range(3) != 0;
     const size_t weight_bytes = static_cast<size_t>(rows * k * 2);
-    // Copies of the weight enough to exceed the 60 MB L2 twice, used in turn: every launch reads from HBM.
-    const size_t copies = std::max<size_t>(1, (kRotateBytes + weight_bytes - 1) / weight_bytes);
-    std::vector<std::unique_ptr<DeviceBlock>> w;
-    for (size_t i = 0; i < copies; ++i) w.push_back(std::make_unique<DeviceBlock>(weight_bytes, true));
-    DeviceBlock x(static_cast<size_t>(tokens * k * 4), false);
+    const auto w = rotating_weights(weight_bytes);
+    const auto x = random_activations(tokens * k, 3);
     DeviceBlock y(static_cast<size_t>(tokens * rows * 4), false);
-    // x: f32 activations of moderate size (the random bits of a bf16 block, widened by the kernel's rounding).
-    std::vector<float> hx(static_cast<size_t>(tokens * k));
-    std::mt19937 rng(3);
-    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-    for (float &v : hx) v = u(rng);
-    cudaMemcpy(x.ptr, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
     cuda::CudaMatrix m;
     m.dtype = DType::kBF16;
     m.rows = rows;
@@ -125,11 +142,11 @@ void bm_bf16_product(benchmark::State &state) {
     m.act = cuda::ActRounding::kBf16;
     size_t turn = 0;
     const auto launch = [&] {
-        m.data = w[turn++ % copies]->ptr;
-        const cudaError_t e = canonical ? cuda::cuda_matmul_canonical(m, static_cast<const float *>(x.ptr), tokens,
-                                                                      static_cast<float *>(y.ptr), nullptr)
-                                        : cuda::cuda_matmul(m, static_cast<const float *>(x.ptr), tokens,
-                                                            static_cast<float *>(y.ptr), nullptr);
+        m.data = w[turn++ % w.size()]->ptr;
+        const auto *xp = static_cast<const float *>(x->ptr);
+        auto *yp = static_cast<float *>(y.ptr);
+        const cudaError_t e = canonical ? cuda::cuda_matmul_canonical(m, xp, tokens, yp, nullptr)
+                                        : cuda::cuda_matmul(m, xp, tokens, yp, nullptr);
         if (e != cudaSuccess) std::fprintf(stderr, "product: %s\n", cudaGetErrorString(e));
     };
     time_and_report(state, launch, static_cast<double>(weight_bytes));
@@ -147,36 +164,26 @@ void bm_e4m3_grouped(benchmark::State &state) {
     const int64_t k = state.range(1);
     const size_t weight_bytes = static_cast<size_t>(kExperts * rows * k);
     const int64_t tiles = kExperts * ((rows + 127) / 128) * ((k + 127) / 128);
-    const size_t copies = std::max<size_t>(1, (kRotateBytes + weight_bytes - 1) / weight_bytes);
-    std::vector<std::unique_ptr<DeviceBlock>> w;
-    // Random bytes as e4m3 codes, NaN codes (0x7f, 0xff) among them: the work does not depend on the values.
-    for (size_t i = 0; i < copies; ++i) w.push_back(std::make_unique<DeviceBlock>(weight_bytes, true));
-    std::vector<float> host_scales(static_cast<size_t>(tiles), 1.0f / 256.0f);
-    DeviceBlock scales(host_scales.size() * 4, false);
-    cudaMemcpy(scales.ptr, host_scales.data(), host_scales.size() * 4, cudaMemcpyHostToDevice);
-    std::vector<float> hx(static_cast<size_t>(kExperts * k));
-    std::mt19937 rng(5);
-    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-    for (float &v : hx) v = u(rng);
-    DeviceBlock x(hx.size() * 4, false);
-    cudaMemcpy(x.ptr, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
+    // The bf16 patterns' bytes as e4m3 codes, NaN codes (0x7f, 0xff) among them: the work does not depend on them.
+    const auto w = rotating_weights(weight_bytes);
+    const auto scales = device_copy(std::vector<float>(static_cast<size_t>(tiles), 1.0f / 256.0f));
+    const auto x = random_activations(kExperts * k, 5);
     std::vector<int32_t> offsets(kExperts + 1);
     for (int64_t e = 0; e <= kExperts; ++e) offsets[static_cast<size_t>(e)] = static_cast<int32_t>(e);
-    DeviceBlock d_offsets(offsets.size() * 4, false);
-    cudaMemcpy(d_offsets.ptr, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice);
+    const auto d_offsets = device_copy(offsets);
     DeviceBlock y(static_cast<size_t>(kExperts * rows * 4), false);
     cuda::CudaBank b;
     b.dtype = DType::kF8E4M3;
     b.n_experts = kExperts;
     b.rows = rows;
     b.cols = k;
-    b.scale_inv = static_cast<const float *>(scales.ptr);
+    b.scale_inv = static_cast<const float *>(scales->ptr);
     b.act = cuda::ActRounding::kE4m3x128;
     size_t turn = 0;
     const auto launch = [&] {
-        b.data = w[turn++ % copies]->ptr;
-        const cudaError_t e = cuda::cuda_matmul_grouped(b, static_cast<const float *>(x.ptr), kExperts,
-                                                        static_cast<const int32_t *>(d_offsets.ptr),
+        b.data = w[turn++ % w.size()]->ptr;
+        const cudaError_t e = cuda::cuda_matmul_grouped(b, static_cast<const float *>(x->ptr), kExperts,
+                                                        static_cast<const int32_t *>(d_offsets->ptr),
                                                         kExperts + 1, static_cast<float *>(y.ptr), nullptr);
         if (e != cudaSuccess) std::fprintf(stderr, "grouped: %s\n", cudaGetErrorString(e));
     };

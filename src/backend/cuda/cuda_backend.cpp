@@ -150,7 +150,9 @@ Result<void> CudaBackend::run_recorded(std::span<const int64_t> key, FunctionRef
         seen_[seen_next_++ % kSeenKeys] = h;
         return body();
     }
-    if (lru->exec != nullptr) {
+    if (lru->exec != nullptr) {  // evicted: wait for a replay of it that may still run (an abandoned step's)
+        const cudaError_t e = cudaStreamSynchronize(stream_);
+        MEMRA_CHECK(e == cudaSuccess, "cuda: evicting a step graph: {}", cuda_message(e));
         cudaGraphExecDestroy(lru->exec);
         lru->exec = nullptr;
     }
