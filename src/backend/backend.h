@@ -161,6 +161,11 @@ public:
 
     // A zero-filled buffer of the given shape, owned by the backend until it is destroyed.
     virtual Result<TensorView> alloc(DType dtype, std::initializer_list<int64_t> shape) = 0;
+    // Whether uploaded weights stay views of the host memory they were uploaded from (CPU: zero-copy, so that
+    // memory must outlive the backend) rather than copies made before the upload returns (CUDA). The binder gives
+    // each tensor back to its io::TensorStore after the upload when this is false, so a model generated in memory
+    // is never whole in host memory; the default is the safe answer.
+    virtual bool keeps_host_views() const { return true; }
     // Weight uploads (CPU: zero-copy views; the host memory must outlive the backend). Refused: an
     // unsupported dtype, non-positive sizes, a missing fp8 scale.
     virtual Result<MatrixId> upload_matrix(const HostMatrix &m) = 0;

@@ -1,11 +1,13 @@
 // `memra bench [MODEL_DIR]`: llama-bench's two speed tests on the engine (runtime/engine.h; GPU or CPU, --device). ppN prefills
 // N prompt tokens into a fresh sequence in steps of the row budget (-ub; one step at the default 512) and
 // samples after the last; tgN decodes N tokens from a fresh sequence, one step each, feeding the token the
-// engine sampled (greedy). With --spec-draft K a second tg test decodes the same tokens with the MTP layers
-// drafting up to K per step (speculation), side by side, with the acceptance rate per draft position and the
-// tokens per step. Each test runs once untimed (warm-up), then REPS timed runs; the table (Markdown or JSON)
-// gives the mean and sample stddev of tokens/s over those runs and the peak resident memory. Only the engine
-// steps are timed: sequences are created outside the clock.
+// engine sampled (greedy). With -d D every test's sequence first holds D context tokens, prefilled untimed (as
+// llama-bench's -d: "pp512 @ d4096"). --synthetic PRESET runs a model generated in memory instead of a
+// MODEL_DIR (token ids only: it has no tokenizer). With --spec-draft K a second tg test decodes the same tokens
+// with the MTP layers drafting up to K per step (speculation), side by side, with the acceptance rate per draft
+// position and the tokens per step. Each test runs once untimed (warm-up), then REPS timed runs; the table
+// (Markdown or JSON) gives the mean and sample stddev of tokens/s over those runs and the peak resident memory.
+// Only the engine steps are timed: sequences are created (and filled to the depth) outside the clock.
 // `memra bench --experts` instead times one MoE layer's routed experts (model::MoeState: refresh + run) on
 // seeded hidden rows, on tp CPU ranks (experts whole on their owners), and checks that the output's checksum
 // never changes.
@@ -49,8 +51,10 @@ using Json = nlohmann::ordered_json;  // keys in the order written
 
 struct BenchOptions {
     std::string model_dir;
+    SyntheticChoice synthetic;  // --synthetic: a model generated in memory instead of model_dir
     int n_prompt = 512;  // pp test size; 0 skips it
     int n_gen = 128;     // tg test size; 0 skips it
+    int n_depth = 0;     // context tokens every test's sequence holds before its timed steps
     int reps = 5;        // timed runs per test
     int threads = 1;
     Numerics numerics = Numerics::kDevice;
@@ -75,10 +79,11 @@ struct BenchOptions {
     int iterations = 20;
 };
 
-// The token ids both tests feed: the pp prompt and the first token of tg.
+// The token ids both tests feed: the pp prompt and the first token of tg, after the depth tokens.
 struct BenchTokens {
     std::vector<int32_t> prompt;  // [n_prompt]
     int32_t gen_first = 0;
+    std::vector<int32_t> depth;   // [n_depth] the context every test starts from (prefilled untimed)
 };
 
 // Marks the bench's Philox stream ("bnch"), apart from the sampler's (core/sampling.h).
@@ -96,26 +101,40 @@ int32_t bench_token(uint64_t seed, int64_t i, int32_t n_real) {
     return static_cast<int32_t>((word * static_cast<uint64_t>(n_real)) >> 32);
 }
 
-// The prompt is draws 0 .. n_prompt-1; tg starts from draw 0 (the prompt's first token when there is one).
-BenchTokens bench_tokens(uint64_t seed, int n_prompt, int32_t n_real) {
+// The prompt is draws 0 .. n_prompt-1; tg starts from draw 0 (the prompt's first token when there is one); the
+// depth context is draws n_prompt .. n_prompt + n_depth - 1.
+BenchTokens bench_tokens(uint64_t seed, int n_prompt, int n_depth, int32_t n_real) {
     BenchTokens t;
     t.prompt.reserve(static_cast<size_t>(n_prompt));
     for (int64_t i = 0; i < n_prompt; ++i) t.prompt.push_back(bench_token(seed, i, n_real));
     t.gen_first = bench_token(seed, 0, n_real);
+    t.depth.reserve(static_cast<size_t>(n_depth));
+    for (int64_t i = 0; i < n_depth; ++i) t.depth.push_back(bench_token(seed, n_prompt + i, n_real));
     return t;
+}
+
+// A fresh sequence holding the depth context, prefilled (untimed, in steps of the row budget) when there is one.
+Result<std::unique_ptr<runtime::Sequence>> depth_sequence(runtime::Engine &engine, const runtime::SequenceOptions &so,
+                                                          std::span<const int32_t> depth) {
+    auto seq = engine.create_sequence(so);
+    if (!seq) return tl::unexpected(seq.error());
+    if (depth.empty()) return seq;
+    (*seq)->tokens.assign(depth.begin(), depth.end());
+    if (auto fed = runtime::feed(engine, **seq); !fed) return wrap_error("depth prefill", fed.error());
+    return seq;
 }
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// One pp run: a fresh sequence, then the timed steps over the whole prompt (chunked by the row budget) and
-// the sampling after its last token. Returns the milliseconds of those steps.
-Result<double> time_prompt(runtime::Engine &engine, const runtime::SequenceOptions &so,
+// One pp run: a fresh sequence at the depth, then the timed steps over the whole prompt (chunked by the row
+// budget) and the sampling after its last token. Returns the milliseconds of those steps.
+Result<double> time_prompt(runtime::Engine &engine, const runtime::SequenceOptions &so, std::span<const int32_t> depth,
                            std::span<const int32_t> prompt) {
-    auto seq = engine.create_sequence(so);
+    auto seq = depth_sequence(engine, so, depth);
     if (!seq) return tl::unexpected(seq.error());
-    (*seq)->tokens.assign(prompt.begin(), prompt.end());
+    (*seq)->tokens.insert((*seq)->tokens.end(), prompt.begin(), prompt.end());
     const auto t0 = std::chrono::steady_clock::now();
     auto r = runtime::feed(engine, **seq);
     const double ms = ms_since(t0);
@@ -123,9 +142,9 @@ Result<double> time_prompt(runtime::Engine &engine, const runtime::SequenceOptio
     return ms;
 }
 
-// One tg run: a fresh sequence holding `first`, then timed decode steps (runtime::decode: one token each, or
-// with drafts 1 + the accepted ones) until n_gen tokens are sampled. Returns the summed milliseconds of the
-// steps; the tokens are the sequence's, the acceptance goes into stats.
+// One tg run: a fresh sequence at the depth, then holding `first`, then timed decode steps (runtime::decode: one
+// token each, or with drafts 1 + the accepted ones) until n_gen tokens are sampled. Returns the summed
+// milliseconds of the steps; the tokens are the sequence's, the acceptance goes into stats.
 // With `forcing`, the drafts of every step are forced so that `accept` of them stand (truth: the tokens
 // decoding without drafts sampled).
 struct Forcing {
@@ -135,13 +154,13 @@ struct Forcing {
     int32_t vocab = 0;
 };
 
-Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceOptions &so, int32_t first,
-                               int64_t n_gen, int draft, runtime::SpecStats &stats, std::vector<int32_t> &tokens,
-                               const Forcing &forcing) {
-    auto seq = engine.create_sequence(so);
+Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceOptions &so,
+                               std::span<const int32_t> depth, int32_t first, int64_t n_gen, int draft,
+                               runtime::SpecStats &stats, std::vector<int32_t> &tokens, const Forcing &forcing) {
+    auto seq = depth_sequence(engine, so, depth);
     if (!seq) return tl::unexpected(seq.error());
     runtime::Sequence &s = **seq;
-    s.tokens.reserve(static_cast<size_t>(n_gen) + 1);
+    s.tokens.reserve(s.tokens.size() + static_cast<size_t>(n_gen) + 1);
     s.tokens.push_back(first);
     double ms = 0.0;
     for (int64_t done = 0; done < n_gen;) {
@@ -163,16 +182,17 @@ Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceO
     return ms;
 }
 
-// tg at `parallel` > 1 sequences: each starts from `first` and decodes n_gen tokens, all of them in one engine
-// step per token (batched decode); the time of those steps. tokens: sequence 0's tokens (every sequence decodes the
-// same ones: batch invariance).
-Result<double> time_batched_generation(runtime::Engine &engine, const runtime::SequenceOptions &so, int32_t first,
-                                       int64_t n_gen, int parallel, std::vector<int32_t> &tokens) {
+// tg at `parallel` > 1 sequences: each starts at the depth from `first` and decodes n_gen tokens, all of them in one
+// engine step per token (batched decode); the time of those steps. tokens: sequence 0's tokens (every sequence
+// decodes the same ones: batch invariance).
+Result<double> time_batched_generation(runtime::Engine &engine, const runtime::SequenceOptions &so,
+                                       std::span<const int32_t> depth, int32_t first, int64_t n_gen, int parallel,
+                                       std::vector<int32_t> &tokens) {
     std::vector<std::unique_ptr<runtime::Sequence>> seqs;
     for (int i = 0; i < parallel; ++i) {
-        auto seq = engine.create_sequence(so);
+        auto seq = depth_sequence(engine, so, depth);
         if (!seq) return tl::unexpected(seq.error());
-        (*seq)->tokens.reserve(static_cast<size_t>(n_gen) + 1);
+        (*seq)->tokens.reserve((*seq)->tokens.size() + static_cast<size_t>(n_gen) + 1);
         (*seq)->tokens.push_back(first);
         seqs.push_back(std::move(*seq));
     }
@@ -203,9 +223,10 @@ int64_t peak_rss_bytes() {
 }
 
 struct TestResult {
-    std::string name;  // "pp512", "tg128", "tg128 spec3"
+    std::string name;  // "pp512", "tg128", "tg128 spec3", "tg128 @ d4096"
     int n_prompt = 0;
     int n_gen = 0;
+    int n_depth = 0;   // context tokens before the timed steps
     int parallel = 1;  // sequences decoding together (tg)
     int spec_draft = 0;
     runtime::SpecStats spec;  // the timed runs' decode steps
@@ -330,6 +351,7 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
                            {"test", t.name},
                            {"n_prompt", t.n_prompt},
                            {"n_gen", t.n_gen},
+                           {"n_depth", t.n_depth},
                            {"parallel", t.parallel},
                            {"reps", reps},
                            {"samples_ms", t.samples_ms},
@@ -454,15 +476,17 @@ Json experts_json(const BenchFacts &f, const BenchOptions &opt, const ExpertsRes
 // Times refresh + run of one MoE layer's state, warm-ups first, on every rank together (between two barriers,
 // so a sample is the slowest rank's time); after each run every rank checksums its own output.
 int run_experts_bench(const BenchOptions &opt) {
-    const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
-    if (dir.empty()) return kExitInvalidInput;
-    auto cfg = model::load_step35_config(dir);
-    if (!cfg) return report_error(cfg.error().message);
+    // The model: a checkpoint directory (its config first, the shards once the request is checked) or a
+    // synthetic one (generated as it is bound).
+    auto in = load_model_inputs(opt.model_dir, opt.synthetic, opt.threads, opt.kv_k, opt.kv_v);
+    if (!in) return kExitInvalidInput;
+    const std::string &name = in->name;
+    const model::Step35Config *cfg = &in->cfg;
     std::vector<int> moe_layers;
     for (const model::LayerGeometry &g : cfg->layers) {
         if (g.ffn == model::FfnKind::kMoe) moe_layers.push_back(g.index);
     }
-    if (moe_layers.empty()) return report_error(fmt::format("{}: the model has no MoE layer", dir.string()));
+    if (moe_layers.empty()) return report_error(fmt::format("{}: the model has no MoE layer", name));
     ExpertsResult res;
     res.layer = opt.layer < 0 ? moe_layers.front() : opt.layer;
     if (static_cast<size_t>(res.layer) >= cfg->layers.size()) {
@@ -477,8 +501,8 @@ int run_experts_bench(const BenchOptions &opt) {
     res.n_experts = g.n_experts;
     res.threads = std::max(1, opt.threads / opt.tp);
 
-    auto ckpt = io::Checkpoint::open(dir);
-    if (!ckpt) return report_error(ckpt.error().message);
+    auto store = open_store(*in);
+    if (!store) return report_error(store.error().message);
     // A lone rank binds the whole model and runs without a communicator; otherwise the plan decides.
     const bool whole = opt.tp == 1;
     parallel::ParallelPlan plan;
@@ -495,7 +519,7 @@ int run_experts_bench(const BenchOptions &opt) {
         group.emplace(std::move(*grp));
     }
     std::fprintf(stderr, "memra bench: loading %s, experts of layer %d on %d rank%s, %d thread%s each\n",
-                 dir.string().c_str(), res.layer, opt.tp, opt.tp == 1 ? "" : "s", res.threads,
+                 name.c_str(), res.layer, opt.tp, opt.tp == 1 ? "" : "s", res.threads,
                  res.threads == 1 ? "" : "s");
 
     const int64_t n = opt.tokens;
@@ -507,8 +531,8 @@ int run_experts_bench(const BenchOptions &opt) {
     for (int r = 0; r < opt.tp; ++r) {
         ExpertRank &rk = ranks[static_cast<size_t>(r)];
         rk.backend = std::make_unique<cpu::CpuBackend>(res.threads, opt.numerics);
-        auto bound = whole ? model::bind_step35_model(*rk.backend, *ckpt, *cfg)
-                           : model::bind_step35_model(*rk.backend, *ckpt, *cfg, plan, r);
+        auto bound = whole ? model::bind_step35_model(*rk.backend, **store, *cfg)
+                           : model::bind_step35_model(*rk.backend, **store, *cfg, plan, r);
         if (!bound) return report_error(bound.error().message);
         rk.model = std::make_unique<model::Step35Model>(std::move(*bound));
         auto state = model::MoeState::create(*rk.backend, *rk.model, res.layer, n,
@@ -591,7 +615,7 @@ int run_experts_bench(const BenchOptions &opt) {
     res.routes_per_s = res.mean_ms > 0.0 ? static_cast<double>(n * res.top_k) * 1000.0 / res.mean_ms : 0.0;
 
     BenchFacts facts;
-    facts.model = dir.string();
+    facts.model = name;
     facts.dtype = cfg->is_fp8() ? "fp8" : "bf16";
     facts = numerics_facts(facts, opt.numerics);
     const std::string report = opt.output == "json" ? experts_json(facts, opt, res).dump(2) + "\n"
@@ -607,30 +631,54 @@ int run_bench(const BenchOptions &opt) {
         std::fputs("error: nothing to measure: -p and -n are both 0\n", stderr);
         return kExitUsage;
     }
-    auto in = load_engine_inputs(opt.model_dir, opt.kv_k, opt.kv_v);
+    auto in = load_model_inputs(opt.model_dir, opt.synthetic, opt.threads, opt.kv_k, opt.kv_v);
     if (!in) return kExitInvalidInput;
     const std::filesystem::path &dir = in->dir;
     const model::Step35Config &cfg = in->cfg;
+    // Positions one sequence of each test reaches: the depth, then the prompt or the generated tokens.
+    const std::string depth_flag = opt.n_depth > 0 ? fmt::format("-d {} ", opt.n_depth) : "";
     for (const auto &[flag, n] : {std::pair{"-p", opt.n_prompt}, std::pair{"-n", opt.n_gen}}) {
-        if (n > cfg.context_length) {
-            return report_error(fmt::format("{} {}: the test needs {} positions, more than the model's context "
+        const int64_t positions = int64_t{opt.n_depth} + n;
+        if (n > 0 && positions > cfg.context_length) {
+            return report_error(fmt::format("{}{} {}: the test needs {} positions, more than the model's context "
                                             "length {}",
-                                            flag, n, n, cfg.context_length));
+                                            depth_flag, flag, n, positions, cfg.context_length));
         }
     }
-    // Prompt ids come from the tokenizer's real tokens: the embedding's padding rows past it are never fed.
-    auto tok = text::Tokenizer::load(dir);
-    if (!tok) return report_error(tok.error().message);
-    const int32_t n_real = std::min(cfg.vocab_size, tok->n_tokens());
-    if (n_real < 1) return report_error(fmt::format("{}: the tokenizer has no tokens", dir.string()));
-    const BenchTokens tokens = bench_tokens(opt.seed, opt.n_prompt, n_real);
+    // The KV cache holds every sequence of a test at once: tg's hold their first token and N more.
+    const int64_t pp_positions = opt.n_prompt > 0 ? int64_t{opt.n_depth} + opt.n_prompt : 0;
+    const int64_t tg_positions = opt.n_gen > 0 ? (int64_t{opt.n_depth} + opt.n_gen + 1) * opt.parallel : 0;
+    const int64_t positions = std::max({pp_positions, tg_positions, int64_t{1}});
+    if (opt.ctx_size > 0 && opt.ctx_size < positions) {
+        const bool pp = pp_positions >= tg_positions;
+        const std::string depth = opt.n_depth > 0 ? fmt::format("{} depth + ", opt.n_depth) : "";
+        const std::string seqs = opt.parallel > 1 ? fmt::format(", x{} sequences", opt.parallel) : "";
+        const std::string test = pp ? fmt::format("{} prompt", opt.n_prompt)
+                                    : fmt::format("{} + 1 generated{}", opt.n_gen, seqs);
+        return report_error(fmt::format("-c {}: the KV cache is smaller than the {} positions the {} test needs "
+                                        "({}{}); raise -c to at least {} (or leave it 0){}",
+                                        opt.ctx_size, positions, pp ? "pp" : "tg", depth, test, positions,
+                                        opt.n_depth > 0 ? " or lower -d" : ""));
+    }
+    // Prompt ids come from the tokenizer's real tokens: the embedding's padding rows past it are never fed. A
+    // synthetic model has no tokenizer: every embedding row is a token.
+    int32_t n_real = cfg.vocab_size;
+    if (!in->synthetic) {
+        auto tok = text::Tokenizer::load(dir);
+        if (!tok) return report_error(tok.error().message);
+        n_real = std::min(cfg.vocab_size, tok->n_tokens());
+        if (n_real < 1) return report_error(fmt::format("{}: the tokenizer has no tokens", dir.string()));
+    }
+    const BenchTokens tokens = bench_tokens(opt.seed, opt.n_prompt, opt.n_depth, n_real);
     if (opt.print_tokens) {
-        std::printf("%s\n", Json{{"prompt", tokens.prompt}, {"gen_first", tokens.gen_first}}.dump().c_str());
+        Json printed{{"prompt", tokens.prompt}, {"gen_first", tokens.gen_first}};
+        if (opt.n_depth > 0) printed["depth"] = tokens.depth;
+        std::printf("%s\n", printed.dump().c_str());
         return kExitOk;
     }
 
     BenchFacts facts;
-    facts.model = dir.string();
+    facts.model = in->name;
     facts.n_params = model::compute_model_stats(cfg).total_params;
     facts.dtype = cfg.is_fp8() ? "fp8" : "bf16";
     facts.tp = opt.tp;
@@ -644,8 +692,7 @@ int run_bench(const BenchOptions &opt) {
     eo.tp = opt.tp;
     eo.k_format = in->k_format;
     eo.v_format = in->v_format;
-    eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size
-                                   : std::max({int64_t{opt.n_prompt}, (int64_t{opt.n_gen} + 1) * opt.parallel, int64_t{1}});
+    eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size : positions;
     eo.max_seqs = opt.parallel;
     eo.step_rows = opt.step_rows;
     eo.sample_vocab = n_real;
@@ -654,24 +701,32 @@ int run_bench(const BenchOptions &opt) {
         return report_error("--spec-accept needs --spec-draft K > 0: it forces the drafts of the speculative tg test");
     }
     DraftForcing draft_forcing;
-    std::fprintf(stderr, "memra bench: loading %s, tp %d, %s\n", dir.string().c_str(), opt.tp,
+    std::fprintf(stderr, "memra bench: loading %s, tp %d, %s\n", in->name.c_str(), opt.tp,
                  *device == Device::kCuda ? "device cuda" : fmt::format("threads {} per rank", facts.threads).c_str());
-    auto loaded = load_engine(dir, cfg, eo,
-                              BackendChoice{*device, opt.threads, opt.numerics,
-                                            opt.spec_accept >= 0 ? &draft_forcing : nullptr});
+    const BackendChoice backends{*device, opt.threads, opt.numerics, opt.spec_accept >= 0 ? &draft_forcing : nullptr};
+    const tools::SyntheticStore *synthetic = in->synthetic.get();
+    auto store = open_store(*in);
+    if (!store) return report_error(store.error().message);
+    auto loaded = load_engine(std::move(*store), cfg, eo, backends);
     if (!loaded) return report_error(fmt::format("--tp {}: {}", opt.tp, loaded.error().message));
+    if (synthetic != nullptr) {
+        std::fprintf(stderr, "memra bench: %s: %s\n", in->name.c_str(), synthetic_summary(synthetic->stats()).c_str());
+    }
     runtime::Engine &engine = *loaded->engine;
     runtime::SequenceOptions so;
     so.sampling.temperature = 0.0f;  // greedy: the same tokens every run
 
+    // As llama-bench names a test at a depth: "pp512 @ d4096".
+    const std::string depth_suffix = opt.n_depth > 0 ? fmt::format(" @ d{}", opt.n_depth) : "";
     std::vector<TestResult> tests;
     if (opt.n_prompt > 0) {
         TestResult t;
-        t.name = fmt::format("pp{}", opt.n_prompt);
+        t.name = fmt::format("pp{}", opt.n_prompt) + depth_suffix;
         t.n_prompt = opt.n_prompt;
+        t.n_depth = opt.n_depth;
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {  // rep -1: the warm-up
-            auto ms = time_prompt(engine, so, tokens.prompt);
+            auto ms = time_prompt(engine, so, tokens.depth, tokens.prompt);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) t.samples_ms.push_back(*ms);
         }
@@ -688,6 +743,8 @@ int run_bench(const BenchOptions &opt) {
         TestResult t;
         t.name = draft == 0 ? fmt::format("tg{}", opt.n_gen) : fmt::format("tg{} spec{}", opt.n_gen, draft);
         if (draft > 0 && opt.spec_accept >= 0) t.name += fmt::format(" accept{}", opt.spec_accept);
+        t.name += depth_suffix;
+        t.n_depth = opt.n_depth;
         Forcing forcing;
         if (draft > 0 && opt.spec_accept >= 0) forcing = Forcing{&draft_forcing, &plain_tokens, opt.spec_accept, n_real};
         t.n_gen = opt.n_gen;
@@ -697,7 +754,7 @@ int run_bench(const BenchOptions &opt) {
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {
             runtime::SpecStats stats;
-            auto ms = time_generation(engine, gso, tokens.gen_first, opt.n_gen, draft, stats,
+            auto ms = time_generation(engine, gso, tokens.depth, tokens.gen_first, opt.n_gen, draft, stats,
                                       draft == 0 ? plain_tokens : spec_tokens, forcing);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) {
@@ -721,13 +778,15 @@ int run_bench(const BenchOptions &opt) {
 
     if (opt.n_gen > 0 && opt.parallel > 1) {
         TestResult t;
-        t.name = fmt::format("tg{} x{}", opt.n_gen, opt.parallel);
+        t.name = fmt::format("tg{} x{}", opt.n_gen, opt.parallel) + depth_suffix;
         t.n_gen = opt.n_gen;
+        t.n_depth = opt.n_depth;
         t.parallel = opt.parallel;
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         std::vector<int32_t> batched_tokens;
         for (int rep = -1; rep < opt.reps; ++rep) {
-            auto ms = time_batched_generation(engine, so, tokens.gen_first, opt.n_gen, opt.parallel, batched_tokens);
+            auto ms = time_batched_generation(engine, so, tokens.depth, tokens.gen_first, opt.n_gen, opt.parallel,
+                                              batched_tokens);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) t.samples_ms.push_back(*ms);
         }
@@ -758,6 +817,7 @@ Command add_bench_command(CLI::App &app) {
         "bench", "Measure prompt (pp) and generation (tg) tokens/s on the engine (GPU or CPU), like llama-bench; with "
                  "--experts, the routed experts of one MoE layer on CPU ranks");
     add_model_dir_option(*sub, opt->model_dir);
+    add_synthetic_options(*sub, opt->synthetic);
     sub->add_option("-p,--n-prompt", opt->n_prompt,
                     "ppN test: prefill N prompt tokens into a fresh sequence, in steps of -ub rows (0 = skip)")
         ->envname("MEMRA_N_PROMPT")
@@ -766,6 +826,13 @@ Command add_bench_command(CLI::App &app) {
     sub->add_option("-n,--n-gen", opt->n_gen,
                     "tgN test: generate N tokens one step each from a fresh sequence (0 = skip)")
         ->envname("MEMRA_N_GEN")
+        ->check(CLI::Range(0, kMaxInt))
+        ->capture_default_str();
+    sub->add_option("-d,--n-depth", opt->n_depth,
+                    "Context depth (as llama-bench's -d): every test's sequence first holds N tokens, prefilled "
+                    "untimed in steps of -ub rows, then its pp/tg steps are timed at that depth (test names "
+                    "\"pp512 @ d4096\"; JSON n_depth)")
+        ->envname("MEMRA_N_DEPTH")
         ->check(CLI::Range(0, kMaxInt))
         ->capture_default_str();
     sub->add_option("--parallel", opt->parallel,
@@ -783,7 +850,9 @@ Command add_bench_command(CLI::App &app) {
     add_device_option(*sub, opt->device);
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
-    sub->get_option("--ctx-size")->description("KV cache size in positions (default 0: the larger test's positions)");
+    sub->get_option("--ctx-size")
+        ->description("KV cache size in positions (default 0: the positions the largest test needs, its depth "
+                      "included)");
     add_spec_draft_option(*sub, opt->spec_draft, 0);
     sub->get_option("--spec-draft")
         ->description("Also run tgN with the MTP layers drafting up to K tokens per step, verified by the trunk: "
@@ -797,8 +866,9 @@ Command add_bench_command(CLI::App &app) {
         ->check(CLI::Range(-1, model::kMaxMtp))
         ->capture_default_str();
     sub->add_option("-s,--seed", opt->seed,
-                    "Seed of the prompt token ids (uniform over the tokenizer's tokens; tg starts from the first); with "
-                    "--experts, of the hidden rows (uniform over [-2, 2))")
+                    "Seed of the prompt and depth token ids (uniform over the tokenizer's tokens, or every embedding "
+                    "row of a --synthetic model; tg starts from the first); with --experts, of the hidden rows "
+                    "(uniform over [-2, 2))")
         ->envname("MEMRA_SEED")
         ->check(uint64_validator())
         ->capture_default_str();
@@ -839,8 +909,8 @@ Command add_bench_command(CLI::App &app) {
             ->capture_default_str(),
     };
     for (CLI::Option *o : needs_experts) o->needs(experts);
-    for (const char *name : {"--n-prompt", "--n-gen", "--repetitions", "--kv-k", "--kv-v", "--ctx-size",
-                             "--ubatch-size"}) {
+    for (const char *name : {"--n-prompt", "--n-gen", "--n-depth", "--repetitions", "--kv-k", "--kv-v",
+                             "--ctx-size", "--ubatch-size"}) {
         experts->excludes(sub->get_option(name));
     }
     experts->excludes(print_tokens);

@@ -12,48 +12,14 @@ namespace memra::cli {
 Command add_make_tiny_command(CLI::App &app) {
     auto opts = std::make_shared<tools::TinyOptions>();
     auto out_dir = std::make_shared<std::string>();
-    std::string preset_help = "Size preset:";
-    for (const tools::TinyPresetInfo &p : tools::tiny_presets()) {
-        preset_help += fmt::format("\n  {:<6} {}", p.name, p.description);
-    }
 
     CLI::App *sub = app.add_subcommand(
         "make-tiny", "Write a tiny Step-3.5 checkpoint (config, sharded safetensors, BPE tokenizer) from a seed");
     sub->add_option("OUT_DIR", *out_dir, "Directory to write (created; must be empty unless --force)")->required();
-    // CLI11 alone would wrap "-1" into 2^64 - 1 and saturate 2^64; the validator refuses both.
-    sub->add_option("-s,--seed", opts->seed, "Weight seed (the files are byte-identical for a seed)")
-        ->check(uint64_validator())
-        ->capture_default_str();
-    sub->add_option("--preset", opts->preset, preset_help)
+    sub->add_option("--preset", opts->preset, "Size preset:" + tiny_preset_help())
         ->check(CLI::IsMember(tools::tiny_preset_names()))
         ->capture_default_str();
-    sub->add_option("--dtype", opts->dtype, "Weight format: bf16, or fp8 (routed experts F8_E4M3, 128x128 scales)")
-        ->check(CLI::IsMember({"bf16", "fp8"}))
-        ->capture_default_str();
-    sub->add_option("--moe-intermediate-size", opts->moe_intermediate_size,
-                    "Routed expert width, replacing the preset's (e.g. 1280, the release's); 0 keeps the preset's")
-        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyMoeIntermediateSize))
-        ->capture_default_str();
-    sub->add_option("--sliding-window", opts->sliding_window,
-                    "Sliding window of the sliding-attention layers, replacing the preset's (e.g. 192: three KV "
-                    "pages of 64 rows); 0 keeps the preset's")
-        ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
-        ->capture_default_str();
-    sub->add_option("--mtp-layers", opts->mtp_layers,
-                    "MTP layers (num_nextn_predict_layers), replacing the preset's (3: the release's); 0 keeps the "
-                    "preset's")
-        ->check(CLI::Range(int64_t{0}, int64_t{3}))
-        ->capture_default_str();
-    sub->add_option("--layers", opts->layers,
-                    "Trunk layers (num_hidden_layers), replacing the preset's; MoE layers run from the preset's first "
-                    "MoE layer to the last; 0 keeps the preset's")
-        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyLayers))
-        ->capture_default_str();
-    sub->add_option("--experts", opts->experts,
-                    "Routed experts (moe_num_experts, at least the preset's top-k), replacing the preset's (288: the "
-                    "release's); 0 keeps the preset's")
-        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyExperts))
-        ->capture_default_str();
+    add_tiny_model_options(*sub, *opts, "");
     sub->add_flag("-f,--force", opts->force, "Replace the generator's own files in a non-empty OUT_DIR");
 
     return {sub, [opts, out_dir]() {

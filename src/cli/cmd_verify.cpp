@@ -26,6 +26,7 @@ namespace {
 
 struct VerifyCliOptions {
     std::string model_dir;
+    SyntheticChoice synthetic;  // --synthetic: a model generated in memory instead of model_dir
     std::string tp = "1,2,4,8";
     int tokens = 40;
     int decode = 16;
@@ -67,19 +68,17 @@ int run_verify_command(const VerifyCliOptions &opt) {
         std::fprintf(stderr, "error: --tp: %s\n", tp.error().message.c_str());
         return kExitUsage;
     }
-    auto kv_formats = parse_kv_format_options(opt.kv_k, opt.kv_v);
-    if (!kv_formats) return report_error(kv_formats.error().message);
-
-    const std::filesystem::path dir = resolve_model_dir(opt.model_dir);
-    if (dir.empty()) return kExitInvalidInput;
-    auto cfg = model::load_step35_config(dir);
-    if (!cfg) return report_error(cfg.error().message);
+    // The model: a checkpoint directory (its config first, the shards once --layer is checked) or a synthetic one.
+    auto in = load_model_inputs(opt.model_dir, opt.synthetic, opt.threads, opt.kv_k, opt.kv_v);
+    if (!in) return kExitInvalidInput;
+    const std::string &name = in->name;
+    const model::Step35Config *cfg = &in->cfg;
     if (opt.layer >= cfg->n_layers) {
         return report_error(fmt::format("--layer {}: the model has {} trunk layers (0 .. {})", opt.layer, cfg->n_layers,
                                         cfg->n_layers - 1));
     }
-    auto ckpt = io::Checkpoint::open(dir);
-    if (!ckpt) return report_error(ckpt.error().message);
+    auto store = open_store(*in);
+    if (!store) return report_error(store.error().message);
 
     runtime::VerifyOptions vo;
     vo.tp = *tp;
@@ -87,8 +86,8 @@ int run_verify_command(const VerifyCliOptions &opt) {
     vo.decode_steps = opt.decode;
     vo.batch = opt.batch;
     vo.layer = opt.layer;
-    vo.k_format = kv_formats->first;
-    vo.v_format = kv_formats->second;
+    vo.k_format = in->k_format;
+    vo.v_format = in->v_format;
     auto device = resolve_device(opt.device, opt.numerics);
     if (!device) return report_error(device.error().message);
     const int threads = opt.threads;
@@ -117,7 +116,7 @@ int run_verify_command(const VerifyCliOptions &opt) {
     for (const int t : vo.tp) tps += (tps.empty() ? "" : ",") + std::to_string(t);
     std::printf("memra verify %s: tp %s (routed experts expert-parallel); prefill %d, decode %d, batch 1..%d; kv "
                 "%s/%s; numerics %s; %s\n",
-                dir.string().c_str(), tps.c_str(), opt.tokens, opt.decode, opt.batch, opt.kv_k.c_str(),
+                name.c_str(), tps.c_str(), opt.tokens, opt.decode, opt.batch, opt.kv_k.c_str(),
                 opt.kv_v.c_str(), numerics_name(opt.numerics),
                 *device == Device::kCuda
                     ? "device cuda (every rank on GPU 0)"
@@ -126,13 +125,13 @@ int run_verify_command(const VerifyCliOptions &opt) {
                 "-> host copies (syncs: those made before finish()), collectives; allocs: heap allocations on every "
                 "thread from plan() to finish()\n");
     std::fflush(stdout);
-    auto report = runtime::run_verify(*ckpt, *cfg, vo);
+    auto report = runtime::run_verify(**store, *cfg, vo);
     if (!report) return report_error(report.error().message);
     std::printf("model: %s\n%s", report->model.c_str(), runtime::format_verify_summary(*report).c_str());
     std::fflush(stdout);
     const int code = verify_exit_code(report->any_fail(), report->runs);
     if (code == kExitInvalidInput) {
-        report_error(fmt::format("nothing verified: the plan refuses every requested tp on {}", dir.string()));
+        report_error(fmt::format("nothing verified: the plan refuses every requested tp on {}", name));
     }
     return code;
 }
@@ -148,6 +147,7 @@ Command add_verify_command(CLI::App &app) {
                   "(routed experts expert-parallel), stage by stage, with per-step work counts. Exit 0: every gate "
                   "passed; 3: a gate failed; 1: invalid input or nothing verified; 2: usage");
     add_model_dir_option(*sub, opt->model_dir);
+    add_synthetic_options(*sub, opt->synthetic);
     sub->add_option("--tp,--tensor-parallel-size", opt->tp,
                     "Tensor-parallel degrees to verify, comma-separated; a degree the plan refuses is skipped with "
                     "the plan's reason")

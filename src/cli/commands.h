@@ -18,6 +18,8 @@
 #include "core/kv_format.h"
 #include "core/result.h"
 #include "io/safetensors.h"
+#include "make_tiny/make_tiny.h"
+#include "make_tiny/synthetic_store.h"
 #include "model/step35_config.h"
 #include "model/step35_model.h"
 #include "runtime/engine.h"
@@ -102,23 +104,58 @@ void add_tp_option(CLI::App &sub, int &tp);
 Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string &kv_k,
                                                                        const std::string &kv_v);
 
+// One line per make-tiny preset ("\n  name    description"), for --preset and --synthetic help.
+std::string tiny_preset_help();
+// make-tiny's model options (seed, dtype and the size overrides) on a subcommand, each named --<prefix><name>:
+// make-tiny's own (prefix "", the seed also -s), or those of --synthetic (prefix "synthetic-": bench and verify
+// have a -s/--seed and an --experts of their own). One definition for both, so the help texts and ranges agree.
+void add_tiny_model_options(CLI::App &sub, tools::TinyOptions &options, const std::string &prefix);
+
+// --synthetic PRESET (bench, verify): the model make-tiny would write for PRESET (and the --synthetic-* options),
+// generated in memory tensor by tensor instead of read from a MODEL_DIR (tools/make_tiny/synthetic_store.h).
+struct SyntheticChoice {
+    bool given = false;          // --synthetic was passed
+    tools::TinyOptions options;  // preset (the --synthetic value), seed, dtype, overrides
+};
+// Adds --synthetic (excluding MODEL_DIR) and the --synthetic-* options, which need it.
+void add_synthetic_options(CLI::App &sub, SyntheticChoice &choice);
+
+// A model generated in memory: its store (generating on `threads` threads), its config (parsed from the
+// config.json make-tiny would write, so it is validated exactly like a checkpoint's) and its name in reports.
+struct SyntheticModel {
+    std::string name;  // "synthetic e128 fp8 seed 0"
+    model::Step35Config cfg;
+    std::unique_ptr<tools::SyntheticStore> store;
+};
+// Refused, naming --synthetic: an unknown preset (listing the valid ones), an override out of range.
+Result<SyntheticModel> open_synthetic_model(const tools::TinyOptions &options, int threads);
+// "generated 1011 tensors, 102.70 GB in 25.1 s: 4.09 GB/s on 16 threads; at most 1.34 GB held at once".
+std::string synthetic_summary(const tools::SyntheticStats &stats);
+
 // What the commands that drive the engine (run, bench, perplexity) start from: the KV formats their options
-// name, the model directory (resolve_model_dir) and its config.json.
+// name, the model directory (resolve_model_dir) and its config.json, or a synthetic model.
 struct EngineInputs {
     KvFormat k_format = KvFormat::kBf16;
     KvFormat v_format = KvFormat::kBf16;
-    std::filesystem::path dir;
+    std::filesystem::path dir;  // empty for a synthetic model
     model::Step35Config cfg;
+    std::string name;  // the directory, or the synthetic model's name
+    std::unique_ptr<tools::SyntheticStore> synthetic;  // set for a synthetic model (no directory, no tokenizer)
 };
 // Parses the formats, resolves the directory and loads its config, in that order; nullopt after the first
 // failure, whose error is then on stderr (an input error: exit code kExitInvalidInput).
 std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, const std::string &kv_k,
                                                const std::string &kv_v);
+// load_engine_inputs, or with --synthetic the formats, then open_synthetic_model (generating on `threads`).
+std::optional<EngineInputs> load_model_inputs(const std::string &model_dir, const SyntheticChoice &synthetic,
+                                              int threads, const std::string &kv_k, const std::string &kv_v);
+// The weights of the inputs: the synthetic store (moved out of `in`), or the checkpoint in in.dir, opened now.
+Result<std::unique_ptr<io::TensorStore>> open_store(EngineInputs &in);
 
-// The engine over a checkpoint: what run, bench and perplexity execute. Members are destroyed in reverse order:
-// a CPU engine's weights are views into the checkpoint's mmap.
+// The engine over a tensor store (a checkpoint or a synthetic model): what run, bench and perplexity execute.
+// Members are destroyed in reverse order: a CPU engine's weights are views into the store.
 struct LoadedEngine {
-    io::Checkpoint ckpt;
+    std::unique_ptr<io::TensorStore> store;
     std::unique_ptr<runtime::Engine> engine;
 };
 
@@ -135,6 +172,9 @@ struct BackendChoice {
 // shows its progress on stderr. The error is the checkpoint's, the validation's, the device's or the engine's
 // message.
 Result<LoadedEngine> load_engine(const std::filesystem::path &dir, const model::Step35Config &cfg,
+                                 runtime::EngineOptions options, const BackendChoice &backends);
+// The same over an open store (a synthetic model): its total bytes are what the GPU check compares.
+Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const model::Step35Config &cfg,
                                  runtime::EngineOptions options, const BackendChoice &backends);
 // A backend factory for rank r of `backends` (verify's native ranks and reference), without upload progress.
 runtime::BackendFactory backend_factory(const BackendChoice &backends);

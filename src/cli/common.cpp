@@ -1,6 +1,6 @@
 // Helpers shared by the subcommands: the embedded default model, error reporting (and the guard that
-// turns an escaping exception into an error line), numeric validators, the engine options and
-// loading a checkpoint onto the CPU or CUDA backend.
+// turns an escaping exception into an error line), numeric validators, the engine options, make-tiny's model
+// options (shared with --synthetic) and loading a checkpoint or a synthetic model onto the CPU or CUDA backend.
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
@@ -224,7 +224,114 @@ std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, con
         report_error(cfg.error().message);
         return std::nullopt;
     }
-    return EngineInputs{kv_formats->first, kv_formats->second, std::move(dir), std::move(*cfg)};
+    std::string name = dir.string();
+    return EngineInputs{kv_formats->first, kv_formats->second, std::move(dir), std::move(*cfg), std::move(name),
+                        nullptr};
+}
+
+std::optional<EngineInputs> load_model_inputs(const std::string &model_dir, const SyntheticChoice &synthetic,
+                                              int threads, const std::string &kv_k, const std::string &kv_v) {
+    if (!synthetic.given) return load_engine_inputs(model_dir, kv_k, kv_v);
+    auto kv_formats = parse_kv_format_options(kv_k, kv_v);
+    if (!kv_formats) {
+        report_error(kv_formats.error().message);
+        return std::nullopt;
+    }
+    auto model = open_synthetic_model(synthetic.options, threads);
+    if (!model) {
+        report_error(model.error().message);
+        return std::nullopt;
+    }
+    return EngineInputs{kv_formats->first, kv_formats->second, {}, std::move(model->cfg), std::move(model->name),
+                        std::move(model->store)};
+}
+
+Result<std::unique_ptr<io::TensorStore>> open_store(EngineInputs &in) {
+    if (in.synthetic) return std::unique_ptr<io::TensorStore>(std::move(in.synthetic));
+    auto ckpt = io::Checkpoint::open(in.dir);
+    if (!ckpt) return tl::unexpected(ckpt.error());
+    return std::unique_ptr<io::TensorStore>(std::make_unique<io::Checkpoint>(std::move(*ckpt)));
+}
+
+std::string tiny_preset_help() {
+    std::string out;
+    for (const tools::TinyPresetInfo &p : tools::tiny_presets()) {
+        out += fmt::format("\n  {:<7} {}", p.name, p.description);
+    }
+    return out;
+}
+
+void add_tiny_model_options(CLI::App &sub, tools::TinyOptions &options, const std::string &prefix) {
+    const auto name = [&prefix](const char *flag) { return "--" + prefix + flag; };
+    // CLI11 alone would wrap "-1" into 2^64 - 1 and saturate 2^64; the validator refuses both.
+    sub.add_option(prefix.empty() ? "-s,--seed" : name("seed"), options.seed,
+                   "Weight seed (the files are byte-identical for a seed)")
+        ->check(uint64_validator())
+        ->capture_default_str();
+    sub.add_option(name("dtype"), options.dtype,
+                   "Weight format: bf16, or fp8 (routed experts F8_E4M3, 128x128 scales)")
+        ->check(CLI::IsMember({"bf16", "fp8"}))
+        ->capture_default_str();
+    sub.add_option(name("moe-intermediate-size"), options.moe_intermediate_size,
+                   "Routed expert width, replacing the preset's (e.g. 1280, the release's); 0 keeps the preset's")
+        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyMoeIntermediateSize))
+        ->capture_default_str();
+    sub.add_option(name("sliding-window"), options.sliding_window,
+                   "Sliding window of the sliding-attention layers, replacing the preset's (e.g. 192: three KV "
+                   "pages of 64 rows); 0 keeps the preset's")
+        ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
+        ->capture_default_str();
+    sub.add_option(name("mtp-layers"), options.mtp_layers,
+                   "MTP layers (num_nextn_predict_layers), replacing the preset's (3: the release's); 0 keeps the "
+                   "preset's")
+        ->check(CLI::Range(int64_t{0}, int64_t{3}))
+        ->capture_default_str();
+    sub.add_option(name("layers"), options.layers,
+                   "Trunk layers (num_hidden_layers), replacing the preset's; MoE layers run from the preset's first "
+                   "MoE layer to the last; 0 keeps the preset's")
+        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyLayers))
+        ->capture_default_str();
+    sub.add_option(name("experts"), options.experts,
+                   "Routed experts (moe_num_experts, at least the preset's top-k), replacing the preset's (288: the "
+                   "release's); 0 keeps the preset's")
+        ->check(CLI::Range(int64_t{0}, tools::kMaxTinyExperts))
+        ->capture_default_str();
+}
+
+void add_synthetic_options(CLI::App &sub, SyntheticChoice &choice) {
+    CLI::Option *synthetic =
+        sub.add_option("--synthetic", choice.options.preset,
+                       "Instead of MODEL_DIR: the model `memra make-tiny --preset PRESET` would write (with the "
+                       "--synthetic-* options as make-tiny's), generated in memory from its seed, never on disk (a "
+                       "backend that copies, CUDA, holds one tensor at a time in host memory); no tokenizer (token "
+                       "ids only); -t threads generate it. Step-3.5-E128 in the official layout: --synthetic e128 "
+                       "--synthetic-dtype fp8. Presets:" +
+                           tiny_preset_help())
+            ->type_name("PRESET")
+            ->each([&choice](const std::string &) { choice.given = true; })
+            ->excludes("MODEL_DIR");
+    const size_t first = sub.get_options().size();
+    add_tiny_model_options(sub, choice.options, "synthetic-");
+    const std::vector<CLI::Option *> all = sub.get_options();
+    for (size_t i = first; i < all.size(); ++i) all[i]->needs(synthetic);
+}
+
+Result<SyntheticModel> open_synthetic_model(const tools::TinyOptions &options, int threads) {
+    auto model = tools::resolve_tiny_model(options, "--synthetic");
+    if (!model) return tl::unexpected(model.error());
+    auto store = std::make_unique<tools::SyntheticStore>(model->preset, options.seed, model->fp8, std::max(1, threads));
+    std::string name =
+        fmt::format("synthetic {} {} seed {}", model->preset.name, model->fp8 ? "fp8" : "bf16", options.seed);
+    auto cfg = model::parse_step35_config(store->config_json());
+    if (!cfg) return wrap_error(name + ": config.json", cfg.error());
+    return SyntheticModel{std::move(name), std::move(*cfg), std::move(store)};
+}
+
+std::string synthetic_summary(const tools::SyntheticStats &stats) {
+    return fmt::format("generated {} tensors, {:.2f} GB in {:.1f} s: {:.2f} GB/s on {} thread{}; at most {:.2f} GB "
+                       "held at once",
+                       stats.tensors, 1e-9 * static_cast<double>(stats.bytes), stats.seconds, stats.gb_per_s(),
+                       stats.threads, stats.threads == 1 ? "" : "s", 1e-9 * static_cast<double>(stats.peak_held_bytes));
 }
 
 runtime::BackendFactory backend_factory(const BackendChoice &backends) {
@@ -252,7 +359,12 @@ Result<LoadedEngine> load_engine(const std::filesystem::path &dir, const model::
                                  runtime::EngineOptions options, const BackendChoice &backends) {
     auto ckpt = io::Checkpoint::open(dir);
     if (!ckpt) return tl::unexpected(ckpt.error());
-    LoadedEngine out{std::move(*ckpt), nullptr};
+    return load_engine(std::make_unique<io::Checkpoint>(std::move(*ckpt)), cfg, std::move(options), backends);
+}
+
+Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const model::Step35Config &cfg,
+                                 runtime::EngineOptions options, const BackendChoice &backends) {
+    LoadedEngine out{std::move(store), nullptr};
     BackendChoice per_rank = backends;
     per_rank.n_threads = std::max(1, backends.n_threads / std::max(1, options.tp));
     options.make_backend = backend_factory(per_rank);
@@ -261,7 +373,7 @@ Result<LoadedEngine> load_engine(const std::filesystem::path &dir, const model::
         // Every rank shares GPU 0; together they hold at least the checkpoint's bytes.
         auto gpu = cuda::gpu_info(0);
         if (!gpu) return tl::unexpected(gpu.error());
-        const auto weights = static_cast<int64_t>(out.ckpt.total_bytes());
+        const auto weights = static_cast<int64_t>(out.store->total_bytes());
         if (weights > gpu->free_bytes) {
             return make_error("cuda: the model's weights need {:.1f} GiB but {} has {:.1f} GiB free of {:.1f} GiB; use "
                               "--device cpu or a larger GPU",
@@ -284,7 +396,7 @@ Result<LoadedEngine> load_engine(const std::filesystem::path &dir, const model::
         };
     }
 #endif
-    auto engine = runtime::Engine::create(out.ckpt, cfg, options);
+    auto engine = runtime::Engine::create(*out.store, cfg, options);
     if (!engine) return tl::unexpected(engine.error());
     out.engine = std::move(*engine);
     return out;

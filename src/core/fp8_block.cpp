@@ -58,12 +58,23 @@ void quantize_fp8_block(const float *w, int64_t rows, int64_t cols, uint8_t *q, 
         for (int64_t bc = 0; bc < scale_cols; ++bc) {
             const int64_t c0 = bc * kFp8Block;
             const int64_t c1 = c0 + kFp8Block < cols ? c0 + kFp8Block : cols;
-            // amax with NaN propagation: `a > amax` alone would skip a NaN.
-            float amax = 0.0f;
+            // amax = max |w|. Magnitudes order like their bit patterns, so an integer maximum (which vectorizes)
+            // is amax unless a pattern is above +Inf's: then a NaN propagates, the last one as `a > amax` plus
+            // the NaN test would keep it.
+            uint32_t amax_bits = 0;
             for (int64_t r = r0; r < r1; ++r) {
                 for (int64_t c = c0; c < c1; ++c) {
-                    const float a = u32_as_f32(f32_as_u32(w[r * cols + c]) & 0x7fffffffu);
-                    if (a > amax || a != a) amax = a;
+                    const uint32_t a = f32_as_u32(w[r * cols + c]) & 0x7fffffffu;
+                    amax_bits = a > amax_bits ? a : amax_bits;
+                }
+            }
+            float amax = u32_as_f32(amax_bits);
+            if (amax_bits > 0x7f800000u) {
+                for (int64_t r = r0; r < r1; ++r) {
+                    for (int64_t c = c0; c < c1; ++c) {
+                        const float a = u32_as_f32(f32_as_u32(w[r * cols + c]) & 0x7fffffffu);
+                        if (a != a) amax = a;
+                    }
                 }
             }
             float s = amax / 448.0f;
@@ -73,9 +84,12 @@ void quantize_fp8_block(const float *w, int64_t rows, int64_t cols, uint8_t *q, 
                 s = u32_as_f32(1u);  // 2^-149: amax / 448 underflowed
             }
             scale_inv[br * scale_cols + bc] = s;
+            // The divisions first (they vectorize), then the conversions.
+            float scaled[kFp8Block];
             for (int64_t r = r0; r < r1; ++r) {
+                for (int64_t c = c0; c < c1; ++c) scaled[c - c0] = w[r * cols + c] / s;
                 for (int64_t c = c0; c < c1; ++c) {
-                    q[r * cols + c] = f32_to_fp8_e4m3(w[r * cols + c] / s, Fp8Saturation::kSaturate);
+                    q[r * cols + c] = f32_to_fp8_e4m3(scaled[c - c0], Fp8Saturation::kSaturate);
                 }
             }
         }

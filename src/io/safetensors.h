@@ -16,22 +16,12 @@
 
 #include "core/dtype.h"
 #include "core/result.h"
+#include "io/tensor_store.h"
 
 namespace memra::io {
 
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;  // same limit as the reference implementation
 inline constexpr char kIndexFileName[] = "model.safetensors.index.json";
-
-struct TensorInfo {
-    std::string name;
-    DType dtype = DType::kF32;
-    std::vector<int64_t> shape;  // outermost first (PyTorch order); empty = scalar
-    uint64_t data_begin = 0;     // byte offsets relative to the start of the data section
-    uint64_t data_end = 0;
-
-    uint64_t n_elements() const;  // product of shape (1 for a scalar)
-    uint64_t n_bytes() const { return data_end - data_begin; }
-};
 
 struct SafetensorsHeader {
     uint64_t header_len = 0;                      // the 8-byte little-endian length field
@@ -69,25 +59,6 @@ private:
     size_t size_ = 0;
 };
 
-// A zero-copy view of one tensor inside a mapped file.
-struct TensorRef {
-    const TensorInfo *info = nullptr;
-    std::span<const std::byte> bytes;  // exactly info->n_bytes() bytes, inside the mapping
-
-    // Typed view; an Error if T does not match the dtype's size or the data is misaligned for T.
-    template <class T>
-    Result<std::span<const T>> as() const {
-        if (sizeof(T) != dtype_size(info->dtype)) {
-            return make_error("tensor {}: element size {} requested, dtype {} has {}", info->name, sizeof(T),
-                              dtype_name(info->dtype), dtype_size(info->dtype));
-        }
-        if (reinterpret_cast<uintptr_t>(bytes.data()) % alignof(T) != 0) {
-            return make_error("tensor {}: data is not {}-byte aligned in the file", info->name, alignof(T));
-        }
-        return std::span<const T>(reinterpret_cast<const T *>(bytes.data()), bytes.size() / sizeof(T));
-    }
-};
-
 // One mapped, validated safetensors file.
 class SafetensorsFile {
 public:
@@ -114,18 +85,19 @@ using ShardProgress = std::function<void(size_t shards_done, size_t shards_total
 // every tensor the index names is in the shard it names, no tensor is in two shards, and no shard
 // holds a tensor the index does not list. A single file path is accepted as a one-shard checkpoint.
 // A directory holding both model.safetensors and the index is refused as ambiguous.
-class Checkpoint {
+// As a TensorStore its views are the mmap itself: valid for the checkpoint's life, release() does nothing.
+class Checkpoint final : public TensorStore {
 public:
     static Result<Checkpoint> open(const std::filesystem::path &dir_or_file, const ShardProgress &progress = {});
 
     const std::filesystem::path &root() const { return root_; }  // the directory (a single file's parent)
     size_t n_shards() const { return shards_.size(); }
     const SafetensorsFile &shard(size_t i) const { return *shards_[i]; }
-    std::vector<std::string> names() const;  // all tensor names, sorted
-    size_t n_tensors() const { return by_name_.size(); }
-    const TensorInfo *find(std::string_view name) const;  // nullptr when absent
-    Result<TensorRef> get(std::string_view name) const;    // Error naming the tensor when absent
-    uint64_t total_bytes() const;                          // sum of tensor bytes over all shards
+    std::vector<std::string> names() const override;  // all tensor names, sorted
+    size_t n_tensors() const override { return by_name_.size(); }
+    const TensorInfo *find(std::string_view name) const override;  // nullptr when absent
+    Result<TensorRef> get(std::string_view name) const override;    // Error naming the tensor when absent
+    uint64_t total_bytes() const override;                          // sum of tensor bytes over all shards
 
 private:
     struct Entry {

@@ -1,10 +1,12 @@
-// Binding a validated Step-3.5 checkpoint to backend handles: every tensor is looked up by its official
-// name and described to the backend as a matrix, an expert bank or a vector (fp8 weights with their
-// "_scale_inv" companions). Validation comes first, so the lookups here only fail on a broken invariant.
-// A TP rank binds windows of the same tensors, as its RankLayerPlan says.
+// Binding a validated Step-3.5 checkpoint (any io::TensorStore) to backend handles: every tensor is looked up
+// by its official name and described to the backend as a matrix, an expert bank or a vector (fp8 weights with
+// their "_scale_inv" companions). Validation comes first, so the lookups here only fail on a broken invariant.
+// A TP rank binds windows of the same tensors, as its RankLayerPlan says. Each tensor read for an upload is given
+// back to the store afterwards when the backend copied it (the store's lifetime rule, io/tensor_store.h).
 #include "model/step35_model.h"
 
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -31,14 +33,39 @@ struct Cut {
     static Cut cols(parallel::Range r, int64_t unit) { return cols(r.begin * unit, r.end * unit); }
 };
 
+// The tensors one upload reads from the store: given back when the upload is over (successful or not) if the
+// backend made its own copy, kept otherwise (the backend's views point into them).
+class Lease {
+public:
+    Lease(const io::TensorStore &store, bool give_back) : store_(store), give_back_(give_back) {}
+    Lease(const Lease &) = delete;
+    Lease &operator=(const Lease &) = delete;
+    ~Lease() {
+        if (!give_back_) return;
+        for (const std::string &name : names_) store_.release(name);
+    }
+
+    Result<io::TensorRef> get(const std::string &name) {
+        auto ref = store_.get(name);
+        if (ref) names_.push_back(name);
+        return ref;
+    }
+
+private:
+    const io::TensorStore &store_;
+    bool give_back_;
+    std::vector<std::string> names_;
+};
+
 class Binder {
 public:
-    Binder(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg)
-        : backend_(backend), ckpt_(ckpt), cfg_(cfg) {}
+    Binder(Backend &backend, const io::TensorStore &store, const Step35Config &cfg)
+        : backend_(backend), store_(store), cfg_(cfg) {}
 
     // f32_activations: the product keeps f32 activations in every numerics mode (the router).
     Result<MatrixId> matrix(const std::string &name, Cut cut = Cut::whole(), bool f32_activations = false) {
-        auto ref = ckpt_.get(name);
+        Lease lease = open_lease();
+        auto ref = lease.get(name);
         if (!ref) return tl::unexpected(ref.error());
         const io::TensorInfo &info = *ref->info;
         if (info.shape.size() != 2) {
@@ -49,7 +76,7 @@ public:
         m.data = ref->bytes.data();
         m.rows = info.shape[0];
         m.cols = info.shape[1];
-        auto scale = fp8_scale(name, info.dtype, m.block_rows, m.block_cols);
+        auto scale = fp8_scale(lease, name, info.dtype, m.block_rows, m.block_cols);
         if (!scale) return tl::unexpected(scale.error());
         m.scale_inv = *scale;
         m.f32_activations = f32_activations;
@@ -67,7 +94,8 @@ public:
 
     // experts: the experts held whole (a TP rank's own), or empty for all of them.
     Result<BankId> bank(const std::string &name, parallel::Range experts = {}) {
-        auto ref = ckpt_.get(name);
+        Lease lease = open_lease();
+        auto ref = lease.get(name);
         if (!ref) return tl::unexpected(ref.error());
         const io::TensorInfo &info = *ref->info;
         if (info.shape.size() != 3) {
@@ -79,7 +107,7 @@ public:
         b.n_experts = info.shape[0];
         b.rows = info.shape[1];
         b.cols = info.shape[2];
-        auto scale = fp8_scale(name, info.dtype, b.block_rows, b.block_cols);
+        auto scale = fp8_scale(lease, name, info.dtype, b.block_rows, b.block_cols);
         if (!scale) return tl::unexpected(scale.error());
         b.scale_inv = *scale;
         if (experts.empty()) return wrap(name, backend_.upload_bank(b));
@@ -87,7 +115,8 @@ public:
     }
 
     Result<VectorId> vector(const std::string &name) {
-        auto ref = ckpt_.get(name);
+        Lease lease = open_lease();
+        auto ref = lease.get(name);
         if (!ref) return tl::unexpected(ref.error());
         const io::TensorInfo &info = *ref->info;
         if (info.shape.size() != 1) {
@@ -102,10 +131,11 @@ public:
 
 private:
     // The f32 scale grid of an fp8 weight (nullptr for other dtypes); sets the block edges from the config.
-    Result<const float *> fp8_scale(const std::string &name, DType dtype, int64_t &block_rows, int64_t &block_cols) {
+    Result<const float *> fp8_scale(Lease &lease, const std::string &name, DType dtype, int64_t &block_rows,
+                                    int64_t &block_cols) {
         if (dtype != DType::kF8E4M3) return static_cast<const float *>(nullptr);
         const std::string scale_name = name + std::string(kFp8ScaleSuffix);
-        auto ref = ckpt_.get(scale_name);
+        auto ref = lease.get(scale_name);
         if (!ref) return tl::unexpected(ref.error());
         auto floats = ref->as<float>();
         if (!floats) return tl::unexpected(floats.error());
@@ -120,8 +150,10 @@ private:
         return r;
     }
 
+    Lease open_lease() const { return Lease(store_, !backend_.keeps_host_views()); }
+
     Backend &backend_;
-    const io::Checkpoint &ckpt_;
+    const io::TensorStore &store_;
     const Step35Config &cfg_;
 };
 
@@ -184,19 +216,19 @@ Result<LayerWeights> bind_layer(Binder &b, const Step35Config &cfg, const LayerG
     return w;
 }
 
-Result<void> check_checkpoint(const io::Checkpoint &ckpt, const Step35Config &cfg) {
+Result<void> check_store(const io::TensorStore &store, const Step35Config &cfg) {
     std::vector<io::TensorInfo> infos;
-    infos.reserve(ckpt.n_tensors());
-    for (const std::string &name : ckpt.names()) {
-        infos.push_back(*ckpt.find(name));
+    infos.reserve(store.n_tensors());
+    for (const std::string &name : store.names()) {
+        infos.push_back(*store.find(name));
     }
     return check_tensors(cfg, infos);
 }
 
 // rank: the TP rank's plan, or nullptr for the whole model.
-Result<Step35Model> bind(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg,
+Result<Step35Model> bind(Backend &backend, const io::TensorStore &store, const Step35Config &cfg,
                          const parallel::RankPlan *rank) {
-    Binder b(backend, ckpt, cfg);
+    Binder b(backend, store, cfg);
     Step35Model model;
     model.cfg = cfg;
     const parallel::Range vocab = rank ? rank->vocab : parallel::Range{0, cfg.vocab_size};
@@ -225,17 +257,17 @@ bool same_layer_plan(const parallel::RankLayerPlan &a, const parallel::RankLayer
 
 }  // namespace
 
-Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg) {
+Result<Step35Model> bind_step35_model(Backend &backend, const io::TensorStore &store, const Step35Config &cfg) {
     // One rank still cuts every row-parallel product into the canonical K blocks: the TP=1 plan says whether
     // the config's widths allow them.
     if (auto one = parallel::make_plan(plan_shape(cfg), parallel::PlanRequest{}); !one) {
         return wrap_error("bind: the config cannot run even on one rank", one.error());
     }
-    if (auto valid = check_checkpoint(ckpt, cfg); !valid) return tl::unexpected(valid.error());
-    return bind(backend, ckpt, cfg, nullptr);
+    if (auto valid = check_store(store, cfg); !valid) return tl::unexpected(valid.error());
+    return bind(backend, store, cfg, nullptr);
 }
 
-Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg,
+Result<Step35Model> bind_step35_model(Backend &backend, const io::TensorStore &store, const Step35Config &cfg,
                                       const parallel::ParallelPlan &plan, int rank) {
     const parallel::PlanRequest &req = plan.request;
     if (req.pipeline_stages != 1) {
@@ -262,8 +294,8 @@ Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ck
             return make_error("bind: rank {} layer {} of the plan differs from the plan the config gives", rank, i);
         }
     }
-    if (auto valid = check_checkpoint(ckpt, cfg); !valid) return tl::unexpected(valid.error());
-    auto model = bind(backend, ckpt, cfg, &have);
+    if (auto valid = check_store(store, cfg); !valid) return tl::unexpected(valid.error());
+    auto model = bind(backend, store, cfg, &have);
     if (!model) return model;
     model->shard.whole = false;
     model->shard.tp = req.tp;

@@ -2,15 +2,16 @@
 // names, STEP35.md section 5), after the tensor list has been validated against the config. The bound
 // model is plain data; the forward recipe (step35_forward.h) reads it. A model is either whole (TP = 1) or
 // one tensor-parallel rank's shard, bound from the parallel plan (the only place sharding is decided). On
-// the CPU the handles are zero-copy views (or strided windows) into the checkpoint's mmap, so the
-// Checkpoint must outlive the backend's use of them.
+// the CPU the handles are zero-copy views (or strided windows) into the store's bytes (a checkpoint's mmap), so
+// the io::TensorStore must outlive the backend's use of them; a backend that copies (CUDA) gets each tensor given
+// back to the store after its upload (io/tensor_store.h).
 #pragma once
 
 #include <vector>
 
 #include "backend/backend.h"
 #include "core/result.h"
-#include "io/safetensors.h"
+#include "io/tensor_store.h"
 #include "model/step35_config.h"
 #include "parallel/plan.h"
 
@@ -80,13 +81,13 @@ struct Step35Model {
 
 // Validates the checkpoint's tensors against cfg (model::validate_tensors: the first error is the
 // validation report's), then uploads every tensor to the backend. Errors name the tensor.
-Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg);
+Result<Step35Model> bind_step35_model(Backend &backend, const io::TensorStore &store, const Step35Config &cfg);
 
 // The same for TP rank `rank` of `plan` (made by parallel::make_plan from plan_shape(cfg)): only the rank's
 // slices are uploaded, as windows of the checkpoint tensors (bind time only; nothing is re-sliced per step).
 // Refused besides: a plan with more than one pipeline stage (the forward runs one stage), a rank outside
 // the plan, a plan that was not made for this config (it is rebuilt from cfg and compared).
-Result<Step35Model> bind_step35_model(Backend &backend, const io::Checkpoint &ckpt, const Step35Config &cfg,
+Result<Step35Model> bind_step35_model(Backend &backend, const io::TensorStore &store, const Step35Config &cfg,
                                       const parallel::ParallelPlan &plan, int rank);
 
 }  // namespace memra::model

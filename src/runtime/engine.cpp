@@ -93,7 +93,7 @@ SamplingParams draft_params(SamplingParams p) {
 
 }  // namespace
 
-Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const model::Step35Config &cfg,
+Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, const model::Step35Config &cfg,
                                                const EngineOptions &options) {
     const EngineOptions &o = options;
     if (!o.make_backend) return make_error("engine: no backend factory");
@@ -188,8 +188,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::Checkpoint &ckpt, const
         rk->backend = std::move(*backend);
         Backend &be = *rk->backend;
         const parallel::RankPlan *rank_plan = o.tp > 1 ? &e->plan_.ranks[static_cast<size_t>(r)] : nullptr;
-        auto bound = o.tp > 1 ? model::bind_step35_model(be, ckpt, cfg, e->plan_, r)
-                              : model::bind_step35_model(be, ckpt, cfg);
+        auto bound = o.tp > 1 ? model::bind_step35_model(be, store, cfg, e->plan_, r)
+                              : model::bind_step35_model(be, store, cfg);
         if (!bound) return wrap_error(fmt::format("rank {} bind", r), bound.error());
         rk->model = std::make_unique<model::Step35Model>(std::move(*bound));
         rk->kv.pool_layer = e->pools_.pool_layer;

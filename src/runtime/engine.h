@@ -181,9 +181,10 @@ struct StepCounters {
 class Engine {
 public:
     // Plans the ranks (model::plan_shape + parallel::make_plan; a refusal is the error), binds each rank's
-    // shard, sizes the pools and every step buffer. The checkpoint must outlive the engine (CPU shards are
-    // views of its mmap). Refused: options out of range, a plan the model cannot take, a backend failure.
-    static Result<std::unique_ptr<Engine>> create(const io::Checkpoint &ckpt, const model::Step35Config &cfg,
+    // shard, sizes the pools and every step buffer. The store (a checkpoint, or a model generated in memory) must
+    // outlive the engine: CPU shards are views of its bytes (io/tensor_store.h). Refused: options out of range, a
+    // plan the model cannot take, a backend failure.
+    static Result<std::unique_ptr<Engine>> create(const io::TensorStore &store, const model::Step35Config &cfg,
                                                   const EngineOptions &options);
     Engine(const Engine &) = delete;
     Engine &operator=(const Engine &) = delete;

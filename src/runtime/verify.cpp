@@ -687,10 +687,11 @@ float oracle_swiglu(float g, float u, float limit) {
 
 // Every (token, expert) pair of one step through its expert, computed on the host from the checkpoint
 // (oracle_product), then the slot-order combine: the routed gates are checked against this, never against
-// the backend that produced them.
+// the backend that produced them. It reads the layer's banks through views it never gives back (one layer:
+// a generated store keeps them for its life).
 class ExpertOracle {
 public:
-    static Result<ExpertOracle> create(const io::Checkpoint &ckpt, const Step35Config &cfg, int layer,
+    static Result<ExpertOracle> create(const io::TensorStore &store, const Step35Config &cfg, int layer,
                                        Numerics numerics) {
         ExpertOracle o;
         o.numerics_ = numerics;
@@ -702,7 +703,7 @@ public:
         const char *projs[] = {"gate_proj", "up_proj", "down_proj"};
         for (int i = 0; i < 3; ++i) {
             const std::string name = p + projs[i] + ".weight";
-            auto ref = ckpt.get(name);
+            auto ref = store.get(name);
             if (!ref) return tl::unexpected(ref.error());
             const io::TensorInfo &info = *ref->info;
             if (info.shape.size() != 3 || info.shape[0] != g.n_experts) {
@@ -715,7 +716,7 @@ public:
             b.cols = info.shape[2];
             if (info.dtype == DType::kF8E4M3) {
                 const std::string scale_name = name + std::string(kFp8ScaleSuffix);
-                auto sref = ckpt.get(scale_name);
+                auto sref = store.get(scale_name);
                 if (!sref) return tl::unexpected(sref.error());
                 auto floats = sref->as<float>();
                 if (!floats) return tl::unexpected(floats.error());
@@ -948,14 +949,14 @@ void emit(VerifyReport &report, const VerifyOptions &o, VerifyLine line) {
 }
 
 // An engine for the scenario on tp ranks, every rank's backend from make(rank).
-Result<std::unique_ptr<Engine>> scenario_engine(const io::Checkpoint &ckpt, const Step35Config &cfg,
+Result<std::unique_ptr<Engine>> scenario_engine(const io::TensorStore &store, const Step35Config &cfg,
                                                 const Scenario &sc, int tp, BackendFactory make,
                                                 parallel::InProcessGroup::ByteCopy rank_copy) {
     EngineOptions e = sc.engine;
     e.tp = tp;
     e.make_backend = std::move(make);
     e.rank_copy = rank_copy;
-    return Engine::create(ckpt, cfg, e);
+    return Engine::create(store, cfg, e);
 }
 
 // The probe alone, then in batches of 2 .. B at every slot: its prefill logits (every row) and the decode
@@ -993,14 +994,14 @@ std::vector<float> logit_rows(const std::vector<float> &all, std::pair<int64_t, 
     return std::vector<float>(all.begin() + range.first * vocab, all.begin() + (range.first + range.second) * vocab);
 }
 
-Result<Reference> run_reference(const io::Checkpoint &ckpt, const Step35Config &cfg, const Scenario &sc,
+Result<Reference> run_reference(const io::TensorStore &store, const Step35Config &cfg, const Scenario &sc,
                                 const VerifyOptions &o, VerifyReport &report) {
-    auto made = scenario_engine(ckpt, cfg, sc, 1, [&o](int) { return o.make_reference_backend(); }, o.rank_copy);
+    auto made = scenario_engine(store, cfg, sc, 1, [&o](int) { return o.make_reference_backend(); }, o.rank_copy);
     if (!made) return wrap_error("reference", made.error());
     Engine &engine = **made;
     std::optional<ExpertOracle> oracle;
     if (sc.layer_moe) {
-        auto built = ExpertOracle::create(ckpt, cfg, sc.layer, engine.backend(0).numerics());
+        auto built = ExpertOracle::create(store, cfg, sc.layer, engine.backend(0).numerics());
         if (!built) return tl::unexpected(built.error());
         oracle.emplace(std::move(*built));
     }
@@ -1114,9 +1115,10 @@ public:
         : cfg_(cfg), sc_(sc), ref_(ref), o_(o), report_(report), tp_(tp) {}
 
     // Runs every stage; returns the error that stopped the run (also on a failed line), or empty.
-    std::string run(const io::Checkpoint &ckpt) {
+    std::string run(const io::TensorStore &store) {
         const int tp = tp_;
-        auto made = scenario_engine(ckpt, cfg_, sc_, tp_, [this, tp](int rank) { return o_.make_rank_backend(tp, rank); },
+        auto made = scenario_engine(store, cfg_, sc_, tp_,
+                                    [this, tp](int rank) { return o_.make_rank_backend(tp, rank); },
                                     o_.rank_copy);
         if (!made) return fail("create", made.error().message);
         e_ = std::move(*made);
@@ -1680,7 +1682,7 @@ bool VerifyReport::any_fail() const {
     return std::any_of(gates.begin(), gates.end(), [](const GateResult &g) { return g.status == GateStatus::kFail; });
 }
 
-Result<VerifyReport> run_verify(const io::Checkpoint &ckpt, const Step35Config &cfg, const VerifyOptions &options) {
+Result<VerifyReport> run_verify(const io::TensorStore &store, const Step35Config &cfg, const VerifyOptions &options) {
     if (options.prefill_tokens < 2) {
         return make_error("verify: prefill tokens {}, expected at least 2", options.prefill_tokens);
     }
@@ -1727,7 +1729,7 @@ Result<VerifyReport> run_verify(const io::Checkpoint &ckpt, const Step35Config &
                                       [](const VerifyCombo &c) { return !c.skipped; });
     std::optional<Reference> ref;
     if (any_runs) {
-        auto made = run_reference(ckpt, cfg, *sc, options, report);
+        auto made = run_reference(store, cfg, *sc, options, report);
         if (!made) return tl::unexpected(made.error());
         ref.emplace(std::move(*made));
     }
@@ -1742,7 +1744,7 @@ Result<VerifyReport> run_verify(const io::Checkpoint &ckpt, const Step35Config &
         }
         ++report.runs;
         NativeRun run(cfg, *sc, *ref, options, report, combo.tp);
-        combo.reason = run.run(ckpt);
+        combo.reason = run.run(store);
     }
     summarize(report, cfg, *sc, options);
     return report;

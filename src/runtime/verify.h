@@ -126,11 +126,12 @@ struct VerifyReport {
 // Every gate, in report order.
 const std::vector<std::string> &verify_gate_names();
 
-// Runs the gates on the checkpoint in ckpt (cfg parsed from it). Errors (not FAILs): options out of range
+// Runs the gates on the model in store (a checkpoint or a generated model; cfg parsed from its config). Errors
+// (not FAILs): options out of range
 // (tokens < 2, decode < 1, batch < 1, a layer outside the trunk, a tp < 1, no backend factory), a
 // reference run that cannot run, a context the model does not have. A native run that fails ends that
 // run with a failed line and FAILs the NATIVE_RUN gate; a degree the plan refuses is skipped.
-Result<VerifyReport> run_verify(const io::Checkpoint &ckpt, const model::Step35Config &cfg,
+Result<VerifyReport> run_verify(const io::TensorStore &store, const model::Step35Config &cfg,
                                 const VerifyOptions &options);
 
 // The report as the CLI prints it: a header, one line per stage, then one line per gate and an overall

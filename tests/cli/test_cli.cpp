@@ -826,7 +826,7 @@ TEST_F(CliTest, MakeTinyIntoANonEmptyDirectoryNeedsForce) {
 TEST_F(CliTest, MakeTinyRefusesUnknownPresetAndDtypeListingTheChoices) {
     RunResult r = run_memra({"make-tiny", (dir_ / "m").string(), "--preset", "nope"});
     EXPECT_EQ(r.exit_code, 2) << describe(r);
-    EXPECT_TRUE(contains(r.err, "--preset: nope not in {tiny,small,release}")) << describe(r);
+    EXPECT_TRUE(contains(r.err, "--preset: nope not in {tiny,small,release,e128}")) << describe(r);
     r = run_memra({"make-tiny", (dir_ / "m").string(), "--dtype", "fp16"});
     EXPECT_EQ(r.exit_code, 2) << describe(r);
     EXPECT_TRUE(contains(r.err, "--dtype: fp16 not in {bf16,fp8}")) << describe(r);
@@ -1177,7 +1177,8 @@ TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
     for (size_t i = 0; i < tests.size(); ++i) {
         const Json &t = report[i];
         const auto &[name, n_prompt, n_gen] = tests[i];
-        EXPECT_EQ(t.size(), 18u) << t.dump();
+        EXPECT_EQ(t.size(), 19u) << t.dump();
+        EXPECT_EQ(t.at("n_depth"), 0);
         EXPECT_EQ(t.at("tp"), 1);
         EXPECT_EQ(t.at("parallel"), 1);
         EXPECT_EQ(t.at("numerics"), "device");
@@ -1356,6 +1357,115 @@ TEST_F(CliTest, BenchRefusesBadFlagValues) {
     }
 }
 
+// ---- bench -d/--n-depth and --synthetic ----
+
+// -d D: every test's sequence first holds D context tokens (prefilled untimed), named as llama-bench names them.
+TEST_F(CliTest, BenchDepthTimesEachTestAfterItsContext) {
+    const RunResult r = run_memra({"bench", "-p", "8", "-n", "4", "-d", "70", "-ub", "32", "-r", "1", "-t", "1",
+                                   "--parallel", "2", "-o", "json"},
+                                  tiny_env());
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const Json report = Json::parse(r.out);
+    ASSERT_EQ(report.size(), 3u) << r.out;
+    const std::vector<std::string> names = {"pp8 @ d70", "tg4 @ d70", "tg4 x2 @ d70"};
+    for (size_t i = 0; i < names.size(); ++i) {
+        EXPECT_EQ(report[i].at("test"), names[i]) << r.out;
+        EXPECT_EQ(report[i].at("n_depth"), 70) << r.out;
+        EXPECT_GT(report[i].at("avg_ts").get<double>(), 0.0) << r.out;
+    }
+    // Markdown: the depth is in the test's name; tokens/s count the timed tokens only.
+    const RunResult md = run_memra({"bench", "-p", "0", "-n", "3", "-d", "5", "-r", "1", "-t", "1"}, tiny_env());
+    ASSERT_EQ(md.exit_code, 0) << describe(md);
+    ASSERT_EQ(lines_of(md.out).size(), 3u) << describe(md);
+    EXPECT_EQ(table_cells(lines_of(md.out)[2])[6], "tg3 @ d5");
+    // The depth tokens are seeded draws after the prompt's, shown by --print-tokens.
+    const RunResult tokens = run_memra({"bench", "--print-tokens", "-p", "4", "-d", "3", "-s", "5"}, tiny_env());
+    ASSERT_EQ(tokens.exit_code, 0) << describe(tokens);
+    const Json ids = Json::parse(tokens.out);
+    EXPECT_EQ(ids.at("depth").size(), 3u);
+    const RunResult longer = run_memra({"bench", "--print-tokens", "-p", "7", "-s", "5"}, tiny_env());
+    const Json all = Json::parse(longer.out);
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(ids.at("depth")[i], all.at("prompt")[4 + i]);
+}
+
+TEST_F(CliTest, BenchDepthRefusesAContextItDoesNotFit) {
+    const std::vector<Case> cases = {
+        {{"-p", "8", "-n", "4", "-d", "100", "-c", "64"}, 1,
+         "error: -c 64: the KV cache is smaller than the 108 positions the pp test needs (100 depth + 8 prompt); "
+         "raise -c to at least 108 (or leave it 0) or lower -d\n"},
+        {{"-p", "0", "-n", "4", "-d", "10", "--parallel", "3", "-c", "40"}, 1,
+         "error: -c 40: the KV cache is smaller than the 45 positions the tg test needs (10 depth + 4 + 1 generated, "
+         "x3 sequences); raise -c to at least 45"},
+        {{"-p", "8", "-n", "4", "-c", "4"}, 1, "error: -c 4: the KV cache is smaller than the 8 positions"},
+        {{"-p", "8", "-d", "4090"}, 1,
+         "error: -d 4090 -p 8: the test needs 4098 positions, more than the model's context length 4096\n"},
+        {{"-p", "0", "-n", "16", "-d", "4090"}, 1, "error: -d 4090 -n 16: the test needs 4106 positions"},
+        {{"-d", "-1"}, 2, "--n-depth"},
+        {{"--experts", "-d", "4"}, 2, "--n-depth"},
+    };
+    for (const Case &c : cases) {
+        std::vector<std::string> args = {"bench", "-r", "1", "-t", "1"};
+        args.insert(args.end(), c.args.begin(), c.args.end());
+        const RunResult r = run_memra(args, tiny_env());
+        EXPECT_EQ(r.exit_code, c.exit_code) << c.fragment << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
+        EXPECT_EQ(r.out, "") << describe(r);
+    }
+}
+
+// --synthetic PRESET: the model make-tiny would write, generated in memory; token ids over the whole embedding.
+TEST_F(CliTest, BenchAndVerifyRunASyntheticModel) {
+    const RunResult r = run_memra({"bench", "--synthetic", "tiny", "--synthetic-dtype", "fp8", "--synthetic-seed",
+                                   "3", "--synthetic-experts", "12", "-p", "8", "-n", "3", "-r", "1", "-t", "2", "-o",
+                                   "json"});
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const Json report = Json::parse(r.out);
+    ASSERT_EQ(report.size(), 2u) << r.out;
+    EXPECT_EQ(report[0].at("model"), "synthetic tiny fp8 seed 3");
+    EXPECT_EQ(report[0].at("dtype"), "fp8");
+    EXPECT_EQ(report[0].at("test"), "pp8");
+    EXPECT_TRUE(contains(r.err, "memra bench: synthetic tiny fp8 seed 3: generated ")) << describe(r);
+    EXPECT_TRUE(contains(r.err, " GB/s on 2 threads")) << describe(r);
+    // No tokenizer: prompt ids are drawn over every embedding row (1024), not the tiny tokenizer's 739.
+    const RunResult tokens = run_memra({"bench", "--synthetic", "tiny", "--print-tokens", "-p", "300"});
+    ASSERT_EQ(tokens.exit_code, 0) << describe(tokens);
+    const std::vector<int32_t> ids = Json::parse(tokens.out).at("prompt").get<std::vector<int32_t>>();
+    EXPECT_GE(*std::max_element(ids.begin(), ids.end()), 739);
+    EXPECT_LT(*std::max_element(ids.begin(), ids.end()), 1024);
+    // The routed-experts test and verify take it too.
+    const RunResult experts = run_memra({"bench", "--synthetic", "tiny", "--experts", "--iterations", "2", "-t", "1"});
+    EXPECT_EQ(experts.exit_code, 0) << describe(experts);
+    EXPECT_TRUE(contains(experts.out, "synthetic tiny bf16 seed 0")) << describe(experts);
+    const RunResult verify = run_memra({"verify", "--synthetic", "tiny", "--tp", "1,2", "--tokens", "20", "--decode",
+                                        "2", "--batch", "2", "-t", "2", "--kv-k", "bf16", "--kv-v", "bf16"});
+    EXPECT_EQ(verify.exit_code, 0) << describe(verify);
+    EXPECT_TRUE(contains(verify.out, "memra verify synthetic tiny bf16 seed 0: tp 1,2")) << describe(verify);
+}
+
+TEST_F(CliTest, BenchSyntheticRefusesBadRequests) {
+    const std::vector<Case> cases = {
+        {{"--synthetic", "nope"}, 1,
+         "error: --synthetic: unknown preset 'nope' (valid presets: tiny, small, release, e128)\n"},
+        {{"--synthetic", "tiny", "--synthetic-experts", "4"}, 1,
+         "error: --synthetic: experts must be in [8, 512] (top-k .. max; 0 keeps the preset's 16), found 4\n"},
+        {{"--synthetic", "tiny", "--synthetic-dtype", "fp4"}, 2, "--synthetic-dtype"},
+        {{"--synthetic-layers", "3"}, 2, "--synthetic-layers requires --synthetic"},
+        {{"--synthetic", "tiny", (dir_ / "model").string()}, 2, "MODEL_DIR excludes --synthetic"},
+        {{"--synthetic", "tiny", "-p", "5000"}, 1, "error: -p 5000: the test needs 5000 positions"},
+    };
+    for (const Case &c : cases) {
+        std::vector<std::string> args = {"bench", "-r", "1", "-t", "1"};
+        args.insert(args.end(), c.args.begin(), c.args.end());
+        const RunResult r = run_memra(args);
+        EXPECT_EQ(r.exit_code, c.exit_code) << c.fragment << "\n" << describe(r);
+        EXPECT_TRUE(contains(r.err, c.fragment)) << c.fragment << "\n" << describe(r);
+        EXPECT_EQ(r.out, "") << describe(r);
+    }
+    const RunResult verify = run_memra({"verify", "--synthetic", "huge"});
+    EXPECT_EQ(verify.exit_code, 1) << describe(verify);
+    EXPECT_TRUE(contains(verify.err, "error: --synthetic: unknown preset 'huge'")) << describe(verify);
+}
+
 // ---- bench --experts ----
 
 TEST_F(CliTest, BenchExpertsPrintsOneRowWithOrderedPercentiles) {
@@ -1487,7 +1597,10 @@ TEST_F(CliTest, BenchHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
                   "MEMRA_TOKENS", "=64", "--tp,--tensor-parallel-size", "MEMRA_TP", "--warmup", "MEMRA_WARMUP", "=3",
                   "--iterations", "MEMRA_ITERATIONS", "=20", "-c,--ctx-size", "MEMRA_CTX_SIZE", "--ubatch-size", "-ub",
                   "MEMRA_UBATCH", "--spec-draft,--draft", "MEMRA_SPEC_DRAFT", "--spec-accept", "MEMRA_SPEC_ACCEPT",
-                  "--parallel", "MEMRA_BENCH_PARALLEL", "--device", "MEMRA_DEVICE"});
+                  "--parallel", "MEMRA_BENCH_PARALLEL", "--device", "MEMRA_DEVICE", "-d,--n-depth", "MEMRA_N_DEPTH",
+                  "--synthetic", "e128", "--synthetic-seed", "--synthetic-dtype", "--synthetic-experts",
+                  "--synthetic-layers", "--synthetic-mtp-layers", "--synthetic-moe-intermediate-size",
+                  "--synthetic-sliding-window"});
     EXPECT_FALSE(contains(r.out, "--ep")) << describe(r);
 }
 

@@ -523,7 +523,7 @@ TEST_F(MakeTinyTest, SlidingWindowReplacesThePresetsWindowOnly) {
 }
 
 TEST(MakeTinyPresets, NamesAndDescriptions) {
-    EXPECT_EQ(tiny_preset_names(), (std::vector<std::string>{"tiny", "small", "release"}));
+    EXPECT_EQ(tiny_preset_names(), (std::vector<std::string>{"tiny", "small", "release", "e128"}));
     for (const TinyPresetInfo &p : tiny_presets()) {
         EXPECT_FALSE(p.description.empty()) << p.name;
         EXPECT_EQ(p.description.find('\n'), std::string::npos) << p.name;

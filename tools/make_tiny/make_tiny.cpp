@@ -190,34 +190,34 @@ Result<TokenizerSummary> make_tokenizer_files(const TokenizerOptions &options) {
     return summary;
 }
 
-Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
+Result<TinyModel> resolve_tiny_model(const TinyOptions &options, std::string_view who) {
     std::optional<TinyPreset> preset = find_tiny_preset(options.preset);
     if (!preset) {
-        return make_error("make-tiny: unknown preset '{}' (valid presets: {})", options.preset,
+        return make_error("{}: unknown preset '{}' (valid presets: {})", who, options.preset,
                           join(tiny_preset_names()));
     }
     bool fp8 = false;
     if (options.dtype == "fp8") {
         fp8 = true;
     } else if (options.dtype != "bf16") {
-        return make_error("make-tiny: unknown dtype '{}' (valid dtypes: bf16, fp8)", options.dtype);
+        return make_error("{}: unknown dtype '{}' (valid dtypes: bf16, fp8)", who, options.dtype);
     }
     if (options.moe_intermediate_size < 0 || options.moe_intermediate_size > kMaxTinyMoeIntermediateSize) {
-        return make_error("make-tiny: moe_intermediate_size must be in [1, {}] (0 keeps the preset's {}), found {}",
+        return make_error("{}: moe_intermediate_size must be in [1, {}] (0 keeps the preset's {}), found {}", who,
                           kMaxTinyMoeIntermediateSize, preset->d_expert, options.moe_intermediate_size);
     }
     if (options.moe_intermediate_size > 0) {
         preset->d_expert = options.moe_intermediate_size;
     }
     if (options.sliding_window < 0 || options.sliding_window > preset->max_seq_len) {
-        return make_error("make-tiny: sliding_window must be in [1, {}] (0 keeps the preset's {}), found {}",
+        return make_error("{}: sliding_window must be in [1, {}] (0 keeps the preset's {}), found {}", who,
                           preset->max_seq_len, preset->window, options.sliding_window);
     }
     if (options.sliding_window > 0) {
         preset->window = options.sliding_window;
     }
     if (options.mtp_layers < 0 || options.mtp_layers > 3) {
-        return make_error("make-tiny: mtp_layers must be in [1, 3] (0 keeps the preset's {}), found {}", preset->n_mtp,
+        return make_error("{}: mtp_layers must be in [1, 3] (0 keeps the preset's {}), found {}", who, preset->n_mtp,
                           options.mtp_layers);
     }
     if (options.mtp_layers > 0) {
@@ -228,7 +228,7 @@ Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
                                             preset->swiglu_limits_shared.back());
     }
     if (options.layers < 0 || options.layers > kMaxTinyLayers) {
-        return make_error("make-tiny: layers must be in [1, {}] (0 keeps the preset's {}), found {}", kMaxTinyLayers,
+        return make_error("{}: layers must be in [1, {}] (0 keeps the preset's {}), found {}", who, kMaxTinyLayers,
                           preset->n_layers, options.layers);
     }
     if (options.layers > 0) {
@@ -248,10 +248,24 @@ Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
         preset->n_layers = options.layers;
     }
     if (options.experts != 0 && (options.experts < preset->top_k || options.experts > kMaxTinyExperts)) {
-        return make_error("make-tiny: experts must be in [{}, {}] (top-k .. max; 0 keeps the preset's {}), found {}",
+        return make_error("{}: experts must be in [{}, {}] (top-k .. max; 0 keeps the preset's {}), found {}", who,
                           preset->top_k, kMaxTinyExperts, preset->n_experts, options.experts);
     }
     if (options.experts > 0) preset->n_experts = options.experts;
+    return TinyModel{std::move(*preset), fp8};
+}
+
+Result<TinySummary> make_tiny_checkpoint(const TinyOptions &options) {
+    Result<TinyModel> model = resolve_tiny_model(options, "make-tiny");
+    if (!model) return tl::unexpected(model.error());
+    const TinyPreset *preset = &model->preset;
+    const bool fp8 = model->fp8;
+    if (preset->synthetic_only) {
+        const uint64_t bytes = TinyWeights(*preset, options.seed, fp8).total_bytes();
+        return make_error("make-tiny: preset {} is {:.1f} GB of tensors, too large to build in memory and write; run "
+                          "it in memory with `memra bench --synthetic {}`",
+                          preset->name, 1e-9 * static_cast<double>(bytes), preset->name);
+    }
     if (options.out_dir.empty()) {
         return make_error("make-tiny: no output directory given");
     }

@@ -7,9 +7,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/result.h"
+#include "make_tiny/tiny_presets.h"
 
 namespace memra::tools {
 
@@ -41,6 +43,18 @@ struct TinyOptions {
     int64_t experts = 0;
 };
 
+// A preset with the options' overrides applied, and its format.
+struct TinyModel {
+    TinyPreset preset;
+    bool fp8 = false;  // routed experts F8_E4M3 with 128x128 block scales
+};
+
+// Resolves options.preset, options.dtype and the overrides (moe_intermediate_size, sliding_window, mtp_layers,
+// layers, experts) into the model make-tiny writes; out_dir and force are not read. Refused, with an Error that
+// starts with `who` ("make-tiny", "--synthetic"): an unknown preset (the message lists the valid ones), an
+// unknown dtype, an override out of range.
+Result<TinyModel> resolve_tiny_model(const TinyOptions &options, std::string_view who);
+
 struct TinySummary {
     std::filesystem::path out_dir;
     std::vector<std::string> files;  // file names written into out_dir, sorted
@@ -58,10 +72,9 @@ struct TinyPresetInfo {
     std::string description;  // one line for --help
 };
 
-// Generates the checkpoint. Refuses (with an Error naming the problem): an unknown preset (the
-// message lists the valid ones), an unknown dtype, a moe_intermediate_size outside
-// [0, kMaxTinyMoeIntermediateSize], a sliding_window outside [0, max_seq_len], an out_dir that is a file, an
-// out_dir that
+// Generates the checkpoint. Refuses (with an Error naming the problem): what resolve_tiny_model refuses (e.g. a
+// moe_intermediate_size outside [0, kMaxTinyMoeIntermediateSize], a sliding_window outside [0, max_seq_len]), a
+// synthetic-only preset (too large to hold in memory and write), an out_dir that is a file, an out_dir that
 // exists and is not empty without force, a directory that cannot be created or written.
 // The files are written into a temporary directory first and moved into place at the end, so a
 // failure leaves no half-written checkpoint. With force, only the generator's own files are

@@ -102,6 +102,27 @@ std::vector<TinyPreset> make_table() {
     release.swiglu_limits_shared = limits(5, {{3, 16.0}});
     release.max_shard_bytes = 1u << 30;
     table.push_back(release);
+
+    // Step-3.5-E128 (PERFORMANCE.md section 8): the release architecture itself (STEP35.md sections 1-3: 45
+    // layers with MoE from layer 3, 3 MTP layers, 262144 positions, routed clamps 7 on layers 43-44, shared clamp
+    // 16 on layer 44) with 128 routed experts instead of 288. 102.8 GB in the official FP8 layout (PERFORMANCE.md's
+    // 98.0 GB is without the 3 MTP layers): built in memory by `--synthetic e128`, never written.
+    TinyPreset e128 = release;
+    e128.name = "e128";
+    e128.description =
+        "Step-3.5-E128: the release architecture (45 layers + 3 MTP, context 262144) with 128 routed experts: "
+        "102.8 GB with --dtype fp8 (97.9 GB without the MTP layers), 187.3 GB bf16; in memory only (--synthetic)";
+    e128.n_layers = 45;
+    e128.n_mtp = 3;
+    e128.moe_layers.clear();
+    for (int64_t l = 3; l < e128.n_layers; ++l) e128.moe_layers.push_back(l);
+    e128.n_experts = 128;
+    e128.max_seq_len = 262144;
+    e128.swiglu_limits = limits(48, {{43, 7.0}, {44, 7.0}});
+    e128.swiglu_limits_shared = limits(48, {{44, 16.0}});
+    e128.max_shard_bytes = uint64_t{4} << 30;
+    e128.synthetic_only = true;
+    table.push_back(e128);
     return table;
 }
 

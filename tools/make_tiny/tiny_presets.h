@@ -33,6 +33,7 @@ struct TinyPreset {
     std::vector<double> swiglu_limits;         // n_layers + n_mtp entries; 0 = no clamp
     std::vector<double> swiglu_limits_shared;  // n_layers + n_mtp entries
     uint64_t max_shard_bytes = 0;              // shard size for write_sharded_checkpoint
+    bool synthetic_only = false;               // too large to write: generated in memory only (--synthetic)
 
     int64_t n_total_layers() const { return n_layers + n_mtp; }
     // Layer i (trunk or MTP) uses full attention: trunk layers with i % 4 == 0; MTP layers never.

@@ -5,9 +5,7 @@
 #include "make_tiny/tiny_weights.h"
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
-#include <cstring>
 #include <string>
 #include <thread>
 
@@ -34,20 +32,6 @@ constexpr uint64_t kNormAmplitudeFixed = 1677722;
 // for about a quarter of the (token, MoE layer) pairs (tests/oracle/test_tiny_checkpoint.py).
 constexpr uint64_t kRouterBiasAmplitudeFixed = 503316;
 
-enum class InitKind {
-    kWeight,      // uniform with std 1/sqrt(fan_in) (fan_in = 1 for the embedding: std 1)
-    kNorm,        // uniform(-0.1, 0.1), stored as w of the (1 + w) convention
-    kRouterBias,  // uniform(-0.03, 0.03), F32
-};
-
-struct TensorSpec {
-    std::string name;
-    std::vector<int64_t> shape;  // PyTorch order: [out, in] or stacked [E, out, in]
-    InitKind kind = InitKind::kWeight;
-    uint64_t fan_in = 1;
-    bool routed_expert = false;  // FP8-quantized in the fp8 variant
-};
-
 uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -63,29 +47,21 @@ uint64_t fnv1a64(std::string_view s) {
     return h;
 }
 
-uint64_t n_elements(const std::vector<int64_t> &shape) {
-    uint64_t n = 1;
-    for (int64_t s : shape) {
-        n *= static_cast<uint64_t>(s);
-    }
-    return n;
-}
-
-uint64_t amplitude_of(const TensorSpec &spec) {
-    switch (spec.kind) {
-    case InitKind::kWeight: return tiny_amplitude_fixed(spec.fan_in);
-    case InitKind::kNorm: return kNormAmplitudeFixed;
-    case InitKind::kRouterBias: return kRouterBiasAmplitudeFixed;
+uint64_t amplitude_of(const TinyWeightSpec &spec) {
+    switch (spec.init) {
+    case TinyInit::kWeight: return tiny_amplitude_fixed(spec.fan_in);
+    case TinyInit::kNorm: return kNormAmplitudeFixed;
+    case TinyInit::kRouterBias: return kRouterBiasAmplitudeFixed;
     }
     return 0;
 }
 
-void put_u16(std::vector<std::byte> &out, uint64_t i, uint16_t v) {
+void put_u16(std::span<std::byte> out, uint64_t i, uint16_t v) {
     out[2 * i] = static_cast<std::byte>(v & 0xFF);
     out[2 * i + 1] = static_cast<std::byte>(v >> 8);
 }
 
-void put_f32(std::vector<std::byte> &out, uint64_t i, float f) {
+void put_f32(std::span<std::byte> out, uint64_t i, float f) {
     auto v = std::bit_cast<uint32_t>(f);
     for (uint64_t k = 0; k < 4; ++k) {
         out[4 * i + k] = static_cast<std::byte>((v >> (8 * k)) & 0xFF);
@@ -101,85 +77,57 @@ struct ValueGen {
     }
 };
 
-io::TensorData generate_plain(const TensorSpec &spec, uint64_t seed) {
-    ValueGen gen{tiny_tensor_stream(seed, spec.name), amplitude_of(spec)};
-    uint64_t n = n_elements(spec.shape);
-    io::TensorData t;
-    t.name = spec.name;
-    t.shape = spec.shape;
-    if (spec.kind == InitKind::kRouterBias) {
-        t.dtype = DType::kF32;
-        t.bytes.resize(4 * n);
-        for (uint64_t i = 0; i < n; ++i) {
-            put_f32(t.bytes, i, gen.value(i));
-        }
-        return t;
+// The fewest elements a thread takes of a plain tensor: small tensors (norms, biases) stay on one thread.
+constexpr int64_t kPlainGrain = int64_t{1} << 16;
+
+// Elements [begin, end) of a plain tensor: BF16, or F32 for the router bias.
+void fill_plain(const TinyWeightSpec &spec, const ValueGen &gen, uint64_t begin, uint64_t end,
+                std::span<std::byte> out) {
+    if (spec.init == TinyInit::kRouterBias) {
+        for (uint64_t i = begin; i < end; ++i) put_f32(out, i, gen.value(i));
+        return;
     }
-    t.dtype = DType::kBF16;
-    t.bytes.resize(2 * n);
-    for (uint64_t i = 0; i < n; ++i) {
-        put_u16(t.bytes, i, f32_to_bf16(gen.value(i)));
-    }
-    return t;
+    for (uint64_t i = begin; i < end; ++i) put_u16(out, i, f32_to_bf16(gen.value(i)));
 }
 
-// A stacked expert tensor [E, rows, cols] as F8_E4M3 plus its F32 [E, ceil(rows/128),
-// ceil(cols/128)] scales, each expert's matrix quantized on its own from its BF16 values.
-void generate_fp8(const TensorSpec &spec, uint64_t seed, std::vector<io::TensorData> &out) {
-    MEMRA_CHECK(spec.shape.size() == 3, "{}: stacked expert tensor must be 3-D", spec.name);
-    ValueGen gen{tiny_tensor_stream(seed, spec.name), amplitude_of(spec)};
-    int64_t n_experts = spec.shape[0];
-    int64_t rows = spec.shape[1];
-    int64_t cols = spec.shape[2];
-    int64_t row_blocks = fp8_scale_blocks(rows);
-    int64_t col_blocks = fp8_scale_blocks(cols);
-    auto per_expert = static_cast<uint64_t>(rows * cols);
-    auto scales_per_expert = static_cast<uint64_t>(row_blocks * col_blocks);
-
-    io::TensorData q;
-    q.name = spec.name;
-    q.dtype = DType::kF8E4M3;
-    q.shape = spec.shape;
-    q.bytes.resize(per_expert * static_cast<uint64_t>(n_experts));
-    io::TensorData s;
-    s.name = spec.name + "_scale_inv";
-    s.dtype = DType::kF32;
-    s.shape = {n_experts, row_blocks, col_blocks};
-    s.bytes.resize(4 * scales_per_expert * static_cast<uint64_t>(n_experts));
-
-    std::vector<float> w(per_expert);                 // [rows, cols] f32, one expert's BF16 values
-    std::vector<uint8_t> codes(per_expert);           // [rows, cols] e4m3 bits
-    std::vector<float> scale_inv(scales_per_expert);  // [row_blocks, col_blocks]
-    for (int64_t e = 0; e < n_experts; ++e) {
-        uint64_t base = per_expert * static_cast<uint64_t>(e);
-        for (uint64_t j = 0; j < per_expert; ++j) {
-            w[j] = bf16_to_f32(f32_to_bf16(gen.value(base + j)));
-        }
-        quantize_fp8_block(w.data(), rows, cols, codes.data(), scale_inv.data());
-        std::memcpy(q.bytes.data() + base, codes.data(), per_expert);
-        for (uint64_t j = 0; j < scales_per_expert; ++j) {
-            put_f32(s.bytes, scales_per_expert * static_cast<uint64_t>(e) + j, scale_inv[j]);
-        }
+// Task t of a stacked expert tensor [E, rows, cols] in FP8: expert t / row_blocks, rows [r0, r0 + 128) of it
+// (the last block partial), quantized from its BF16 values. Every 128x128 scale block lies inside one task and
+// quantize_fp8_block treats blocks independently, so the bytes are those of quantizing each expert whole.
+// w: scratch for one task's [<= 128, cols] values; scale_inv: for its [col_blocks] scales.
+void fill_fp8_task(const TinyWeightSpec &spec, const ValueGen &gen, int64_t t, std::vector<float> &w,
+                   std::vector<float> &scale_inv, std::span<std::byte> codes, std::span<std::byte> scales) {
+    const int64_t rows = spec.shape[1];
+    const int64_t cols = spec.shape[2];
+    const int64_t row_blocks = fp8_scale_blocks(rows);
+    const int64_t col_blocks = fp8_scale_blocks(cols);
+    const int64_t expert = t / row_blocks;
+    const int64_t r0 = (t % row_blocks) * kFp8Block;
+    const int64_t n_rows = std::min(rows - r0, kFp8Block);
+    const auto base = static_cast<uint64_t>((expert * rows + r0) * cols);
+    const auto n = static_cast<uint64_t>(n_rows * cols);
+    for (uint64_t j = 0; j < n; ++j) w[j] = bf16_to_f32(f32_to_bf16(gen.value(base + j)));
+    quantize_fp8_block(w.data(), n_rows, cols, reinterpret_cast<uint8_t *>(codes.data() + base), scale_inv.data());
+    const auto scale_base = static_cast<uint64_t>(t * col_blocks);
+    for (int64_t j = 0; j < col_blocks; ++j) {
+        put_f32(scales, scale_base + static_cast<uint64_t>(j), scale_inv[static_cast<size_t>(j)]);
     }
-    out.push_back(std::move(q));
-    out.push_back(std::move(s));
 }
 
-void add_weight(std::vector<TensorSpec> &specs, std::string name, std::vector<int64_t> shape, bool expert = false) {
+void add_weight(std::vector<TinyWeightSpec> &specs, std::string name, std::vector<int64_t> shape, bool expert = false) {
     // fan_in is the last dimension: PyTorch [out, in] (or stacked [E, out, in]).
     auto fan_in = static_cast<uint64_t>(shape.back());
-    specs.push_back({std::move(name), std::move(shape), InitKind::kWeight, fan_in, expert});
+    specs.push_back({std::move(name), std::move(shape), TinyInit::kWeight, fan_in, expert});
 }
 
-void add_norm(std::vector<TensorSpec> &specs, std::string name, int64_t dim) {
-    specs.push_back({std::move(name), {dim}, InitKind::kNorm, 1, false});
+void add_norm(std::vector<TinyWeightSpec> &specs, std::string name, int64_t dim) {
+    specs.push_back({std::move(name), {dim}, TinyInit::kNorm, 1, false});
 }
 
-std::vector<TensorSpec> tensor_specs(const TinyPreset &p) {
-    std::vector<TensorSpec> specs;
+std::vector<TinyWeightSpec> tensor_specs(const TinyPreset &p) {
+    std::vector<TinyWeightSpec> specs;
     int64_t d = p.d_model;
     // Embedding: std 1 (fan_in 1), so the residual stream starts at RMS ~1.
-    specs.push_back({"model.embed_tokens.weight", {p.vocab_size, d}, InitKind::kWeight, 1, false});
+    specs.push_back({"model.embed_tokens.weight", {p.vocab_size, d}, TinyInit::kWeight, 1, false});
     for (int64_t layer = 0; layer < p.n_total_layers(); ++layer) {
         std::string pre = fmt::format("model.layers.{}.", layer);
         bool mtp = layer >= p.n_layers;
@@ -201,7 +149,7 @@ std::vector<TensorSpec> tensor_specs(const TinyPreset &p) {
         add_norm(specs, pre + "post_attention_layernorm.weight", d);
         if (p.is_moe(layer)) {
             add_weight(specs, pre + "moe.gate.weight", {p.n_experts, d});
-            specs.push_back({pre + "moe.router_bias", {p.n_experts}, InitKind::kRouterBias, 1, false});
+            specs.push_back({pre + "moe.router_bias", {p.n_experts}, TinyInit::kRouterBias, 1, false});
             add_weight(specs, pre + "moe.gate_proj.weight", {p.n_experts, p.d_expert, d}, true);
             add_weight(specs, pre + "moe.up_proj.weight", {p.n_experts, p.d_expert, d}, true);
             add_weight(specs, pre + "moe.down_proj.weight", {p.n_experts, d, p.d_expert}, true);
@@ -267,36 +215,91 @@ float tiny_scaled_uniform(int64_t odd, uint64_t amplitude_fixed) {
     return static_cast<float>(product * 0x1p-48);
 }
 
-std::vector<io::TensorData> make_tiny_tensors(const TinyPreset &preset, uint64_t seed, bool fp8) {
-    const std::vector<TensorSpec> specs = tensor_specs(preset);
-    // Tensors are independent (each a function of seed and name only), so worker threads take them
-    // in any order; each result lands in its spec's slot and the output order is the spec order.
-    std::vector<std::vector<io::TensorData>> slots(specs.size());
-    std::atomic<size_t> next{0};
-    auto worker = [&]() {
-        for (size_t i = next++; i < specs.size(); i = next++) {
-            if (fp8 && specs[i].routed_expert) {
-                generate_fp8(specs[i], seed, slots[i]);
-            } else {
-                slots[i].push_back(generate_plain(specs[i], seed));
-            }
-        }
+TinyWeights::TinyWeights(const TinyPreset &preset, uint64_t seed, bool fp8)
+    : specs_(tensor_specs(preset)), seed_(seed) {
+    uint64_t offset = 0;
+    const auto add = [&](size_t spec, std::string name, DType dtype, std::vector<int64_t> shape, TinyPart part) {
+        TinyTensor t;
+        t.info.name = std::move(name);
+        t.info.dtype = dtype;
+        t.info.shape = std::move(shape);
+        t.info.data_begin = offset;
+        t.info.data_end = offset + t.info.n_elements() * dtype_size(dtype);
+        offset = t.info.data_end;
+        t.part = part;
+        t.spec = spec;
+        tensors_.push_back(std::move(t));
     };
-    size_t n_threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16);
-    {
-        std::vector<std::jthread> threads;
-        for (size_t t = 1; t < n_threads; ++t) {
-            threads.emplace_back(worker);
+    for (size_t i = 0; i < specs_.size(); ++i) {
+        const TinyWeightSpec &spec = specs_[i];
+        if (fp8 && spec.routed_expert) {
+            MEMRA_CHECK(spec.shape.size() == 3, "{}: stacked expert tensor must be 3-D", spec.name);
+            add(i, spec.name, DType::kF8E4M3, spec.shape, TinyPart::kFp8Codes);
+            add(i, spec.name + "_scale_inv", DType::kF32,
+                {spec.shape[0], fp8_scale_blocks(spec.shape[1]), fp8_scale_blocks(spec.shape[2])},
+                TinyPart::kFp8Scales);
+        } else {
+            add(i, spec.name, spec.init == TinyInit::kRouterBias ? DType::kF32 : DType::kBF16, spec.shape,
+                TinyPart::kValues);
         }
-        worker();
     }
-    std::vector<io::TensorData> tensors;
-    for (std::vector<io::TensorData> &slot : slots) {
-        for (io::TensorData &t : slot) {
-            tensors.push_back(std::move(t));
+}
+
+uint64_t TinyWeights::total_bytes() const { return tensors_.empty() ? 0 : tensors_.back().info.data_end; }
+
+void TinyWeights::generate(size_t i, std::span<std::byte> out, ThreadPool &pool) const {
+    const TinyTensor &t = tensors_.at(i);
+    MEMRA_CHECK(t.part == TinyPart::kValues, "{}: an FP8 tensor comes from generate_fp8", t.info.name);
+    MEMRA_CHECK(out.size() == t.info.n_bytes(), "{}: {} bytes given, {} needed", t.info.name, out.size(),
+                t.info.n_bytes());
+    const TinyWeightSpec &spec = specs_[t.spec];
+    const ValueGen gen{tiny_tensor_stream(seed_, spec.name), amplitude_of(spec)};
+    pool.parallel_for(
+        static_cast<int64_t>(t.info.n_elements()),
+        [&](int64_t begin, int64_t end) {
+            fill_plain(spec, gen, static_cast<uint64_t>(begin), static_cast<uint64_t>(end), out);
+        },
+        kPlainGrain);
+}
+
+void TinyWeights::generate_fp8(size_t i, std::span<std::byte> codes, std::span<std::byte> scales,
+                               ThreadPool &pool) const {
+    const TinyTensor &q = tensors_.at(i);
+    MEMRA_CHECK(q.part == TinyPart::kFp8Codes && i + 1 < tensors_.size(), "{}: not the codes of an FP8 tensor",
+                q.info.name);
+    const TinyTensor &s = tensors_[i + 1];
+    MEMRA_CHECK(codes.size() == q.info.n_bytes() && scales.size() == s.info.n_bytes(),
+                "{}: {} + {} bytes given, {} + {} needed", q.info.name, codes.size(), scales.size(),
+                q.info.n_bytes(), s.info.n_bytes());
+    const TinyWeightSpec &spec = specs_[q.spec];
+    const ValueGen gen{tiny_tensor_stream(seed_, spec.name), amplitude_of(spec)};
+    const int64_t n_tasks = spec.shape[0] * fp8_scale_blocks(spec.shape[1]);
+    pool.parallel_for(n_tasks, [&](int64_t begin, int64_t end) {
+        std::vector<float> w(static_cast<size_t>(std::min(spec.shape[1], kFp8Block) * spec.shape[2]));
+        std::vector<float> scale_inv(static_cast<size_t>(fp8_scale_blocks(spec.shape[2])));
+        for (int64_t t = begin; t < end; ++t) fill_fp8_task(spec, gen, t, w, scale_inv, codes, scales);
+    });
+}
+
+std::vector<io::TensorData> make_tiny_tensors(const TinyPreset &preset, uint64_t seed, bool fp8) {
+    const TinyWeights weights(preset, seed, fp8);
+    ThreadPool pool(static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 16)));
+    const std::vector<TinyTensor> &tensors = weights.tensors();
+    std::vector<io::TensorData> out(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+        out[i].name = tensors[i].info.name;
+        out[i].dtype = tensors[i].info.dtype;
+        out[i].shape = tensors[i].info.shape;
+        out[i].bytes.resize(tensors[i].info.n_bytes());
+    }
+    for (size_t i = 0; i < tensors.size(); ++i) {
+        switch (tensors[i].part) {
+        case TinyPart::kValues: weights.generate(i, out[i].bytes, pool); break;
+        case TinyPart::kFp8Codes: weights.generate_fp8(i, out[i].bytes, out[i + 1].bytes, pool); break;
+        case TinyPart::kFp8Scales: break;  // written with its codes
         }
     }
-    return tensors;
+    return out;
 }
 
 }  // namespace memra::tools
