@@ -2,8 +2,9 @@
 # Runs ON the GPU machine (device tool), over a copy of the tree with .deps carried (scripts/gpu_deps.sh makes
 # it): builds with CUDA for sm_90a, runs the GPU tests (every kernel against its CPU twin, the whole model on the
 # GPU against the CPU), `memra run` / `verify` / `bench --device cuda` on the embedded default model and on the
-# release-width preset (generated here), the product benchmarks beside PyTorch (bench/cuda, bench/cuda_peers.py),
-# E7 through Nsight Compute, and prints a short table last. Logs go to $OUT (or ./gpu-out).
+# release-width preset (generated here) and on Step-3.5-E128 (built in memory), the product and decode-attention
+# benchmarks beside PyTorch (bench/cuda, bench/cuda_peers.py), E7 through Nsight Compute, and prints a short table
+# last. Logs go to $OUT (or ./gpu-out).
 #   device run:  bash scripts/gpu.sh            (carry: [".deps"])
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
 set -uo pipefail
@@ -68,6 +69,11 @@ ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum -
 # K1: the products at decode shapes against a copy of the same bytes, and PyTorch (cuBLAS) on the same shapes.
 build-gpu/memra_bench_cuda_products --benchmark_format=json >"$out/bench_cuda_products.json" 2>"$out/bench_cuda_products.log"
 python3 bench/cuda_peers.py >"$out/bench_cuda_peers.jsonl" 2>"$out/bench_cuda_peers.log"
+# E1 / E3 on Step-3.5-E128 (the release architecture with 128 routed experts: 102.8 GB in the official layout, FP8
+# experts; too large for this disk, so built in device memory from a seed): decode at batch 1 and 32, prefill 512.
+$memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 512 -n 32 -r 2 --parallel 32 -o json \
+    >"$out/bench_e128.json" 2>"$out/bench_e128.log"
+e128_rc=$?
 # Per-op times (each op synchronised; launch + kernel), one prefill of 512 and 16 decode steps on the release preset.
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 512 -n 0 -r 1 >/dev/null 2>"$out/op_times_prefill.log"
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 0 -n 16 -r 1 >/dev/null 2>"$out/op_times_decode.log"
@@ -116,7 +122,7 @@ echo "| run default cuda (rc $run_rc) | same text as cpu: $run_same; $(grep -E '
 echo "| run release cuda (rc $run_release_rc) | $(grep -E 'eval time' "$out/run_release.log" | tail -1 | cut -c1-100) |"
 echo "| verify default cuda (rc $verify_rc) | $(tail -1 "$out/verify_cuda.log") |"
 echo "| verify release cuda (rc $verify_release_rc, $((t4 - t3)) s incl. runs) | $(tail -1 "$out/verify_release.log") |"
-for f in bench_release_8 bench_release_64 bench_release_eager bench_default; do bench_rows "$out/$f.json"; done
+for f in bench_release_8 bench_release_64 bench_release_eager bench_default bench_e128; do bench_rows "$out/$f.json"; done
 python3 - "$out" <<'EOF' 2>/dev/null
 import csv, json, os, sys
 out = sys.argv[1]
@@ -151,10 +157,15 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
     if b["name"].startswith("bm_e4m3_grouped") and "weight_GB/s" in b:
         print(f"| K3 {b['name'].split('/iter')[0]} (8 experts, 1 row each) | {b['real_time']:.1f} us "
               f"{b['weight_GB/s']:.0f} GB/s ({100 * b['vs_copy']:.0f} % of copy) |")
+    if b["name"].startswith("bm_decode_attention"):
+        a = dict(kv.split(":") for kv in b["name"].split("/")[1:5])
+        print(f"| K9/K10 decode attention {a['positions']} positions, {a['heads']} heads, window {a['window']}, "
+              f"split {a['split']} | {b['real_time']:.1f} us, {b['KV_GB/s']:.0f} GB/s of K and V |")
     if b["name"].startswith("bm_add_rms_norm"):
         print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")
 EOF
-echo "| bench rc | $bench_rc $bench64_rc ($((t5 - t4)) s) |"
+echo "| bench rc | $bench_rc $bench64_rc, e128 $e128_rc ($((t5 - t4)) s) |"
+grep -h -m3 -E "synthetic|generated|GB/s" "$out/bench_e128.log" | sed 's/^/| e128 load | /; s/$/ |/'
 if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
     echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
     python3 - "$out" <<'EOF' 2>/dev/null

@@ -3,8 +3,9 @@
 // (weight_GB/s) and the ratio of that rate to a device-to-device copy moving the same bytes, timed the same way
 // (vs_copy: the copy reads and writes, so its bytes are counted twice). Shapes are the release architecture's
 // (d_model 4096): q/k/v/gate-width products, the dense MLP's 11264-row gate/up, the lm_head, the canonical
-// o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens. Random bf16 weights (the values do not change
-// the work), in copies that exceed the L2 and take turns, so every launch streams from HBM.
+// o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens; the FP8 experts of one token (K3) and one decode
+// row's attention (K9, K10). Random bf16 weights (the values do not change the work), in copies that exceed the
+// L2 and take turns, so every launch streams from HBM.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -16,8 +17,10 @@
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
+#include "backend/cuda/ops_attention.h"
 #include "backend/cuda/ops_matmul.h"
 #include "backend/cuda/ops_rows.h"
+#include "core/kv_page.h"
 
 namespace memra {
 namespace {
@@ -54,8 +57,8 @@ struct DeviceBlock {
     DeviceBlock &operator=(const DeviceBlock &) = delete;
 };
 
-// Copies of a weight of `bytes` bytes (random bf16 patterns) that together exceed the 60 MB L2 twice, used in
-// turn by a benchmark so that every launch reads from HBM.
+// Copies of a weight (or KV pool) of `bytes` bytes (random bf16 patterns) that together exceed the 60 MB L2
+// twice, used in turn by a benchmark so that every launch reads from HBM.
 std::vector<std::unique_ptr<DeviceBlock>> rotating_weights(size_t bytes) {
     std::vector<std::unique_ptr<DeviceBlock>> w;
     const size_t copies = std::max<size_t>(1, (kRotateBytes + bytes - 1) / bytes);
@@ -106,14 +109,21 @@ double copy_seconds(size_t bytes) {
     return time_launches([&] { cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, nullptr); }, 20);
 }
 
+// The benchmark's iterations, each the mean of `reps` launches of `launch` (manual time); returns the last mean.
+template <class F>
+double time_state(benchmark::State &state, const F &launch, int reps) {
+    double seconds = 0.0;
+    for (auto _ : state) {
+        seconds = time_launches(launch, reps);
+        state.SetIterationTime(seconds);
+    }
+    return seconds;
+}
+
 // Times 20 launches of `launch` and reports them with the weight bytes each streams (weight_GB/s, vs_copy).
 template <class F>
 void time_and_report(benchmark::State &state, const F &launch, double weight_bytes) {
-    double seconds = 0.0;
-    for (auto _ : state) {
-        seconds = time_launches(launch, 20);
-        state.SetIterationTime(seconds);
-    }
+    const double seconds = time_state(state, launch, 20);
     state.counters["weight_GB/s"] = weight_bytes / seconds * 1e-9;
     const double copy_rate = 2.0 * weight_bytes / copy_seconds(static_cast<size_t>(weight_bytes));
     state.counters["vs_copy"] = (weight_bytes / seconds) / copy_rate;
@@ -190,6 +200,54 @@ void bm_e4m3_grouped(benchmark::State &state) {
     time_and_report(state, launch, static_cast<double>(weight_bytes));
 }
 
+// args: positions, query heads, window (0: full), split (0/1). One decode row of the release architecture's
+// attention (8 kv heads of 128, bf16 K and V in 64-row pages): K9 is a full layer at 8K positions (33.5 MB of
+// K and V), K10 a sliding layer of 96 heads over its 512-position window. split 1 gives the split-KV launches
+// their workspace; split 0 runs one CTA per work item (the same bits). KV_GB/s: the K and V bytes the row sees.
+void bm_decode_attention(benchmark::State &state) {
+    if (!gpu_present()) {
+        state.SkipWithError("no CUDA device");
+        return;
+    }
+    const int64_t positions = state.range(0);
+    const int64_t heads = state.range(1);
+    const int64_t window = state.range(2);
+    const bool split = state.range(3) != 0;
+    constexpr int64_t kKvHeads = 8;
+    constexpr int64_t kHeadDim = 128;
+    const int64_t row_bytes = kKvHeads * kHeadDim * 2;  // bf16 K (or V) of one position
+    const int64_t pages = (positions + kKvPageRows - 1) / kKvPageRows;
+    const cpu::PagedLayer layer{nullptr, pages, 2 * kKvPageRows * row_bytes, 0, kKvPageRows * row_bytes,
+                                row_bytes, row_bytes, KvFormat::kBf16, KvFormat::kBf16};
+    const auto pools = rotating_weights(static_cast<size_t>(pages * layer.page_bytes));  // K and V from HBM
+    cpu::PagedLayer l = layer;
+    std::vector<int32_t> table(static_cast<size_t>(pages));
+    for (int64_t i = 0; i < pages; ++i) table[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+    const auto d_table = device_copy(table);
+    const auto d_pos = device_copy(std::vector<int64_t>{positions - 1});
+    const auto d_seq = device_copy(std::vector<int32_t>{0});
+    const auto q = random_activations(heads * kHeadDim, 9);
+    DeviceBlock out(static_cast<size_t>(heads * kHeadDim * 4), false);
+    cpu::AttentionShape shape{heads, kKvHeads, kHeadDim, window, 1.0f / 11.3137085f};
+    shape.blocked = true;
+    const int64_t ws_floats = split ? cuda::paged_attention_split_floats(shape, 1, pages) : 0;
+    DeviceBlock ws(static_cast<size_t>(std::max<int64_t>(ws_floats, 1)) * 4, false);
+    size_t turn = 0;
+    const auto launch = [&] {
+        l.base = static_cast<std::byte *>(pools[turn++ % pools.size()]->ptr);
+        const cudaError_t e = cuda::paged_attention(
+            shape, static_cast<const float *>(q->ptr), heads * kHeadDim, static_cast<const int64_t *>(d_pos->ptr),
+            static_cast<const int32_t *>(d_seq->ptr), 1, l, static_cast<const int32_t *>(d_table->ptr), pages, 1, 0,
+            nullptr, 0, static_cast<float *>(out.ptr), nullptr, nullptr, split ? static_cast<float *>(ws.ptr) : nullptr,
+            ws_floats);
+        if (e != cudaSuccess) std::fprintf(stderr, "attention: %s\n", cudaGetErrorString(e));
+    };
+    const int64_t seen = window > 0 ? std::min(window, positions) : positions;
+    const double seconds = time_state(state, launch, 20);
+    state.counters["us"] = seconds * 1e6;
+    state.counters["KV_GB/s"] = static_cast<double>(2 * seen * row_bytes) / seconds * 1e-9;
+}
+
 // args: rows, d. add_rms_norm's h = x + r and y = rms_norm(h).
 void bm_add_rms_norm(benchmark::State &state) {
     if (!gpu_present()) {
@@ -207,12 +265,7 @@ void bm_add_rms_norm(benchmark::State &state) {
                            DType::kBF16, w.ptr, 1e-5f, static_cast<float *>(h.ptr), static_cast<float *>(y.ptr),
                            nullptr);
     };
-    double seconds = 0.0;
-    for (auto _ : state) {
-        seconds = time_launches(launch, 50);
-        state.SetIterationTime(seconds);
-    }
-    state.counters["us"] = seconds * 1e6;
+    state.counters["us"] = time_state(state, launch, 50) * 1e6;
 }
 
 void product_args(benchmark::internal::Benchmark *b) {
@@ -228,6 +281,9 @@ void product_args(benchmark::internal::Benchmark *b) {
 BENCHMARK(bm_bf16_product)->Apply(product_args)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K"})->Args({2560, 4096})->Args({4096, 1280})->UseManualTime()
     ->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_decode_attention)->ArgNames({"positions", "heads", "window", "split"})
+    ->ArgsProduct({{8192}, {64}, {0}, {0, 1}})->Args({512, 96, 512, 0})->Args({512, 96, 512, 1})
+    ->Args({4096, 64, 0, 1})->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_add_rms_norm)->Args({1, 4096})->Args({64, 4096})->Args({512, 4096})->UseManualTime()->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
 

@@ -380,17 +380,19 @@ struct GpuRun {
     int32_t flag = 0;
 };
 
-// The GPU: cuda::round_rows, then cuda::paged_attention over the device pool.
-GpuRun gpu_run(const Case &c, const Pool &pool, const Queries &qs) {
+// The GPU: cuda::round_rows, then cuda::paged_attention over the device pool, with a split workspace or without.
+GpuRun gpu_run_mode(const Case &c, const Pool &pool, const Queries &qs, bool split) {
     DeviceBuffer d_q = to_device(qs.q), d_pos = to_device(qs.pos), d_seq = to_device(qs.seq);
     DeviceBuffer d_bt = to_device(qs.bt), d_gate = to_device(qs.gate);
     DeviceBuffer d_out(sz(qs.n() * c.q_row()) * sizeof(float));
     DeviceBuffer d_flag = to_device(std::vector<int32_t>{0});
+    const int64_t ws_floats = split ? paged_attention_split_floats(c.shape, qs.n(), qs.bt_stride) : 0;
+    DeviceBuffer d_ws(sz(std::max<int64_t>(ws_floats, 1)) * sizeof(float));
     EXPECT_EQ(round_rows(d_q.as<float>(), qs.n(), c.q_row(), c.rounding, nullptr), cudaSuccess);
     EXPECT_EQ(paged_attention(c.shape, d_q.as<float>(), c.q_row(), d_pos.as<int64_t>(), d_seq.as<int32_t>(), qs.n(),
                               pool.device_layer(), d_bt.as<int32_t>(), qs.bt_stride, qs.n_seqs, c.cfg.first_pos,
                               qs.gate.empty() ? nullptr : d_gate.as<float>(), c.shape.n_heads, d_out.as<float>(),
-                              d_flag.as<int32_t>(), nullptr),
+                              d_flag.as<int32_t>(), nullptr, split ? d_ws.as<float>() : nullptr, ws_floats),
               cudaSuccess);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     GpuRun r;
@@ -398,6 +400,19 @@ GpuRun gpu_run(const Case &c, const Pool &pool, const Queries &qs) {
     r.out = from_device<float>(d_out, sz(qs.n() * c.q_row()));
     r.flag = from_device<int32_t>(d_flag, 1)[0];
     return r;
+}
+
+// Both launch shapes: one CTA per work item, and split-KV (every case with a range past 512 positions splits).
+// They must give the same bits (NaN rows as NaN) and flags; the result is returned once.
+GpuRun gpu_run(const Case &c, const Pool &pool, const Queries &qs) {
+    GpuRun whole = gpu_run_mode(c, pool, qs, false);
+    if (qs.n() > 0 && qs.bt_stride * kKvPageRows > 512) {
+        EXPECT_GT(paged_attention_split_floats(c.shape, qs.n(), qs.bt_stride), 0) << describe(c.cfg);
+        const GpuRun split = gpu_run_mode(c, pool, qs, true);
+        EXPECT_EQ(bit_mismatches(split.out, whole.out), 0) << "split-KV against one CTA per item, " << describe(c.cfg);
+        EXPECT_EQ(split.flag, whole.flag) << "split-KV flag, " << describe(c.cfg);
+    }
+    return whole;
 }
 
 // Fills both pools, runs every query of the case on both sides and requires the same bits.

@@ -746,7 +746,8 @@ TEST(CudaMatmulAdversarial, Bf16ActivationsWhereFlushingDecides) {
 
 // e4m3 activation groups: an all-zero group (scale 1), a huge value (scale ~2^119; the rest quantizes to zero
 // codes, and its product with a denormal weight scale is normal unless DAZ zeroes the scale), groups whose
-// amax / 448 underflows (the 2^-149 scale) or is denormal, values at the saturation edge, a partial last group;
+// amax / 448 underflows (the 2^-149 scale) or is denormal, values at the saturation edge, values on rounding
+// ties (scale 1), a partial last group;
 // one token with an Inf (scale Inf: NaN codes) and one with a NaN (ignored by amax, a NaN code); the other
 // tokens stay finite. Weights: subnormal codes, +-448, -0, one NaN code; scale tiles that are denormal (DAZ),
 // tiny (the scale products underflow) and huge (overflow with the huge groups).
@@ -787,6 +788,11 @@ TEST(CudaMatmulAdversarial, E4m3GroupsWhereSaturationAndFlushingDecide) {
         }
         Floats x(sz(n * k));
         std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+        // With amax 448 (scale 1): values halfway between e4m3 neighbours (normal, subnormal, across a binade,
+        // below 448), half the smallest subnormal, a denormal and zero: ties go to even.
+        const std::vector<float> ties = {1.0625f, 1.1875f, std::ldexp(1.5f, -9), std::ldexp(2.5f, -9),
+                                          std::ldexp(1.0f, -10), 248.0f, 432.0f, std::ldexp(1.0f, -140),
+                                          0.0f, 3.5f, std::ldexp(1.0625f, -5), 17.0f};
         for (int64_t t = 0; t < n; ++t) {
             for (int64_t i = 0; i < k; ++i) {
                 const int64_t ci = i / 128;
@@ -798,7 +804,7 @@ TEST(CudaMatmulAdversarial, E4m3GroupsWhereSaturationAndFlushingDecide) {
                     case 2: v = std::ldexp(v, -143); break;  // amax / 448 underflows: scale 2^-149
                     case 3: v = (j % 2 ? 448.0f : 464.0f) * std::ldexp(1.0f, -60) * (v < 0 ? -1.0f : 1.0f); break;
                     case 4: v = std::ldexp(v, -135); break;  // a denormal activation scale
-                    default: break;
+                    default: v = j == 0 ? 448.0f : ties[sz(j) % ties.size()] * (j % 3 == 0 ? -1.0f : 1.0f); break;
                 }
                 if (t == 4 && ci == 2 && j == 9) v = -std::numeric_limits<float>::infinity();
                 if (t == 5 && ci == 4 && j == 11) v = std::nanf("");

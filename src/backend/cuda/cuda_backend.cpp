@@ -78,6 +78,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_index, Numer
     auto flag = be->device_alloc(sizeof(int32_t), "the kernels' error flag");
     if (!flag) return tl::unexpected(flag.error());
     be->error_flag_ = static_cast<int32_t *>(*flag);
+    auto split = be->device_alloc(kAttentionSplitFloats * sizeof(float), "the attention split workspace");
+    if (!split) return tl::unexpected(split.error());
+    be->attention_split_ = static_cast<float *>(*split);
     return be;
 }
 
@@ -532,7 +535,8 @@ void CudaBackend::paged_attention(const AttentionParams &p, TensorView q, Tensor
     launched("paged_attention",
              cuda::paged_attention(shape, f32(q), row, static_cast<const int64_t *>(q_pos.data), i32c(q_seq), q.rows(),
                                    pl, i32c(block_tables), block_tables.row_elems(), block_tables.rows(), first_pos,
-                                   gated ? f32(gate) : nullptr, p.n_heads, f32(out), error_flag_, stream()));
+                                   gated ? f32(gate) : nullptr, p.n_heads, f32(out), error_flag_, stream(),
+                                   attention_split_, kAttentionSplitFloats));
 }
 
 void CudaBackend::kv_write(KvPoolId pool, int layer, TensorView k, TensorView v, TensorView slots) {

@@ -54,6 +54,7 @@ public:
 
     const char *name() const override { return "cuda"; }
     Device device() const override { return Device::kCuda; }
+    bool keeps_host_views() const override { return false; }  // uploads copy, then synchronize
     Numerics numerics() const override { return Numerics::kDevice; }
     int device_index() const { return device_; }
     // Device bytes this backend holds (weights, buffers, pools, workspaces).
@@ -173,6 +174,10 @@ private:
     // A device i32 the kernels raise on an index outside its range (a broken invariant: the engine checks its
     // inputs at plan time); read at every copy_to_host, which synchronises anyway.
     int32_t *error_flag_ = nullptr;
+    // Split-KV attention's states (cuda::paged_attention): 32 MiB hold every split of batch 64 at 4K positions, or
+    // of one sequence up to ~1M; a larger step runs each work item's splits in one CTA (the same bits).
+    static constexpr int64_t kAttentionSplitFloats = int64_t{8} << 20;
+    float *attention_split_ = nullptr;
     void *sample_workspace_ = nullptr;
     int64_t sample_workspace_bytes_ = 0;
     int32_t sample_vocab_ = 0;

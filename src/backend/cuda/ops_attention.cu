@@ -14,6 +14,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -177,7 +178,18 @@ struct AttentionArgs {
     int64_t v_head_bytes;
     float scale;
     bool round_keys;  // f32 and bf16 keys are rounded to bf16 when read
+    float *split_ws;     // kSplit / kMerge: [n_items, max_splits, split_state_floats(head_dim)]
+    int64_t max_splits;  // splits of an item's range at most (the grid's y of kSplit)
 };
+
+// How a launch covers a work item's splits. kWhole: one CTA runs every split of its item, merging as it goes.
+// kSplit: CTA (item, k) runs split k of its item alone and stores its state (m, l, acc) in the workspace; kMerge:
+// one CTA per item then merges the stored states left to right and writes the output. Both give the same bits:
+// each split's state is formed the same way, and the merge is the same left fold over the same states.
+enum class AttnMode { kWhole, kSplit, kMerge };
+
+// A stored split state: m[kHeadBatch], l[kHeadBatch], acc[kHeadBatch][head_dim].
+__host__ __device__ int64_t split_state_floats(int64_t head_dim) { return 2 * kHeadBatch + kHeadBatch * head_dim; }
 
 // Value d of one head's row as kv_decode gives it (the block formats' *_dequant_one equal their block forms).
 __device__ float decode_value(KvFormat f, const std::byte *row, int64_t d) {
@@ -208,7 +220,8 @@ int64_t attention_smem_floats(int64_t head_dim) {
 //           lane 0 sums e_p in increasing p and rounds them to bf16 in place; then thread (j, d) scales acc by
 //           alpha and adds P_p * v[p, d] over increasing p, the values decoded a chunk at a time;
 //   merge:  thread j merges head j's (m, l) into (M, L), thread (j, d) its accumulator into ACC.
-// Finally out = ACC / L, times the sigmoid gate.
+// Finally out = ACC / L, times the sigmoid gate. kMode (AttnMode) splits this between two launches.
+template <AttnMode kMode>
 __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(const AttentionArgs a) {
     extern __shared__ float smem[];
     const int64_t head_dim = a.head_dim;
@@ -253,10 +266,15 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(const Att
         }
     }
     if (__syncthreads_or(bad)) {
-        if (tid == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
-        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) gout[e] = u32_as_f32(0x7fc00000u);
+        if constexpr (kMode != AttnMode::kSplit) {  // the merge launch reports it
+            if (tid == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
+            for (int64_t e = tid; e < n_pairs; e += kAttnThreads) gout[e] = u32_as_f32(0x7fc00000u);
+        }
         return;
     }
+    const int64_t first_split = lo / kSplitRows;
+    // kSplit / kMerge: the item's stored split states.
+    float *ws_item = kMode == AttnMode::kWhole ? nullptr : a.split_ws + item * a.max_splits * split_state_floats(head_dim);
 
     const std::byte *k_base = a.layer.base + a.layer.k_offset + g * a.k_head_bytes;
     const std::byte *v_base = a.layer.base + a.layer.v_offset + g * a.v_head_bytes;
@@ -269,13 +287,15 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(const Att
                (p % kKvPageRows) * a.layer.v_row_bytes;
     };
 
-    const float *gq = a.q + i * a.q_stride + h0 * head_dim;  // [nh, head_dim], the heads are contiguous
-    for (int64_t e = tid; e < n_pairs; e += kAttnThreads) sq[e] = gq[e];
+    if constexpr (kMode != AttnMode::kMerge) {
+        const float *gq = a.q + i * a.q_stride + h0 * head_dim;  // [nh, head_dim], the heads are contiguous
+        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) sq[e] = gq[e];
+    }
 
     const int half = tid / 16;  // the score phase's half-warp
     const int hl = tid % 16;    // its lane: dot_f32's lane index
-    for (int64_t s0 = lo; s0 <= hi;) {
-        const int64_t s1 = imin(hi, (s0 / kSplitRows + 1) * kSplitRows - 1);  // split [s0, s1]
+    // One split [s0, s1] of the range into the split state (sacc, s_m, s_l), ending behind a __syncthreads.
+    const auto run_split = [&](int64_t s0, int64_t s1) {
         const int n_s = static_cast<int>(s1 - s0 + 1);
         // A fresh state for the split. Every earlier reader of these is behind a __syncthreads (the merge's),
         // except the merge's own thread, which is this one.
@@ -391,9 +411,9 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(const Att
             __syncthreads();  // s_live, s_alpha and ss are read before the next block's statistics
             b0 = b1 + 1;
         }
-
-        // Merge the split into the running state, left to right.
-        const bool first = s0 == lo;
+    };
+    // Merges the split state into the running state (s_run_m, s_run_l, sacc_run), left to right.
+    const auto merge_split = [&](bool first) {
         if (tid < nh) {
             const int j = tid;
             if (first) {
@@ -416,15 +436,50 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(const Att
             const int64_t j = e / head_dim;
             sacc_run[e] = first ? sacc[e] : sacc_run[e] * s_a[j] + sacc[e] * s_b[j];
         }
-        s0 = s1 + 1;
-    }
+    };
+    const auto write_out = [&] {
+        // s_run_l was written before the last merge's __syncthreads; each thread reads back only its own pairs.
+        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) {
+            const int64_t j = e / head_dim;
+            float o = sacc_run[e] / s_run_l[j];
+            if (a.gate != nullptr) o = o * sigmoid_f32(a.gate[i * a.gate_stride + h0 + j]);
+            gout[e] = o;
+        }
+    };
 
-    // s_run_l was written before the last merge's __syncthreads; each thread reads back only its own pairs.
-    for (int64_t e = tid; e < n_pairs; e += kAttnThreads) {
-        const int64_t j = e / head_dim;
-        float o = sacc_run[e] / s_run_l[j];
-        if (a.gate != nullptr) o = o * sigmoid_f32(a.gate[i * a.gate_stride + h0 + j]);
-        gout[e] = o;
+    if constexpr (kMode == AttnMode::kMerge) {
+        const int64_t state = split_state_floats(head_dim);
+        const int64_t n_k = hi / kSplitRows - first_split + 1;
+        for (int64_t k = 0; k < n_k; ++k) {
+            const float *st = ws_item + k * state;
+            for (int64_t e = tid; e < n_pairs; e += kAttnThreads) sacc[e] = st[2 * kHeadBatch + e];
+            if (tid < nh) {
+                s_m[tid] = st[tid];
+                s_l[tid] = st[kHeadBatch + tid];
+            }
+            __syncthreads();  // the previous merge's readers of s_a and s_b are done
+            merge_split(k == 0);
+        }
+        write_out();
+    } else if constexpr (kMode == AttnMode::kSplit) {
+        const int64_t k = blockIdx.y;
+        const int64_t s0 = k == 0 ? lo : (first_split + k) * kSplitRows;
+        if (s0 > hi) return;  // the item has fewer splits
+        run_split(s0, imin(hi, (first_split + k + 1) * kSplitRows - 1));
+        float *st = ws_item + k * split_state_floats(head_dim);
+        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) st[2 * kHeadBatch + e] = sacc[e];
+        if (tid < nh) {
+            st[tid] = s_m[tid];
+            st[kHeadBatch + tid] = s_l[tid];
+        }
+    } else {
+        for (int64_t s0 = lo; s0 <= hi;) {
+            const int64_t s1 = imin(hi, (s0 / kSplitRows + 1) * kSplitRows - 1);  // split [s0, s1]
+            run_split(s0, s1);
+            merge_split(s0 == lo);
+            s0 = s1 + 1;
+        }
+        write_out();
     }
 }
 
@@ -460,11 +515,34 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
     return cudaGetLastError();
 }
 
+namespace {
+
+// The splits of 512 positions a row's visible range can span: within the block table's positions, and within the
+// window when there is one.
+int64_t attention_max_splits(const cpu::AttentionShape &shape, int64_t bt_stride) {
+    const int64_t table = (bt_stride * kKvPageRows - 1) / kSplitRows + 1;
+    return shape.window > 0 ? std::min(table, (shape.window - 1) / kSplitRows + 2) : table;
+}
+
+}  // namespace
+
+int64_t paged_attention_split_floats(const cpu::AttentionShape &shape, int64_t n_q, int64_t bt_stride) {
+    if (shape.n_heads <= 0 || shape.n_kv_heads <= 0 || shape.n_heads % shape.n_kv_heads != 0 || shape.head_dim <= 0 ||
+        shape.head_dim > kMaxHeadDim || n_q <= 0 || bt_stride < 1 || bt_stride > (int64_t{1} << 40)) {
+        return 0;
+    }
+    const int64_t splits = attention_max_splits(shape, bt_stride);
+    if (splits < 2 || splits > 65535) return 0;
+    const int64_t batches = (shape.n_heads / shape.n_kv_heads + kHeadBatch - 1) / kHeadBatch;
+    const int64_t per_row = shape.n_kv_heads * batches * splits * split_state_floats(shape.head_dim);
+    return n_q > (int64_t{1} << 62) / per_row ? 0 : n_q * per_row;
+}
+
 cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, int64_t q_stride, const int64_t *q_pos,
                             const int32_t *q_seq, int64_t n_q, const cpu::PagedLayer &layer,
                             const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
                             const float *gate, int64_t gate_stride, float *out, int32_t *error_flag,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, float *split_ws, int64_t split_ws_floats) {
     const int64_t n_heads = shape.n_heads;
     const int64_t n_kv_heads = shape.n_kv_heads;
     const int64_t head_dim = shape.head_dim;
@@ -518,16 +596,27 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     a.scale = shape.scale;
     a.round_keys = layer.k_format == KvFormat::kF32 || layer.k_format == KvFormat::kBf16;
 
+    const int64_t splits = attention_max_splits(shape, bt_stride);
+    const bool split = split_ws != nullptr && splits > 1 && paged_attention_split_floats(shape, n_q, bt_stride) > 0 &&
+                       paged_attention_split_floats(shape, n_q, bt_stride) <= split_ws_floats;
+    a.split_ws = split ? split_ws : nullptr;
+    a.max_splits = splits;
+
     const int64_t smem_bytes = attention_smem_floats(head_dim) * static_cast<int64_t>(sizeof(float));
-    if (smem_bytes > kDefaultSmemBytes) {
-        const cudaError_t err = cudaFuncSetAttribute(paged_attention_kernel,
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     static_cast<int>(smem_bytes));
-        if (err != cudaSuccess) return err;
-    }
-    paged_attention_kernel<<<static_cast<unsigned>(n_items), kAttnThreads, static_cast<size_t>(smem_bytes),
-                             stream>>>(a);
-    return cudaGetLastError();
+    const auto launch = [&](auto kernel, dim3 grid) {
+        if (smem_bytes > kDefaultSmemBytes) {
+            const cudaError_t err =
+                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+            if (err != cudaSuccess) return err;
+        }
+        kernel<<<grid, kAttnThreads, static_cast<size_t>(smem_bytes), stream>>>(a);
+        return cudaGetLastError();
+    };
+    if (!split) return launch(paged_attention_kernel<AttnMode::kWhole>, dim3(static_cast<unsigned>(n_items)));
+    const cudaError_t err = launch(paged_attention_kernel<AttnMode::kSplit>,
+                                   dim3(static_cast<unsigned>(n_items), static_cast<unsigned>(a.max_splits)));
+    if (err != cudaSuccess) return err;
+    return launch(paged_attention_kernel<AttnMode::kMerge>, dim3(static_cast<unsigned>(n_items)));
 }
 
 }  // namespace memra::cuda

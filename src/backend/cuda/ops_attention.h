@@ -48,10 +48,19 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
 // Invalid: the shape checks of the CPU (heads, head_dim in [1, 512], window and first_pos >= 0), q_stride,
 // bt_stride, n_seqs and gate_stride too small, K/V row sizes that are not n_kv_heads heads of head_dim values in
 // the layer's formats, null pointers with work to do, more than 2^31 - 1 work items.
+// Split-KV: with a workspace of split_ws_floats device floats, at least paged_attention_split_floats, the splits of
+// 512 positions run in CTAs of their own and a second launch merges them left to right: the same bits, with
+// parallelism for long ranges and small batches. Otherwise (no workspace, too small, one split) one launch, one CTA
+// per item.
 cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, int64_t q_stride, const int64_t *q_pos,
                             const int32_t *q_seq, int64_t n_q, const cpu::PagedLayer &layer,
                             const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
                             const float *gate, int64_t gate_stride, float *out, int32_t *error_flag,
-                            cudaStream_t stream);
+                            cudaStream_t stream, float *split_ws = nullptr, int64_t split_ws_floats = 0);
+
+// The workspace floats paged_attention needs to split n_q rows: a state (8 x (2 + head_dim) floats) per work item
+// and split its range can span (within bt_stride pages of the block table, and the window). 0 when it would not
+// split (one split at most, or arguments it refuses).
+int64_t paged_attention_split_floats(const cpu::AttentionShape &shape, int64_t n_q, int64_t bt_stride);
 
 }  // namespace memra::cuda

@@ -413,15 +413,23 @@ __global__ void __launch_bounds__(kThreads) skinny_bf16_kernel(const ProductPara
     // The weight tile of a chunk into stage `stage`: thread u copies 16-byte units u, u + 256, ... of the tile's
     // rows (row u / kTileUnits). One commit group per call, also past the last chunk (an empty group), so that
     // waiting for all but kStages - 2 groups always means the oldest issued chunk has landed.
+    // The thread's units: unit `unit` of rows r0 + 4 i, at fixed shared offsets; only the chunk's K offset moves (a
+    // per-chunk address computation cost more than the products).
+    constexpr int kRowStep = kThreads / kTileUnits;
+    constexpr int kUnitsPerThread = kRowsPerItem / kRowStep;
+    static_assert(kThreads % kTileUnits == 0 && kUnitsPerThread * kRowStep == kRowsPerItem);
+    const int unit = static_cast<int>(threadIdx.x) % kTileUnits;
+    const int r0 = static_cast<int>(threadIdx.x) / kTileUnits;
+    const int rows_held = static_cast<int>(min_i64(p.rows - row0, kRowsPerItem));
+    const uint8_t *src0 = wdata + (row0 + r0) * p.ld * 2 - p.k_begin * 2 + unit * 16;
+    const int64_t src_step = kRowStep * p.ld * 2;
     const auto issue = [&](const Chunk &ch, int stage) {
-        const int units = ch.groups * 4;
-        uint32_t *tile = s_w + stage * kRowsPerItem * kTileWords;
-        for (int u = static_cast<int>(threadIdx.x); u < kRowsPerItem * kTileUnits; u += kThreads) {
-            const int r = u / kTileUnits;
-            const int unit = u % kTileUnits;
-            if (unit < units && row0 + r < p.rows) {
-                cp_async16(tile + r * kTileWords + unit * 4,
-                           wdata + ((row0 + r) * p.ld + (ch.begin - p.k_begin)) * 2 + unit * 16);
+        if (unit < ch.groups * 4) {
+            uint32_t *dst = s_w + stage * kRowsPerItem * kTileWords + r0 * kTileWords + unit * 4;
+            const uint8_t *src = src0 + ch.begin * 2;
+#pragma unroll
+            for (int i = 0; i < kUnitsPerThread; ++i) {
+                if (r0 + i * kRowStep < rows_held) cp_async16(dst + i * kRowStep * kTileWords, src + i * src_step);
             }
         }
         cp_async_commit();
@@ -529,14 +537,52 @@ __global__ void __launch_bounds__(kThreads) skinny_bf16_kernel(const ProductPara
     }
 }
 
+// Two e4m3 codes (element 2i in the low byte) widened exactly: on sm_89 and later through f16, which holds every
+// e4m3 value; before, by the shared scalar code (the compute_80 PTX).
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+    float lo;
+    float hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(static_cast<uint16_t>(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(static_cast<uint16_t>(h2 >> 16)));
+    return make_float2(lo, hi);
+#else
+    return make_float2(fp8_e4m3_to_f32(static_cast<uint8_t>(pair & 0xffu)),
+                       fp8_e4m3_to_f32(static_cast<uint8_t>(pair >> 8)));
+#endif
+}
+
+// memra::f32_to_fp8_e4m3(q, kSaturate) for two values, widened back to f32 (e4m3 values are exact in f32). On
+// sm_89 and later by the hardware's saturating RNE conversion, which agrees with the scalar code on every non-NaN
+// value (a value past 464, or an Inf, saturates to +-448 either way; ties go to even); NaN takes the scalar code,
+// which keeps its sign. Before sm_89 (the compute_80 PTX), the scalar code.
+__device__ __forceinline__ float2 e4m3_round2(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint16_t codes;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(codes) : "f"(b), "f"(a));  // a in the low byte
+    float2 r = e4m3x2_to_float2(codes);
+    if (a != a) r.x = fp8_e4m3_to_f32(f32_to_fp8_e4m3(a, Fp8Saturation::kSaturate));
+    if (b != b) r.y = fp8_e4m3_to_f32(f32_to_fp8_e4m3(b, Fp8Saturation::kSaturate));
+    return r;
+#else
+    return make_float2(fp8_e4m3_to_f32(f32_to_fp8_e4m3(a, Fp8Saturation::kSaturate)),
+                       fp8_e4m3_to_f32(f32_to_fp8_e4m3(b, Fp8Saturation::kSaturate)));
+#endif
+}
+
 // memra::e4m3_quantize_group by one warp: x[c0, c1) (at most 128 values of the row gx, column 0 = K 0) as e4m3
 // values widened to f32 into q[0, c1 - c0): amax ignoring NaN, IEEE division, scale 1 for amax 0 and 2^-149 on
 // underflow, saturating RNE e4m3. Every lane returns the scale.
 __device__ float warp_quantize_group(const float *gx, int64_t c0, int64_t c1, float *q) {
     const int l = static_cast<int>(threadIdx.x % 32);
-    float v[kE4m3Chunk / 32];
+    constexpr int kPerLane = kE4m3Chunk / 32;
+    static_assert(kPerLane % 2 == 0);
+    float v[kPerLane];
     float amax = 0.0f;
-    for (int i = 0; i < kE4m3Chunk / 32; ++i) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
         const int64_t k = c0 + l + 32 * i;
         v[i] = k < c1 ? gx[k] : 0.0f;
         const float a = fabsf(v[i]);
@@ -549,9 +595,11 @@ __device__ float warp_quantize_group(const float *gx, int64_t c0, int64_t c1, fl
     }
     float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, 448.0f);
     if (scale == 0.0f) scale = 0x1p-149f;  // amax / 448 underflowed
-    for (int i = 0; i < kE4m3Chunk / 32; ++i) {
-        const int64_t k = c0 + l + 32 * i;
-        if (k < c1) q[l + 32 * i] = fp8_e4m3_to_f32(f32_to_fp8_e4m3(__fdiv_rn(v[i], scale), Fp8Saturation::kSaturate));
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += 2) {
+        const float2 r = e4m3_round2(__fdiv_rn(v[i], scale), __fdiv_rn(v[i + 1], scale));
+        if (c0 + l + 32 * i < c1) q[l + 32 * i] = r.x;
+        if (c0 + l + 32 * (i + 1) < c1) q[l + 32 * (i + 1)] = r.y;
     }
     return scale;
 }
@@ -621,26 +669,35 @@ __global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductPar
 
 // ---------------------------------------------------------------------------------------------
 // Skinny e4m3 products: e4m3_product_kernel's chains (W8A8, whole K from 0, K a multiple of 16 up to
-// kSkinnyE4m3MaxK), arranged as skinny_bf16_kernel is. A block is 16 rows of one row of x (grouped: its expert):
-// its warps first quantize the whole x row into shared memory, group by group; the weight tiles (16 rows x 4
-// chunks of 128) then stream through the kStages-deep cp.async pipeline. Each 128-wide chunk runs its chain, the
-// lane tree and the scaling on the hardware's FTZ operations (fp8 pairs widened by cvt, exactly), keeping the
-// least magnitude of every result; when a lane of the group saw one at or below FLT_MIN, the group redoes the
-// chunk with lane_chain_e4m3, lane_tree_ftz and ftz_mul / ftz_add from the previous sum: e4m3_product_kernel's
-// bits.
+// kSkinnyE4m3MaxK), arranged as skinny_bf16_kernel is. A block is 32 rows of one row of x (grouped: its expert):
+// its warps first quantize the whole x row into shared memory, group by group; the weight tiles (32 rows x 4
+// chunks of 128) then stream through the kStages-deep cp.async pipeline. Four threads run one chunk of two rows:
+// each four lanes' chains of both (sharing the x reads) and their part of the lane tree, in registers. Chains and tree run on the hardware's FTZ
+// operations (fp8 pairs widened by cvt, exactly), which cannot differ from ftz_fma / ftz_add there: every operand
+// is an e4m3 value or a sum of their products, on a lattice of 2^-18, so no result is ever tiny. The scaling (x
+// scale * weight scale, times the chunk, plus the previous sum) runs on them too, and a result at or below FLT_MIN
+// is redone with ftz_mul / ftz_add: e4m3_product_kernel's bits.
 
 constexpr int64_t kSkinnyE4m3MaxK = 8192;
 constexpr int kE4m3TileChunks = 4;                                  // 128-wide chunks per stage
 constexpr int kE4m3TileBytes = kE4m3TileChunks * kE4m3Chunk + 32;   // a tile row, padded (banks, as above)
 constexpr int kE4m3TileUnits = kE4m3TileChunks * kE4m3Chunk / 16;   // 16-byte copies per tile row
-constexpr size_t kE4m3StageBytes = static_cast<size_t>(kStages) * kRowsPerItem * kE4m3TileBytes;
+constexpr int kE4m3Rows = 2 * kRowsPerItem;                        // rows per block: each thread takes two
+constexpr size_t kE4m3StageBytes = static_cast<size_t>(kStages) * kE4m3Rows * kE4m3TileBytes;
+constexpr int kE4m3RowStride = kE4m3Chunk + 4;  // floats per chunk of the quantized row: the 4 chunks a warp
+                                                // reads at once fall in different banks
+static_assert(kE4m3TileChunks * 4 == kLanes, "a group takes the tile's chunks, four threads per chunk");
 
-// Dynamic shared memory of skinny_e4m3_kernel for K columns: the weight stages, the quantized row (whole
-// chunks, zero-padded) and the chunks' scales.
+// Dynamic shared memory of skinny_e4m3_kernel for K columns: the weight stages, the quantized row (chunks of
+// kE4m3RowStride floats) and the chunks' scales.
 size_t skinny_e4m3_smem_bytes(int64_t k) {
     const int64_t chunks = (k + kE4m3Chunk - 1) / kE4m3Chunk;
-    return kE4m3StageBytes + static_cast<size_t>(chunks * kE4m3Chunk + chunks) * 4u;
+    return kE4m3StageBytes + static_cast<size_t>(chunks * kE4m3RowStride + chunks) * 4u;
 }
+
+// Where 16-byte unit u (0 .. 7) of chunk ci lies in a tile row: units are swizzled within the chunk (u ^ 2 ci), so
+// that the four chunks' threads reading unit 2 gi (+1) at once hit different banks.
+__device__ __forceinline__ int e4m3_tile_unit(int ci, int u) { return ci * (kE4m3Chunk / 16) + (u ^ (2 * ci)); }
 
 __device__ __forceinline__ float add_ftz_hw(float a, float b) {
     float r;
@@ -654,31 +711,62 @@ __device__ __forceinline__ float mul_ftz_hw(float a, float b) {
     return r;
 }
 
-// Two e4m3 codes (element 2i in the low byte) widened exactly: on sm_89 and later through f16, which holds every
-// e4m3 value; before, by the shared scalar code (the compute_80 PTX).
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t pair) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    uint32_t h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-    float lo;
-    float hi;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(static_cast<uint16_t>(h2 & 0xffffu)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(static_cast<uint16_t>(h2 >> 16)));
-    return make_float2(lo, hi);
-#else
-    return make_float2(fp8_e4m3_to_f32(static_cast<uint8_t>(pair & 0xffu)),
-                       fp8_e4m3_to_f32(static_cast<uint8_t>(pair >> 8)));
-#endif
+// Four lanes' chains (lanes 4 q .. 4 q + 3) of a chunk, for two rows sharing the x reads, on the hardware's FTZ fma,
+// each row's reduced by their two levels of the lane tree: over the chunk's groups of 32, each lane's odd then even element, from +0. In a partial chunk
+// (rem < 128, a multiple of 16) the quarter's 8 elements of a group lie all inside or all past rem; the zero padding
+// past it is left out, which changes nothing: a chain never holds -0 (it starts at +0, and an exact zero sum is +0),
+// so fma(0, 0, acc) = acc. w_row0, w_row1: the tile rows; w_off: the byte offsets of the quarter's 8 bytes of each group in it
+// (swizzled units); x: the chunk in the quantized row.
+template <bool kFull>
+__device__ __forceinline__ float2 e4m3_quarter_chain(const uint8_t *w_row0, const uint8_t *w_row1,
+                                                      const int (&w_off)[kE4m3Chunk / 32], const float *x, int rem,
+                                                      int q) {
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // row 0's lanes
+    float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // row 1's
+#pragma unroll
+    for (int gi = 0; gi < kE4m3Chunk / 32; ++gi) {
+        if (kFull || 32 * gi + 8 * q < rem) {
+            const float4 xa = *reinterpret_cast<const float4 *>(x + 32 * gi + 8 * q);
+            const float4 xb = *reinterpret_cast<const float4 *>(x + 32 * gi + 8 * q + 4);
+            const auto lanes = [&](const uint8_t *w_row, float (&acc)[4]) {
+                const uint2 wv = *reinterpret_cast<const uint2 *>(w_row + w_off[gi]);
+                const float2 w0 = e4m3x2_to_float2(static_cast<uint16_t>(wv.x & 0xffffu));
+                const float2 w1 = e4m3x2_to_float2(static_cast<uint16_t>(wv.x >> 16));
+                const float2 w2 = e4m3x2_to_float2(static_cast<uint16_t>(wv.y & 0xffffu));
+                const float2 w3 = e4m3x2_to_float2(static_cast<uint16_t>(wv.y >> 16));
+                acc[0] = fma_ftz_hw(xa.x, w0.x, fma_ftz_hw(xa.y, w0.y, acc[0]));
+                acc[1] = fma_ftz_hw(xa.z, w1.x, fma_ftz_hw(xa.w, w1.y, acc[1]));
+                acc[2] = fma_ftz_hw(xb.x, w2.x, fma_ftz_hw(xb.y, w2.y, acc[2]));
+                acc[3] = fma_ftz_hw(xb.z, w3.x, fma_ftz_hw(xb.w, w3.y, acc[3]));
+            };
+            lanes(w_row0, a);
+            lanes(w_row1, b);
+        }
+    }
+    return make_float2(add_ftz_hw(add_ftz_hw(a[0], a[1]), add_ftz_hw(a[2], a[3])),
+                       add_ftz_hw(add_ftz_hw(b[0], b[1]), add_ftz_hw(b[2], b[3])));
+}
+
+// ftz_mul on the hardware's FTZ multiplication, redone exactly when the result is at or below FLT_MIN.
+__device__ __forceinline__ float mul_ftz_fast(float a, float b) {
+    const float r = mul_ftz_hw(a, b);
+    return fabsf(r) <= FLT_MIN ? ftz_mul(a, b) : r;
 }
 
 template <Op kOp>
 __global__ void __launch_bounds__(kThreads) skinny_e4m3_kernel(const ProductParams p) {
     extern __shared__ uint4 s_dyn[];
-    uint8_t *s_w = reinterpret_cast<uint8_t *>(s_dyn);  // [kStages][16 rows][kE4m3TileBytes]
+    uint8_t *s_w = reinterpret_cast<uint8_t *>(s_dyn);  // [kStages][32 rows][kE4m3TileBytes]
     const int n_chunks = static_cast<int>((p.k1 + kE4m3Chunk - 1) / kE4m3Chunk);
-    float *s_q = reinterpret_cast<float *>(s_w + kE4m3StageBytes);  // [n_chunks * 128] the quantized row
-    float *s_scale = s_q + n_chunks * kE4m3Chunk;                   // [n_chunks]
-    const auto [group, lane, mask, row0, n, active] = skinny_place(p);
+    float *s_q = reinterpret_cast<float *>(s_w + kE4m3StageBytes);  // [n_chunks][kE4m3RowStride] the quantized row
+    float *s_scale = s_q + n_chunks * kE4m3RowStride;               // [n_chunks]
+    const int group = static_cast<int>(threadIdx.x) / kLanes;  // rows group and group + 16 of the block
+    const int lane = static_cast<int>(threadIdx.x) % kLanes;
+    const int ci = lane / 4;  // the chunk of each tile this thread takes
+    const int q = lane % 4;   // and its quarter: lanes 4 q .. 4 q + 3 of the chunk's chain
+    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kE4m3Rows;
+    const int64_t n0 = row0 + group;
+    const int64_t n1 = n0 + kRowsPerItem;
     const int64_t t = blockIdx.y;
     const uint8_t *wdata = p.data;
     const float *wscale = p.scale;
@@ -688,83 +776,109 @@ __global__ void __launch_bounds__(kThreads) skinny_e4m3_kernel(const ProductPara
         wdata += e * p.expert_elems;
         wscale += e * p.expert_scales;
     }
-    const uint8_t *gw = wdata + (active ? n : 0) * p.ld;  // [ld] e4m3
-    const float *gs = wscale + ((p.row_begin + (active ? n : 0)) / p.block_rows - p.scale_row0) * p.scale_ld;
+    const auto scale_row = [&](int64_t n) {  // [scale_ld] the row's scale tiles (row 0's for a row past the weight)
+        return wscale + ((p.row_begin + (n < p.rows ? n : 0)) / p.block_rows - p.scale_row0) * p.scale_ld;
+    };
+    const float *gs0 = scale_row(n0);
+    const float *gs1 = scale_row(n1);
     const int n_tiles = (n_chunks + kE4m3TileChunks - 1) / kE4m3TileChunks;
+    // The thread's 16-byte units of every tile: unit `unit` of rows r0 + 8 i, at fixed shared offsets; only the
+    // tile's K offset moves (a per-tile address computation cost more than the products).
+    constexpr int kRowStep = kThreads / kE4m3TileUnits;
+    constexpr int kUnitsPerThread = kE4m3Rows / kRowStep;
+    static_assert(kThreads % kE4m3TileUnits == 0 && kUnitsPerThread * kRowStep == kE4m3Rows);
+    const int unit = static_cast<int>(threadIdx.x) % kE4m3TileUnits;
+    const int r0 = static_cast<int>(threadIdx.x) / kE4m3TileUnits;
+    const int dst0 = r0 * kE4m3TileBytes + e4m3_tile_unit(unit / (kE4m3Chunk / 16), unit % (kE4m3Chunk / 16)) * 16;
+    const uint8_t *src0 = wdata + (row0 + r0) * p.ld + unit * 16;
+    const int64_t src_step = kRowStep * p.ld;
+    const int rows_held = static_cast<int>(min_i64(p.rows - row0, kE4m3Rows));
     const auto issue = [&](int tile) {
         if (tile < n_tiles) {
             const int64_t b0 = static_cast<int64_t>(tile) * kE4m3TileChunks * kE4m3Chunk;
-            const int64_t units = (min_i64(p.k1 - b0, kE4m3TileChunks * kE4m3Chunk) + 15) / 16;
-            uint8_t *dst = s_w + (tile % kStages) * kRowsPerItem * kE4m3TileBytes;
-            for (int u = static_cast<int>(threadIdx.x); u < kRowsPerItem * kE4m3TileUnits; u += kThreads) {
-                const int r = u / kE4m3TileUnits;
-                const int unit = u % kE4m3TileUnits;
-                if (unit < units && row0 + r < p.rows) {
-                    cp_async16(dst + r * kE4m3TileBytes + unit * 16, wdata + (row0 + r) * p.ld + b0 + unit * 16);
+            if (b0 + unit * 16 < p.k1) {  // K is a multiple of 16: a unit is whole or past K
+                uint8_t *dst = s_w + (tile % kStages) * kE4m3Rows * kE4m3TileBytes + dst0;
+#pragma unroll
+                for (int i = 0; i < kUnitsPerThread; ++i) {
+                    if (r0 + i * kRowStep < rows_held) {
+                        cp_async16(dst + i * kRowStep * kE4m3TileBytes, src0 + b0 + i * src_step);
+                    }
                 }
             }
         }
         cp_async_commit();
     };
     for (int s = 0; s < kStages - 1; ++s) issue(s);
-    // The x row, quantized group by group (warp w: groups w, w + 8, ...), zero past K.
+    // The x row, quantized group by group (warp w: groups w, w + 8, ...). Nothing reads past K.
     const float *gx = p.x + t * p.x_ld;  // [x_ld] f32, column 0 = K 0
     for (int c = static_cast<int>(threadIdx.x) / 32; c < n_chunks; c += kThreads / 32) {
         const int64_t c0 = static_cast<int64_t>(c) * kE4m3Chunk;
-        const float scale = warp_quantize_group(gx, c0, min_i64(p.k1, c0 + kE4m3Chunk), s_q + c0);
+        const float scale = warp_quantize_group(gx, c0, min_i64(p.k1, c0 + kE4m3Chunk), s_q + c * kE4m3RowStride);
         if (threadIdx.x % 32 == 0) s_scale[c] = scale;
     }
-    for (int64_t k = p.k1 + threadIdx.x; k < static_cast<int64_t>(n_chunks) * kE4m3Chunk; k += kThreads) s_q[k] = 0.0f;
 
-    float total = 0.0f;
+    // Each tile: a group's 16 threads run its two rows' 4 chunks (4 threads a chunk: lanes 4 q .. 4 q + 3 and the
+    // tree's first two levels, then the last two across the four threads), scale them, and every thread adds the 4
+    // scaled chunks to the running sums in chunk order. The chain and the lane tree add products of two e4m3
+    // values: multiples of 2^-18 below 2^25, so every result is 0 or at least 2^-18 and the hardware's FTZ
+    // operations give ftz_fma's and ftz_add's bits. The scaling can be tiny: mul_ftz_fast, and a row's 4 additions
+    // are redone by ftz_add when one of them is. Every thread runs the math, a row past the weight's on whatever
+    // its stage holds (never stored), so the shuffles see the whole warp.
+    int w_off[kE4m3Chunk / 32];
+#pragma unroll
+    for (int gi = 0; gi < kE4m3Chunk / 32; ++gi) w_off[gi] = e4m3_tile_unit(ci, 2 * gi + q / 2) * 16 + (q % 2) * 8;
+    const int idx0 = static_cast<int>(threadIdx.x) & 16;  // lane 0 of the group within the warp
+    float total0 = 0.0f;
+    float total1 = 0.0f;
+    const auto add_chunks = [&](float scaled, int n_here, float &total) {
+        float m[kE4m3TileChunks];
+#pragma unroll
+        for (int j = 0; j < kE4m3TileChunks; ++j) m[j] = __shfl_sync(0xffffffffu, scaled, idx0 + 4 * j);
+        float sum = total;
+        float least = INFINITY;  // a NaN never counts
+#pragma unroll
+        for (int j = 0; j < kE4m3TileChunks; ++j) {
+            if (j < n_here) {
+                sum = add_ftz_hw(sum, m[j]);
+                least = fminf(least, fabsf(sum));
+            }
+        }
+        if (least <= FLT_MIN) {
+            for (int j = 0; j < n_here; ++j) total = ftz_add(total, m[j]);
+        } else {
+            total = sum;
+        }
+    };
     for (int tile = 0; tile < n_tiles; ++tile) {
         cp_async_wait_stages();
         __syncthreads();  // the tile (and, first, the quantized row) is visible; the oldest stage is free
         issue(tile + kStages - 1);
-        if (!active) continue;
-        const uint8_t *w_row = s_w + ((tile % kStages) * kRowsPerItem + group) * kE4m3TileBytes;
-        for (int ci = 0; ci < kE4m3TileChunks; ++ci) {
-            const int c = tile * kE4m3TileChunks + ci;
-            if (c >= n_chunks) break;
-            const int64_t c0 = static_cast<int64_t>(c) * kE4m3Chunk;
-            const int64_t c1 = min_i64(p.k1, c0 + kE4m3Chunk);
-            float acc = 0.0f;
-            float least = INFINITY;
-#pragma unroll
-            for (int gi = 0; gi < kE4m3Chunk / 32; ++gi) {
-                const int64_t k = c0 + 32 * gi + 2 * lane;  // even; K is even, so k + 1 < c1 iff k < c1
-                if (c0 + 32 * gi < c1) {
-                    const uint16_t pair =
-                        k < c1 ? *reinterpret_cast<const uint16_t *>(w_row + ci * kE4m3Chunk + 32 * gi + 2 * lane) : 0;
-                    const float2 w = e4m3x2_to_float2(pair);
-                    const float2 x = *reinterpret_cast<const float2 *>(s_q + k);
-                    acc = fma_ftz_hw(x.y, w.y, acc);
-                    least = fminf(least, fabsf(acc));
-                    acc = fma_ftz_hw(x.x, w.x, acc);
-                    least = fminf(least, fabsf(acc));
-                }
-            }
-            float v = acc;
-            for (int d = 1; d < kLanes; d <<= 1) {
-                v = add_ftz_hw(v, __shfl_xor_sync(mask, v, d, kLanes));
-                least = fminf(least, fabsf(v));
-            }
-            const float xs = s_scale[c];
-            const float ws = gs[c - p.scale_col0];
-            const float m1 = mul_ftz_hw(xs, ws);
-            const float m2 = mul_ftz_hw(v, m1);
-            const float sum = add_ftz_hw(total, m2);
-            least = fminf(least, fminf(fabsf(m1), fminf(fabsf(m2), fabsf(sum))));
-            if (__any_sync(mask, least <= FLT_MIN)) {
-                const float chunk = lane_tree_ftz(lane_chain_e4m3(s_q + c0, gw, c0, c1, lane), mask);
-                total = ftz_add(total, ftz_mul(chunk, ftz_mul(xs, ws)));
-            } else {
-                total = sum;
-            }
-        }
+        const int c = tile * kE4m3TileChunks + ci;
+        const int cc = c < n_chunks ? c : 0;
+        const int rem = c < n_chunks ? static_cast<int>(min_i64(p.k1 - static_cast<int64_t>(c) * kE4m3Chunk,
+                                                                 kE4m3Chunk))
+                                     : 0;  // K of the chunk: 16 .. 128, 0 past the last
+        const float ws0 = gs0[cc - p.scale_col0];
+        const float ws1 = gs1[cc - p.scale_col0];
+        const uint8_t *w_row0 = s_w + ((tile % kStages) * kE4m3Rows + group) * kE4m3TileBytes;
+        const uint8_t *w_row1 = w_row0 + kRowsPerItem * kE4m3TileBytes;
+        const float *xc = s_q + cc * kE4m3RowStride;
+        float2 v = rem == kE4m3Chunk ? e4m3_quarter_chain<true>(w_row0, w_row1, w_off, xc, rem, q)
+                                     : e4m3_quarter_chain<false>(w_row0, w_row1, w_off, xc, rem, q);
+        v.x = add_ftz_hw(v.x, __shfl_xor_sync(0xffffffffu, v.x, 1));
+        v.y = add_ftz_hw(v.y, __shfl_xor_sync(0xffffffffu, v.y, 1));
+        v.x = add_ftz_hw(v.x, __shfl_xor_sync(0xffffffffu, v.x, 2));
+        v.y = add_ftz_hw(v.y, __shfl_xor_sync(0xffffffffu, v.y, 2));
+        const float xs = s_scale[cc];
+        const int n_here = min(kE4m3TileChunks, n_chunks - tile * kE4m3TileChunks);
+        add_chunks(mul_ftz_fast(v.x, mul_ftz_fast(xs, ws0)), n_here, total0);
+        add_chunks(mul_ftz_fast(v.y, mul_ftz_fast(xs, ws1)), n_here, total1);
     }
     cp_async_wait_all();
-    if (active && lane == 0) p.y[t * p.y_ld + n] = total;
+    if (lane == 0) {
+        if (n0 < p.rows) p.y[t * p.y_ld + n0] = total0;
+        if (n1 < p.rows) p.y[t * p.y_ld + n1] = total1;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -835,17 +949,17 @@ cudaError_t launch_skinny(const ProductParams &p, cudaStream_t stream) {
 bool skinny_e4m3(const ProductParams &p) {
     return p.k0 == 0 && p.k_begin == 0 && p.k1 > 0 && p.k1 % 16 == 0 && p.k1 <= kSkinnyE4m3MaxK &&
            p.ld % 16 == 0 && reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.expert_elems % 16 == 0 &&
-           p.n_tokens <= 65535 && ceil_div(p.rows, kRowsPerItem) <= INT32_MAX;
+           p.n_tokens <= 65535 && ceil_div(p.rows, kE4m3Rows) <= INT32_MAX;
 }
 
-// Launches skinny_e4m3_kernel<kOp>: one block per 16 rows and row of x, its limit raised once per device.
+// Launches skinny_e4m3_kernel<kOp>: one block per 32 rows and row of x, its limit raised once per device.
 template <Op kOp>
 cudaError_t launch_skinny_e4m3(const ProductParams &p, cudaStream_t stream) {
     static std::atomic<uint64_t> raised{0};  // bit d: done on device d
     const cudaError_t raise =
         raise_smem_limit(skinny_e4m3_kernel<kOp>, skinny_e4m3_smem_bytes(kSkinnyE4m3MaxK), raised);
     if (raise != cudaSuccess) return raise;
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kRowsPerItem)), static_cast<unsigned>(p.n_tokens));
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kE4m3Rows)), static_cast<unsigned>(p.n_tokens));
     skinny_e4m3_kernel<kOp><<<grid, kThreads, skinny_e4m3_smem_bytes(p.k1), stream>>>(p);
     return cudaGetLastError();
 }
