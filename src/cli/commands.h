@@ -53,8 +53,8 @@ std::filesystem::path default_model_dir();
 // Adds the optional positional MODEL_DIR (with its MEMRA_MODEL environment mirror).
 void add_model_dir_option(CLI::App &sub, std::string &model_dir);
 
-// The model directory to use: the argument if given, else the embedded default (with a clear
-// message on stderr and an empty path when that is missing).
+// The model directory to use: the argument if given, else $MEMRA_MODEL when set, else the embedded default
+// (with a clear message on stderr and an empty path when that is missing).
 std::filesystem::path resolve_model_dir(const std::string &model_dir);
 
 // The exit code of `memra verify`: kExitGateFailed when a gate failed, else kExitInvalidInput when nothing
@@ -146,7 +146,8 @@ struct EngineInputs {
 // failure, whose error is then on stderr (an input error: exit code kExitInvalidInput).
 std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, const std::string &kv_k,
                                                const std::string &kv_v);
-// load_engine_inputs, or with --synthetic the formats, then open_synthetic_model (generating on `threads`).
+// load_engine_inputs, or with --synthetic the formats, then open_synthetic_model (generating on `threads`);
+// MEMRA_MODEL is then ignored.
 std::optional<EngineInputs> load_model_inputs(const std::string &model_dir, const SyntheticChoice &synthetic,
                                               int threads, const std::string &kv_k, const std::string &kv_v);
 // The weights of the inputs: the synthetic store (moved out of `in`), or the checkpoint in in.dir, opened now.

@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <limits>
 #include <map>
@@ -36,12 +37,15 @@ std::filesystem::path default_model_dir() {
 
 void add_model_dir_option(CLI::App &sub, std::string &model_dir) {
     sub.add_option("MODEL_DIR", model_dir,
-                   "Checkpoint directory (config.json + safetensors); default: the embedded default model")
-        ->envname("MEMRA_MODEL");
+                   "Checkpoint directory (config.json + safetensors); default: $MEMRA_MODEL when set, else the "
+                   "embedded default model");
 }
 
 std::filesystem::path resolve_model_dir(const std::string &model_dir) {
     if (!model_dir.empty()) return model_dir;
+    // Read here rather than as the option's environment variable, so that an exported MEMRA_MODEL does not count
+    // as a MODEL_DIR argument where --synthetic excludes one.
+    if (const char *env = std::getenv("MEMRA_MODEL"); env != nullptr && *env != '\0') return env;
     std::filesystem::path dir = default_model_dir();
     if (dir.empty() || !std::filesystem::exists(dir / "config.json")) {
         report_error(fmt::format("no MODEL_DIR given and the embedded default model is missing (expected {}); "
@@ -212,10 +216,24 @@ Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string 
 
 std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, const std::string &kv_k,
                                                const std::string &kv_v) {
+    return load_model_inputs(model_dir, SyntheticChoice{}, 1, kv_k, kv_v);
+}
+
+std::optional<EngineInputs> load_model_inputs(const std::string &model_dir, const SyntheticChoice &synthetic,
+                                              int threads, const std::string &kv_k, const std::string &kv_v) {
     auto kv_formats = parse_kv_format_options(kv_k, kv_v);
     if (!kv_formats) {
         report_error(kv_formats.error().message);
         return std::nullopt;
+    }
+    if (synthetic.given) {
+        auto model = open_synthetic_model(synthetic.options, threads);
+        if (!model) {
+            report_error(model.error().message);
+            return std::nullopt;
+        }
+        return EngineInputs{kv_formats->first, kv_formats->second, {}, std::move(model->cfg), std::move(model->name),
+                            std::move(model->store)};
     }
     std::filesystem::path dir = resolve_model_dir(model_dir);
     if (dir.empty()) return std::nullopt;
@@ -227,23 +245,6 @@ std::optional<EngineInputs> load_engine_inputs(const std::string &model_dir, con
     std::string name = dir.string();
     return EngineInputs{kv_formats->first, kv_formats->second, std::move(dir), std::move(*cfg), std::move(name),
                         nullptr};
-}
-
-std::optional<EngineInputs> load_model_inputs(const std::string &model_dir, const SyntheticChoice &synthetic,
-                                              int threads, const std::string &kv_k, const std::string &kv_v) {
-    if (!synthetic.given) return load_engine_inputs(model_dir, kv_k, kv_v);
-    auto kv_formats = parse_kv_format_options(kv_k, kv_v);
-    if (!kv_formats) {
-        report_error(kv_formats.error().message);
-        return std::nullopt;
-    }
-    auto model = open_synthetic_model(synthetic.options, threads);
-    if (!model) {
-        report_error(model.error().message);
-        return std::nullopt;
-    }
-    return EngineInputs{kv_formats->first, kv_formats->second, {}, std::move(model->cfg), std::move(model->name),
-                        std::move(model->store)};
 }
 
 Result<std::unique_ptr<io::TensorStore>> open_store(EngineInputs &in) {

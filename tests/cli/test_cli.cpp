@@ -1432,6 +1432,11 @@ TEST_F(CliTest, BenchAndVerifyRunASyntheticModel) {
     const std::vector<int32_t> ids = Json::parse(tokens.out).at("prompt").get<std::vector<int32_t>>();
     EXPECT_GE(*std::max_element(ids.begin(), ids.end()), 739);
     EXPECT_LT(*std::max_element(ids.begin(), ids.end()), 1024);
+    // An exported MEMRA_MODEL is no MODEL_DIR argument: --synthetic runs instead of being refused.
+    const RunResult with_env =
+        run_memra({"bench", "--synthetic", "tiny", "-p", "8", "-n", "0", "-r", "1", "-o", "json"}, tiny_env());
+    ASSERT_EQ(with_env.exit_code, 0) << describe(with_env);
+    EXPECT_EQ(Json::parse(with_env.out)[0].at("model"), "synthetic tiny bf16 seed 0");
     // The routed-experts test and verify take it too.
     const RunResult experts = run_memra({"bench", "--synthetic", "tiny", "--experts", "--iterations", "2", "-t", "1"});
     EXPECT_EQ(experts.exit_code, 0) << describe(experts);

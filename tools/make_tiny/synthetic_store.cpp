@@ -44,7 +44,6 @@ SyntheticStore::Buffer SyntheticStore::take_locked(uint64_t n) const {
         b.bytes.reset(static_cast<std::byte *>(std::aligned_alloc(kHugePage, b.capacity)));
         if (b.bytes) (void)madvise(b.bytes.get(), b.capacity, MADV_HUGEPAGE);  // a hint: the bytes are the same
     }
-    MEMRA_CHECK(b.bytes != nullptr, "synthetic store: cannot allocate {} bytes", n);
     return b;
 }
 
@@ -89,7 +88,9 @@ Result<io::TensorRef> SyntheticStore::get(std::string_view name) const {
     }
     const size_t i = it->second;
     std::lock_guard lock(mu_);
-    if (!slots_[i].buffer.bytes) generate_locked(i);
+    if (!slots_[i].buffer.bytes) {
+        if (auto made = generate_locked(i); !made) return tl::unexpected(made.error());
+    }
     ++slots_[i].pins;
     const io::TensorInfo &info = weights_.tensors()[i].info;
     return io::TensorRef{&info, {slots_[i].buffer.bytes.get(), info.n_bytes()}};
@@ -110,42 +111,48 @@ void SyntheticStore::release(std::string_view name) const {
     if (other != i && slots_[other].pins == 0) free_locked(other);
 }
 
-void SyntheticStore::generate_locked(size_t i) const {
+Result<void> SyntheticStore::generate_locked(size_t i) const {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<TinyTensor> &tensors = weights_.tensors();
-    const auto alloc = [&](size_t k) {
-        const uint64_t n = tensors[k].info.n_bytes();
-        Slot &slot = slots_[k];
-        slot.buffer = take_locked(n);
+    const TinyTensor &t = tensors[i];
+    // Codes and scales come out of one pass: both halves of an FP8 tensor get a buffer, a half still held (views
+    // of it are live) a spare whose copy is dropped afterwards.
+    const size_t first = t.part == TinyPart::kFp8Scales ? i - 1 : i;
+    const size_t n_parts = t.part == TinyPart::kValues ? 1 : 2;
+    Buffer buffers[2];
+    for (size_t k = 0; k < n_parts; ++k) {
+        const uint64_t n = tensors[first + k].info.n_bytes();
+        buffers[k] = take_locked(n);
+        if (!buffers[k].bytes) {
+            for (Buffer &taken : buffers) {
+                if (taken.bytes) give_locked(std::move(taken));
+            }
+            return make_error("synthetic {}: tensor {}: out of host memory for its {} bytes", preset_.name,
+                              tensors[first + k].info.name, n);
+        }
+    }
+    std::span<std::byte> out[2];
+    for (size_t k = 0; k < n_parts; ++k) out[k] = {buffers[k].bytes.get(), tensors[first + k].info.n_bytes()};
+    if (n_parts == 1) {
+        weights_.generate(first, out[0], *pool_);
+    } else {
+        weights_.generate_fp8(first, out[0], out[1], *pool_);
+    }
+    for (size_t k = 0; k < n_parts; ++k) {
+        Slot &slot = slots_[first + k];
+        if (slot.buffer.bytes) {  // the held half: its bytes stay, the new copy is a spare again
+            give_locked(std::move(buffers[k]));
+            continue;
+        }
+        const uint64_t n = tensors[first + k].info.n_bytes();
+        slot.buffer = std::move(buffers[k]);
         stats_.held_bytes += n;
         stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, stats_.held_bytes);
         stats_.bytes += n;
         ++stats_.tensors;
-        return std::span<std::byte>(slot.buffer.bytes.get(), n);
-    };
-    const TinyTensor &t = tensors[i];
-    if (t.part == TinyPart::kValues) {
-        weights_.generate(i, alloc(i), *pool_);
-    } else {
-        // Codes and scales come out of one pass; a half still held keeps its bytes (views of it are live), and
-        // the copy generated beside it is dropped.
-        const size_t codes = t.part == TinyPart::kFp8Codes ? i : i - 1;
-        const size_t scales = codes + 1;
-        Buffer spare;
-        std::span<std::byte> out[2];
-        for (const size_t k : {codes, scales}) {
-            if (!slots_[k].buffer.bytes) {
-                out[k - codes] = alloc(k);
-            } else {
-                const uint64_t n = tensors[k].info.n_bytes();
-                spare = take_locked(n);
-                out[k - codes] = std::span<std::byte>(spare.bytes.get(), n);
-            }
-        }
-        weights_.generate_fp8(codes, out[0], out[1], *pool_);
-        if (spare.bytes) give_locked(std::move(spare));
     }
     stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return {};
 }
 
 void SyntheticStore::free_locked(size_t i) const {

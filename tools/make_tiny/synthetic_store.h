@@ -78,7 +78,8 @@ private:
         std::unique_ptr<std::byte, FreeBytes> bytes;  // nullptr: none
         uint64_t capacity = 0;
     };
-    // A buffer of at least n bytes: the smallest spare that fits, else a new one. Under mu_.
+    // A buffer of at least n bytes: the smallest spare that fits, else a new one (bytes null when the host is
+    // out of memory). Under mu_.
     Buffer take_locked(uint64_t n) const;
     // Keeps a large buffer as a spare (at most kMaxSpares, the smallest dropped first). Under mu_.
     void give_locked(Buffer buffer) const;
@@ -87,8 +88,9 @@ private:
         Buffer buffer;     // bytes null: not generated (or freed)
         int64_t pins = 0;  // gets not yet released
     };
-    // Generates tensor i (and its FP8 other half, unless that one is held) into its slot. Under mu_.
-    void generate_locked(size_t i) const;
+    // Generates tensor i (and its FP8 other half, unless that one is held) into its slot; an error, with nothing
+    // changed, when the host memory for it cannot be had. Under mu_.
+    Result<void> generate_locked(size_t i) const;
     void free_locked(size_t i) const;
 
     TinyPreset preset_;
