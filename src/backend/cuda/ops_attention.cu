@@ -274,7 +274,8 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(const Att
     }
     const int64_t first_split = lo / kSplitRows;
     // kSplit / kMerge: the item's stored split states.
-    float *ws_item = kMode == AttnMode::kWhole ? nullptr : a.split_ws + item * a.max_splits * split_state_floats(head_dim);
+    float *ws_item =
+        kMode == AttnMode::kWhole ? nullptr : a.split_ws + item * a.max_splits * split_state_floats(head_dim);
 
     const std::byte *k_base = a.layer.base + a.layer.k_offset + g * a.k_head_bytes;
     const std::byte *v_base = a.layer.base + a.layer.v_offset + g * a.v_head_bytes;
@@ -596,11 +597,11 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     a.scale = shape.scale;
     a.round_keys = layer.k_format == KvFormat::kF32 || layer.k_format == KvFormat::kBf16;
 
-    const int64_t splits = attention_max_splits(shape, bt_stride);
-    const bool split = split_ws != nullptr && splits > 1 && paged_attention_split_floats(shape, n_q, bt_stride) > 0 &&
-                       paged_attention_split_floats(shape, n_q, bt_stride) <= split_ws_floats;
+    // Split-KV when the workspace holds every (item, split) state (none needed: one split at most).
+    const int64_t split_floats = paged_attention_split_floats(shape, n_q, bt_stride);
+    const bool split = split_ws != nullptr && split_floats > 0 && split_floats <= split_ws_floats;
     a.split_ws = split ? split_ws : nullptr;
-    a.max_splits = splits;
+    a.max_splits = attention_max_splits(shape, bt_stride);
 
     const int64_t smem_bytes = attention_smem_floats(head_dim) * static_cast<int64_t>(sizeof(float));
     const auto launch = [&](auto kernel, dim3 grid) {

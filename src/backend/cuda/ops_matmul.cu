@@ -410,11 +410,10 @@ __global__ void __launch_bounds__(kThreads) skinny_bf16_kernel(const ProductPara
         }
         locate(ch);
     };
-    // The weight tile of a chunk into stage `stage`: thread u copies 16-byte units u, u + 256, ... of the tile's
-    // rows (row u / kTileUnits). One commit group per call, also past the last chunk (an empty group), so that
-    // waiting for all but kStages - 2 groups always means the oldest issued chunk has landed.
-    // The thread's units: unit `unit` of rows r0 + 4 i, at fixed shared offsets; only the chunk's K offset moves (a
-    // per-chunk address computation cost more than the products).
+    // The weight tile of a chunk into stage `stage`: each thread copies 16-byte unit `unit` of rows r0 + 4 i, at
+    // fixed shared offsets; only the chunk's K offset moves (a per-chunk address computation cost more than the
+    // products). One commit group per call, also past the last chunk (an empty group), so that waiting for all but
+    // kStages - 2 groups always means the oldest issued chunk has landed.
     constexpr int kRowStep = kThreads / kTileUnits;
     constexpr int kUnitsPerThread = kRowsPerItem / kRowStep;
     static_assert(kThreads % kTileUnits == 0 && kUnitsPerThread * kRowStep == kRowsPerItem);
@@ -672,11 +671,11 @@ __global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductPar
 // kSkinnyE4m3MaxK), arranged as skinny_bf16_kernel is. A block is 32 rows of one row of x (grouped: its expert):
 // its warps first quantize the whole x row into shared memory, group by group; the weight tiles (32 rows x 4
 // chunks of 128) then stream through the kStages-deep cp.async pipeline. Four threads run one chunk of two rows:
-// each four lanes' chains of both (sharing the x reads) and their part of the lane tree, in registers. Chains and tree run on the hardware's FTZ
-// operations (fp8 pairs widened by cvt, exactly), which cannot differ from ftz_fma / ftz_add there: every operand
-// is an e4m3 value or a sum of their products, on a lattice of 2^-18, so no result is ever tiny. The scaling (x
-// scale * weight scale, times the chunk, plus the previous sum) runs on them too, and a result at or below FLT_MIN
-// is redone with ftz_mul / ftz_add: e4m3_product_kernel's bits.
+// each four lanes' chains of both (sharing the x reads) and their part of the lane tree, in registers. Chains and
+// tree run on the hardware's FTZ operations (fp8 pairs widened by cvt, exactly), which cannot differ from ftz_fma /
+// ftz_add there: every operand is an e4m3 value or a sum of their products, on a lattice of 2^-18, so no result is
+// ever tiny. The scaling (x scale * weight scale, times the chunk, plus the previous sum) runs on them too, and a
+// result at or below FLT_MIN is redone with ftz_mul / ftz_add: e4m3_product_kernel's bits.
 
 constexpr int64_t kSkinnyE4m3MaxK = 8192;
 constexpr int kE4m3TileChunks = 4;                                  // 128-wide chunks per stage
@@ -711,12 +710,12 @@ __device__ __forceinline__ float mul_ftz_hw(float a, float b) {
     return r;
 }
 
-// Four lanes' chains (lanes 4 q .. 4 q + 3) of a chunk, for two rows sharing the x reads, on the hardware's FTZ fma,
-// each row's reduced by their two levels of the lane tree: over the chunk's groups of 32, each lane's odd then even element, from +0. In a partial chunk
-// (rem < 128, a multiple of 16) the quarter's 8 elements of a group lie all inside or all past rem; the zero padding
-// past it is left out, which changes nothing: a chain never holds -0 (it starts at +0, and an exact zero sum is +0),
-// so fma(0, 0, acc) = acc. w_row0, w_row1: the tile rows; w_off: the byte offsets of the quarter's 8 bytes of each group in it
-// (swizzled units); x: the chunk in the quantized row.
+// Four lanes' chains (lanes 4 q .. 4 q + 3) of a chunk, for two rows sharing the x reads, on the hardware's FTZ
+// fma, each row's reduced by their two levels of the lane tree: over the chunk's groups of 32, each lane's odd then
+// even element, from +0. In a partial chunk (rem < 128, a multiple of 16) the quarter's 8 elements of a group lie
+// all inside or all past rem; the zero padding past it is left out, which changes nothing: a chain never holds -0
+// (it starts at +0, and an exact zero sum is +0), so fma(0, 0, acc) = acc. w_row0, w_row1: the tile rows; w_off: the
+// byte offsets of the quarter's 8 bytes of each group in a row (swizzled units); x: the chunk in the quantized row.
 template <bool kFull>
 __device__ __forceinline__ float2 e4m3_quarter_chain(const uint8_t *w_row0, const uint8_t *w_row1,
                                                       const int (&w_off)[kE4m3Chunk / 32], const float *x, int rem,

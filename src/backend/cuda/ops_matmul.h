@@ -67,7 +67,7 @@ struct CudaBank {
 // ---- Products. x, y, offsets are device pointers; launchers return cudaErrorInvalidValue for arguments the
 // CPU op would refuse (a MEMRA_CHECK there), else the launch status (cudaGetLastError). None needs a
 // workspace or a rounding scratch: activations are rounded inside the kernel (bf16 as read; each e4m3 group of
-// 128 once per block of 16 output rows, in shared memory). ----
+// 128 once per block of output rows, 32 in the skinny e4m3 kernel, in shared memory). ----
 
 // cpu::matmul with w.act (CpuBackend::matmul): y[t, n] = dot(x[t], W[n]) by the canonical K loop over the
 // whole K. w must hold every K column. x: [n_tokens, w.cols] f32; y: [n_tokens, w.rows] f32.
