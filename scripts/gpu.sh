@@ -74,6 +74,9 @@ python3 bench/cuda_peers.py >"$out/bench_cuda_peers.jsonl" 2>"$out/bench_cuda_pe
 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 512 -n 32 -r 2 --parallel 32 -o json \
     >"$out/bench_e128.json" 2>"$out/bench_e128.log"
 e128_rc=$?
+# E128's per-op times: a 512-token context, then 32 decode steps (each op synchronised, so a separate run).
+MEMRA_CUDA_PROFILE=1 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 512 -r 1 \
+    >/dev/null 2>"$out/op_times_e128.log"
 # Per-op times (each op synchronised; launch + kernel), one prefill of 512 and 16 decode steps on the release preset.
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 512 -n 0 -r 1 >/dev/null 2>"$out/op_times_prefill.log"
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 0 -n 16 -r 1 >/dev/null 2>"$out/op_times_decode.log"
@@ -158,9 +161,10 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
         print(f"| K3 {b['name'].split('/iter')[0]} (8 experts, 1 row each) | {b['real_time']:.1f} us "
               f"{b['weight_GB/s']:.0f} GB/s ({100 * b['vs_copy']:.0f} % of copy) |")
     if b["name"].startswith("bm_decode_attention"):
-        a = dict(kv.split(":") for kv in b["name"].split("/")[1:5])
+        a = dict(kv.split(":") for kv in b["name"].split("/")[1:6])
+        kv = "q8_0/q5_1" if a["q8q5"] == "1" else "bf16"
         print(f"| K9/K10 decode attention {a['positions']} positions, {a['heads']} heads, window {a['window']}, "
-              f"split {a['split']} | {b['real_time']:.1f} us, {b['KV_GB/s']:.0f} GB/s of K and V |")
+              f"split {a['split']}, KV {kv} | {b['real_time']:.1f} us, {b['KV_GB/s']:.0f} GB/s of K and V |")
     if b["name"].startswith("bm_add_rms_norm"):
         print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")
 EOF
@@ -183,6 +187,7 @@ fi
 grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
 op_rows "$out/op_times_prefill.log" prefill 5
 op_rows "$out/op_times_decode.log" decode 12
+op_rows "$out/op_times_e128.log" e128 12
 grep -h -m2 -E "STEP_WORK" "$out/verify_release.log" | sed 's/^/| verify release | /; s/$/ |/'
 # The device tool brings back a few files: the table, the JSON reports and one archive of every log.
 (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='bench_*.json' -- * 2>/dev/null &&

@@ -21,6 +21,7 @@
 #include "backend/cuda/ops_matmul.h"
 #include "backend/cuda/ops_rows.h"
 #include "core/kv_page.h"
+#include "core/quant_blocks.h"
 
 namespace memra {
 namespace {
@@ -200,10 +201,11 @@ void bm_e4m3_grouped(benchmark::State &state) {
     time_and_report(state, launch, static_cast<double>(weight_bytes));
 }
 
-// args: positions, query heads, window (0: full), split (0/1). One decode row of the release architecture's
-// attention (8 kv heads of 128, bf16 K and V in 64-row pages): K9 is a full layer at 8K positions (33.5 MB of
-// K and V), K10 a sliding layer of 96 heads over its 512-position window. split 1 gives the split-KV launches
-// their workspace; split 0 runs one CTA per work item (the same bits). KV_GB/s: the K and V bytes the row sees.
+// args: positions, query heads, window (0: full), split (0/1), q8q5 (0/1). One decode row of the release
+// architecture's attention (8 kv heads of 128 in 64-row pages, bf16 K and V, or q8_0 K and q5_1 V with q8q5): K9
+// is a full layer at 8K positions (33.5 MB of bf16 K and V), K10 a sliding layer of 96 heads over its
+// 512-position window. split 1 gives the split-KV launches their workspace; split 0 runs one cluster per work item
+// over every split (the same bits). KV_GB/s: the K and V bytes the row sees.
 void bm_decode_attention(benchmark::State &state) {
     if (!gpu_present()) {
         state.SkipWithError("no CUDA device");
@@ -213,12 +215,22 @@ void bm_decode_attention(benchmark::State &state) {
     const int64_t heads = state.range(1);
     const int64_t window = state.range(2);
     const bool split = state.range(3) != 0;
+    const bool quant = state.range(4) != 0;  // q8_0 keys and q5_1 values instead of bf16 ones
     constexpr int64_t kKvHeads = 8;
     constexpr int64_t kHeadDim = 128;
-    const int64_t row_bytes = kKvHeads * kHeadDim * 2;  // bf16 K (or V) of one position
+    constexpr int64_t kBlocks = kKvHeads * kHeadDim / kQuantBlock;  // of 32 values per row
+    const int64_t k_row = quant ? kBlocks * static_cast<int64_t>(sizeof(BlockQ8_0)) : kKvHeads * kHeadDim * 2;
+    const int64_t v_row = quant ? kBlocks * static_cast<int64_t>(sizeof(BlockQ5_1)) : kKvHeads * kHeadDim * 2;
     const int64_t pages = (positions + kKvPageRows - 1) / kKvPageRows;
-    const cpu::PagedLayer layer{nullptr, pages, 2 * kKvPageRows * row_bytes, 0, kKvPageRows * row_bytes,
-                                row_bytes, row_bytes, KvFormat::kBf16, KvFormat::kBf16};
+    const cpu::PagedLayer layer{nullptr,
+                               pages,
+                               kKvPageRows * (k_row + v_row),
+                               0,
+                               kKvPageRows * k_row,
+                               k_row,
+                               v_row,
+                               quant ? KvFormat::kQ8_0 : KvFormat::kBf16,
+                               quant ? KvFormat::kQ5_1 : KvFormat::kBf16};
     const auto pools = rotating_weights(static_cast<size_t>(pages * layer.page_bytes));  // K and V from HBM
     cpu::PagedLayer l = layer;
     std::vector<int32_t> table(static_cast<size_t>(pages));
@@ -245,7 +257,7 @@ void bm_decode_attention(benchmark::State &state) {
     const int64_t seen = window > 0 ? std::min(window, positions) : positions;
     const double seconds = time_state(state, launch, 20);
     state.counters["us"] = seconds * 1e6;
-    state.counters["KV_GB/s"] = static_cast<double>(2 * seen * row_bytes) / seconds * 1e-9;
+    state.counters["KV_GB/s"] = static_cast<double>(seen * (k_row + v_row)) / seconds * 1e-9;
 }
 
 // args: rows, d. add_rms_norm's h = x + r and y = rms_norm(h).
@@ -281,9 +293,9 @@ void product_args(benchmark::internal::Benchmark *b) {
 BENCHMARK(bm_bf16_product)->Apply(product_args)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K"})->Args({2560, 4096})->Args({4096, 1280})->UseManualTime()
     ->Iterations(1)->Unit(benchmark::kMicrosecond);
-BENCHMARK(bm_decode_attention)->ArgNames({"positions", "heads", "window", "split"})
-    ->ArgsProduct({{8192}, {64}, {0}, {0, 1}})->Args({512, 96, 512, 0})->Args({512, 96, 512, 1})
-    ->Args({4096, 64, 0, 1})->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_decode_attention)->ArgNames({"positions", "heads", "window", "split", "q8q5"})
+    ->ArgsProduct({{8192}, {64}, {0}, {0, 1}, {0, 1}})->Args({512, 96, 512, 1, 0})->Args({512, 96, 512, 1, 1})
+    ->Args({4096, 64, 0, 1, 1})->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_add_rms_norm)->Args({1, 4096})->Args({64, 4096})->Args({512, 4096})->UseManualTime()->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
 

@@ -402,14 +402,15 @@ GpuRun gpu_run_mode(const Case &c, const Pool &pool, const Queries &qs, bool spl
     return r;
 }
 
-// Both launch shapes: one CTA per work item, and split-KV (every case with a range past 512 positions splits).
-// They must give the same bits (NaN rows as NaN) and flags; the result is returned once.
+// Both launch shapes: one cluster per work item over every split, and split-KV (every case with a range past 512
+// positions splits). They must give the same bits (NaN rows as NaN) and flags; the result is returned once.
 GpuRun gpu_run(const Case &c, const Pool &pool, const Queries &qs) {
     GpuRun whole = gpu_run_mode(c, pool, qs, false);
     if (qs.n() > 0 && qs.bt_stride * kKvPageRows > 512) {
         EXPECT_GT(paged_attention_split_floats(c.shape, qs.n(), qs.bt_stride), 0) << describe(c.cfg);
         const GpuRun split = gpu_run_mode(c, pool, qs, true);
-        EXPECT_EQ(bit_mismatches(split.out, whole.out), 0) << "split-KV against one CTA per item, " << describe(c.cfg);
+        EXPECT_EQ(bit_mismatches(split.out, whole.out), 0)
+            << "split-KV against one cluster per item, " << describe(c.cfg);
         EXPECT_EQ(split.flag, whole.flag) << "split-KV flag, " << describe(c.cfg);
     }
     return whole;
@@ -581,6 +582,23 @@ TEST(CudaAttention, RoundRowsEqualCpu) {
             }
         }
     }
+}
+
+// The bf16 rounding (the hardware conversion with the CPU's NaN) over every sign, exponent and bf16 mantissa, each
+// with the dropped 16 bits at zero, the smallest and largest values, just below, at and above the tie: all bits.
+TEST(CudaAttention, RoundBf16EveryHighHalf) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    constexpr uint32_t kLow[] = {0x0000u, 0x0001u, 0x3fffu, 0x7fffu, 0x8000u, 0x8001u, 0xc000u, 0xffffu};
+    Floats x;
+    x.reserve(sz(65536) * std::size(kLow));
+    for (uint32_t high = 0; high < 65536; ++high) {
+        for (uint32_t low : kLow) x.push_back(u32_as_f32(high << 16 | low));
+    }
+    Floats want = x;
+    cpu::round_rows(threads(), want.data(), 1, static_cast<int64_t>(want.size()), RowRounding::kBf16);
+    DeviceBuffer d_x = to_device(x);
+    ASSERT_EQ(round_rows(d_x.as<float>(), 1, static_cast<int64_t>(x.size()), RowRounding::kBf16, nullptr), cudaSuccess);
+    EXPECT_EQ(bit_mismatches(from_device<float>(d_x, x.size()), want), 0);
 }
 
 TEST(CudaAttention, KvWriteBytesEqualCpu) {

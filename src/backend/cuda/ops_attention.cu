@@ -1,8 +1,9 @@
 // KV write, query rounding and blocked paged attention on the GPU (see ops_attention.h). Every value goes
-// through the CPU's MEMRA_HD code, and every reduction is formed in the CPU's order: the q.k dot in the 16 lanes
-// and fixed tree of core/math.h (a half-warp per score, a shfl_xor butterfly), the block max as a fold over
-// increasing positions (a warp reduction that keeps the first maximum), the block sum of e_p, and each value
-// accumulator over increasing positions sequentially (one thread per (head, d)), the split merge left to right.
+// through the CPU's MEMRA_HD code (or, for bf16 rounding, a hardware conversion with its bits), and every
+// reduction is formed in the CPU's order: the q.k dot in the 16 lanes and fixed tree of core/math.h (a half-warp
+// per score, the tree as a reduce-scatter), the block max as a fold over increasing positions (a warp reduction
+// that keeps the first maximum), the block sum of e_p, and each value accumulator over increasing positions
+// sequentially (one thread per (head, d)), the split merge left to right.
 // fmt turns its constexpr support off under nvcc, and its C++20 consteval format strings then fail to compile
 // (core/result.h, core/tensor.h). Host compilers get FMT_USE_CONSTEXPR = 1; so does this file, so that it can
 // use the CPU's types (cpu::PagedLayer, KvFormat, RowRounding) and stays consistent with the host objects.
@@ -12,6 +13,7 @@
 
 #include "backend/cuda/ops_attention.h"
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,6 +29,8 @@
 namespace memra::cuda {
 namespace {
 
+namespace cg = cooperative_groups;
+
 // The blocked order's geometry (cpu ops_attention.cpp): blocks of 128 positions and splits of 512, both aligned
 // to position 0, and work items of up to 8 query heads sharing one kv head.
 constexpr int64_t kBlockRows = 128;
@@ -34,10 +38,8 @@ constexpr int kSplitRows = 512;
 constexpr int kHeadBatch = 8;
 constexpr int64_t kMaxHeadDim = 512;
 
-// One CTA per work item: 8 warps, warp j keeps the softmax statistics of head j of the batch.
+// A cluster CTA: 8 warps, warp j folds the block max of head j of the batch.
 constexpr int kAttnThreads = 32 * kHeadBatch;
-// Value rows decoded into shared memory at a time.
-constexpr int kVChunk = 32;
 // Dynamic shared memory a CTA may use without opting in.
 constexpr int64_t kDefaultSmemBytes = 48 * 1024;
 
@@ -46,12 +48,18 @@ constexpr int kElemThreads = 256;      // round_rows: grid-stride loops
 constexpr int64_t kMaxBlocks = 65536;  // the grid-stride loop covers anything larger
 constexpr int64_t kMaxGrid = 2147483647;  // grid.x limit
 
-constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
-__device__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+// bf16_to_f32(f32_to_bf16(x)) for every x: the hardware's round-to-nearest-even conversion, with a NaN given
+// f32_to_bf16's quiet NaN of the same sign (the hardware's has no sign). RoundBf16EveryHighHalf checks every sign,
+// exponent and bf16 mantissa against the host with the rounding bits at each tie, above and below.
+__device__ float round_bf16(float x) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return x != x ? u32_as_f32((f32_as_u32(x) & 0x80000000u) | 0x7fc00000u) : bf16_to_f32(h);
+}
 
 // Bytes of n values in a KV format, or -1 when a block format cannot cut them.
 int64_t format_bytes(KvFormat f, int64_t n) {
@@ -170,306 +178,594 @@ struct AttentionArgs {
     cpu::PagedLayer layer;
     int64_t n_heads;
     int64_t n_kv_heads;
-    int64_t head_dim;
+    int head_dim;
     int64_t window;
     int64_t group;    // query heads per kv head
     int64_t batches;  // work items per (query, kv head)
     int64_t k_head_bytes;
     int64_t v_head_bytes;
     float scale;
-    bool round_keys;  // f32 and bf16 keys are rounded to bf16 when read
-    float *split_ws;     // kSplit / kMerge: [n_items, max_splits, split_state_floats(head_dim)]
+    bool round_keys;     // f32 and bf16 keys are rounded to bf16 when read
+    float *split_ws;     // kSplit and the merge: [n_items, max_splits, split_state_floats(head_dim)]
     int64_t max_splits;  // splits of an item's range at most (the grid's y of kSplit)
 };
 
-// How a launch covers a work item's splits. kWhole: one CTA runs every split of its item, merging as it goes.
-// kSplit: CTA (item, k) runs split k of its item alone and stores its state (m, l, acc) in the workspace; kMerge:
-// one CTA per item then merges the stored states left to right and writes the output. Both give the same bits:
-// each split's state is formed the same way, and the merge is the same left fold over the same states.
-enum class AttnMode { kWhole, kSplit, kMerge };
+// How a launch covers a work item's splits. kWhole: one cluster runs every split of its item, merging as it goes.
+// kSplit: cluster (item, k) runs split k of its item alone and stores its state (m, l, acc) in the workspace, and
+// attention_merge_kernel then merges the stored states left to right. Both give the same bits: each split's state
+// is formed the same way, and the merge is the same left fold over the same states.
+enum class AttnMode { kWhole, kSplit };
 
-// A stored split state: m[kHeadBatch], l[kHeadBatch], acc[kHeadBatch][head_dim].
+// A stored split state: m[kHeadBatch], l[kHeadBatch], acc[kHeadBatch][head_dim]. A split whose pages the CPU
+// would refuse stores m = NaN (a real m never is: NaN scores are never taken as a maximum).
 __host__ __device__ int64_t split_state_floats(int64_t head_dim) { return 2 * kHeadBatch + kHeadBatch * head_dim; }
 
-// Value d of one head's row as kv_decode gives it (the block formats' *_dequant_one equal their block forms).
-__device__ float decode_value(KvFormat f, const std::byte *row, int64_t d) {
+// The work item numbering (the CPU's): item -> query i, kv head g, query heads [h0, h0 + nh).
+struct Item {
+    int64_t i, g, h0;
+    int nh;
+};
+
+__device__ Item item_of(const AttentionArgs &a, int64_t item) {
+    Item it;
+    it.i = item / (a.n_kv_heads * a.batches);
+    it.g = (item / a.batches) % a.n_kv_heads;
+    it.h0 = it.g * a.group + (item % a.batches) * kHeadBatch;
+    it.nh = static_cast<int>(imin(kHeadBatch, (it.g + 1) * a.group - it.h0));
+    return it;
+}
+
+// The visible range [lo, hi] of query i, or false for a sequence index or position the CPU would refuse.
+__device__ bool visible_range(const AttentionArgs &a, int64_t i, int64_t &lo, int64_t &hi) {
+    hi = a.q_pos[i];
+    const int64_t seq = a.q_seq[i];
+    if (seq < 0 || seq >= a.n_seqs || hi < a.first_pos || hi / kKvPageRows >= a.bt_stride) return false;
+    lo = a.window > 0 ? imax(a.first_pos, hi - a.window + 1) : a.first_pos;
+    return true;
+}
+
+// The blocked order on a cluster of kClusterCtas CTAs per (work item, split). A split's positions sit in a frame
+// of kClusterCtas blocks of 128 aligned to position 0 (frame row r = position - split index * 512); CTA c of the
+// cluster scores block c, and sums the values of dims [c * head_dim / 4, (c + 1) * head_dim / 4) over the split.
+constexpr int kClusterCtas = static_cast<int>(kSplitRows / kBlockRows);
+constexpr int kKeyRows = 32;                 // keys staged per pass: 16 half-warps x 2 positions
+constexpr int kScoreStride = kSplitRows + 4;  // sp's row stride: the 8 b_sum lanes read distinct banks
+constexpr int kSumStride = kBlockRows + 1;    // se's row stride: the 8 b_sum lanes read distinct banks
+constexpr int kValueStride = kBlockRows + 4;  // sv's row stride: float4 aligned, 2-way store conflicts at most
+constexpr int kQStride = kHeadBatch + 4;      // sq's: a quarter-warp's float4 loads of 8 dims hit distinct banks
+constexpr int kMergeThreads = 128;
+// Value chains (head, dim) of a CTA per thread: one up to head_dim 128 (8 heads x 32 dims over 256 threads), at
+// most 4 (head_dim 512).
+constexpr int kMaxChains = static_cast<int>(kHeadBatch * (kMaxHeadDim / kClusterCtas) / kAttnThreads);
+__host__ __device__ int attention_chains(int head_dim) {
+    return kHeadBatch * ((head_dim + kClusterCtas - 1) / kClusterCtas) <= kAttnThreads ? 1 : kMaxChains;
+}
+
+// A staged key row's stride: 16 mod 32 floats, so the two half-warps of a warp (rows r and r + 1) read disjoint
+// banks.
+__host__ __device__ int key_stride(int head_dim) { return (head_dim + 31) / 32 * 32 + 16; }
+
+// Dynamic shared memory of a cluster CTA, in floats: the batch's queries [head_dim][kQStride], the split's scores
+// (then P) [8][kScoreStride], the own block's e_p [8][kSumStride], and the staging area: keys
+// [kKeyRows][key_stride] while scoring, decoded values [quarter dims][kValueStride] while summing.
+__host__ __device__ int64_t attention_smem_floats(int head_dim) {
+    const int64_t keys = int64_t{kKeyRows} * key_stride(head_dim);
+    const int64_t values = int64_t{(head_dim + kClusterCtas - 1) / kClusterCtas} * kValueStride;
+    return int64_t{head_dim} * kQStride + kHeadBatch * kScoreStride + kHeadBatch * kSumStride +
+           (keys > values ? keys : values);
+}
+
+// The cluster kernel needs sm_90 (thread-block clusters and distributed shared memory); the compute_80 PTX build
+// leaves its body and helpers out, and a launch there fails with the launch error.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define MEMRA_ATTENTION_CLUSTERS 1
+#endif
+
+#ifdef MEMRA_ATTENTION_CLUSTERS
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// The same rounding inside attention, where a NaN can only make NaN outputs (which compare as NaN): the bare
+// conversion, for one value and for a pair at once; round_bf16's bits for every other x.
+__device__ float round_bf16_inner(float x) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return bf16_to_f32(h);
+}
+
+__device__ void round_bf16_pair(float &lo, float &hi) {
+    uint32_t packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    lo = u32_as_f32(packed << 16);
+    hi = u32_as_f32(packed & 0xffff0000u);
+}
+
+// A run of values [d, d + n) of one head's row (n <= kRun, not crossing a multiple of kRun; d even for the block
+// formats) as loaded, before decoding: bf16 codes, or code byte pairs and the block's header (f32 rows, a test
+// format, are read when decoded: 16 words would not fit beside the rest in registers). Rows and blocks are 2-byte
+// aligned (kv_page_layout), and nothing past the run is read. A thread issues all of a run's loads before it
+// decodes any value, so their latencies overlap.
+constexpr int kRun = 16;
+constexpr unsigned kBlockValues = kQuantBlock;  // unsigned, so d / 32 and d % 32 are a shift and a mask
+
+struct RawRun {
+    uint32_t w[kRun / 2];  // bf16 code pairs or q8_0 / q5_1 code byte pairs, the first in the low half
+    uint32_t head[2];      // q8_0: d; q5_1: d | m << 16, and qh
+};
+
+__device__ RawRun load_run(KvFormat f, const std::byte *row, unsigned d, int n) {
+    RawRun r;
+#pragma unroll
+    for (int t = 0; t < kRun / 2; ++t) r.w[t] = 0u;
+    r.head[0] = r.head[1] = 0u;
     switch (f) {
-        case KvFormat::kF32: return reinterpret_cast<const float *>(row)[d];
-        case KvFormat::kBf16: return bf16_to_f32(reinterpret_cast<const uint16_t *>(row)[d]);
-        case KvFormat::kQ8_0:
-            return q8_0_dequant_one(reinterpret_cast<const BlockQ8_0 *>(row)[d / kQuantBlock],
-                                    static_cast<int>(d % kQuantBlock));
-        case KvFormat::kQ5_1:
-            return q5_1_dequant_one(reinterpret_cast<const BlockQ5_1 *>(row)[d / kQuantBlock],
-                                    static_cast<int>(d % kQuantBlock));
+        case KvFormat::kF32: break;
+        case KvFormat::kBf16: {
+            const uint16_t *x = reinterpret_cast<const uint16_t *>(row) + d;
+#pragma unroll
+            for (int t = 0; t < kRun; ++t) {
+                if (t < n) r.w[t / 2] |= static_cast<uint32_t>(x[t]) << (16 * (t % 2));
+            }
+            break;
+        }
+        case KvFormat::kQ8_0: {
+            const BlockQ8_0 &b = reinterpret_cast<const BlockQ8_0 *>(row)[d / kBlockValues];
+            r.head[0] = b.d;
+            const uint16_t *pairs = reinterpret_cast<const uint16_t *>(b.qs + d % kBlockValues);
+#pragma unroll
+            for (int t = 0; t < kRun / 2; ++t) {
+                if (2 * t < n) r.w[t] = pairs[t];
+            }
+            break;
+        }
+        case KvFormat::kQ5_1: {
+            const BlockQ5_1 &b = reinterpret_cast<const BlockQ5_1 *>(row)[d / kBlockValues];
+            const uint16_t *qh = reinterpret_cast<const uint16_t *>(b.qh);
+            r.head[0] = static_cast<uint32_t>(b.d) | static_cast<uint32_t>(b.m) << 16;
+            r.head[1] = static_cast<uint32_t>(qh[0]) | static_cast<uint32_t>(qh[1]) << 16;
+            const uint16_t *pairs = reinterpret_cast<const uint16_t *>(b.qs + d % kBlockValues % 16);
+#pragma unroll
+            for (int t = 0; t < kRun / 2; ++t) {
+                if (2 * t < n) r.w[t] = pairs[t];
+            }
+            break;
+        }
     }
-    return 0.0f;
+    return r;
 }
 
-// Shared memory of a CTA, in floats: the batch's queries, the split's scores, the split's and the running
-// accumulators, and a chunk of decoded values.
-int64_t attention_smem_floats(int64_t head_dim) {
-    return 3 * kHeadBatch * head_dim + kHeadBatch * kSplitRows + kVChunk * head_dim;
+// The run's values as kv_decode gives them (f32: read from row here), each rounded to bf16 when `round`, into
+// out[t * stride] (t < n). A block's scales are widened once; each value is still its *_dequant_one formula.
+__device__ void decode_run(KvFormat f, const RawRun &r, const std::byte *row, unsigned d, int n, bool round,
+                           float *out, int stride) {
+    float v[kRun];
+    switch (f) {
+        case KvFormat::kF32: {
+            const float *x = reinterpret_cast<const float *>(row) + d;
+#pragma unroll
+            for (int t = 0; t < kRun; ++t) v[t] = t < n ? x[t] : 0.0f;
+            break;
+        }
+        case KvFormat::kBf16: {
+#pragma unroll
+            for (int t = 0; t < kRun; ++t) v[t] = bf16_to_f32(static_cast<uint16_t>(r.w[t / 2] >> (16 * (t % 2))));
+            break;
+        }
+        case KvFormat::kQ8_0: {
+            const float scale = f16_to_f32(static_cast<uint16_t>(r.head[0]));
+#pragma unroll
+            for (int t = 0; t < kRun; t += 2) {
+                const uint32_t pair = r.w[t / 2];
+                v[t] = static_cast<float>(static_cast<int8_t>(pair & 0xffu)) * scale;
+                v[t + 1] = static_cast<float>(static_cast<int8_t>(pair >> 8)) * scale;
+            }
+            break;
+        }
+        case KvFormat::kQ5_1: {
+            // Code j = j0 + t: nibble j % 16 of the qs bytes (the high one for j >= 16), bit j of qh. A run never
+            // crosses a multiple of 16, so its nibbles are all low or all high.
+            const unsigned j0 = d % kBlockValues;
+            const float scale = f16_to_f32(static_cast<uint16_t>(r.head[0] & 0xffffu));
+            const float min = f16_to_f32(static_cast<uint16_t>(r.head[0] >> 16));
+            const uint32_t high = r.head[1] >> j0;
+            const int shift = j0 < 16 ? 0 : 4;
+#pragma unroll
+            for (int t = 0; t < kRun; t += 2) {
+                const uint32_t pair = r.w[t / 2];
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const uint32_t code = ((pair >> (8 * u + shift)) & 0xfu) | (((high >> (t + u)) & 1u) << 4);
+                    const float scaled = scale * static_cast<float>(code);
+                    v[t + u] = scaled + min;
+                }
+            }
+            break;
+        }
+    }
+    if (round) {
+#pragma unroll
+        for (int t = 0; t < kRun; t += 2) round_bf16_pair(v[t], v[t + 1]);
+    }
+    if (n == kRun && stride == 1) {  // staged keys: a row's stride and d are multiples of 4
+#pragma unroll
+        for (int t = 0; t < kRun; t += 4) {
+            *reinterpret_cast<float4 *>(out + t) = make_float4(v[t], v[t + 1], v[t + 2], v[t + 3]);
+        }
+        return;
+    }
+#pragma unroll
+    for (int t = 0; t < kRun; ++t) {
+        if (t < n) out[t * stride] = v[t];
+    }
 }
 
-// One CTA per work item (query i, kv head g, query heads [h0, h0 + nh)), numbered as the CPU numbers them.
-// Per split of the row's visible range [lo, hi] (left to right):
-//   scores: a half-warp per position, lane l summing d = l, l + 16, ... (dot_f32's lane l), then the
-//           butterfly 1, 2, 4, 8 (its tree: lane 0 adds lane w at level w, as reduce_lanes_tree), times scale;
-//   per 128-block: warp j folds head j's block max (first maximum kept, NaN skipped), exponentiates, and its
-//           lane 0 sums e_p in increasing p and rounds them to bf16 in place; then thread (j, d) scales acc by
-//           alpha and adds P_p * v[p, d] over increasing p, the values decoded a chunk at a time;
-//   merge:  thread j merges head j's (m, l) into (M, L), thread (j, d) its accumulator into ACC.
-// Finally out = ACC / L, times the sigmoid gate. kMode (AttnMode) splits this between two launches.
-template <AttnMode kMode>
-__global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(const AttentionArgs a) {
-    extern __shared__ float smem[];
-    const int64_t head_dim = a.head_dim;
-    float *sq = smem;                              // [kHeadBatch, head_dim] the batch's query heads
-    float *ss = sq + kHeadBatch * head_dim;        // [kHeadBatch, kSplitRows] s_p, then e_p, then P_p
-    float *sacc = ss + kHeadBatch * kSplitRows;    // [kHeadBatch, head_dim] the split's acc
-    float *sacc_run = sacc + kHeadBatch * head_dim;  // [kHeadBatch, head_dim] the running ACC
-    float *sv = sacc_run + kHeadBatch * head_dim;  // [kVChunk, head_dim] values of a chunk, rounded to bf16
-    __shared__ float s_m[kHeadBatch];      // the split's running max
-    __shared__ float s_l[kHeadBatch];      // the split's running sum
-    __shared__ float s_alpha[kHeadBatch];  // the current block's rescale of acc
-    __shared__ int s_live[kHeadBatch];     // the current block has a finite max
-    __shared__ float s_run_m[kHeadBatch];  // the merged M
-    __shared__ float s_run_l[kHeadBatch];  // the merged L
-    __shared__ float s_a[kHeadBatch];      // the merge's factor of ACC
-    __shared__ float s_b[kHeadBatch];      // the merge's factor of the split's acc
+// p ? a : b as one selp, which keeps the compiler from turning a select between array elements into a select of
+// addresses (and the array into local memory).
+__device__ float select(bool p, float a, float b) {
+    float r;
+    asm("{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %3, 0;\n\tselp.f32 %0, %1, %2, q;\n\t}"
+        : "=f"(r)
+        : "f"(a), "f"(b), "r"(static_cast<unsigned>(p)));
+    return r;
+}
 
+// One level of the half-warp's reduce-scatter: lanes l and l ^ kW hold 2 * kN partial sums; the lane with bit kW
+// set keeps the upper kN, the other the lower, each adding its partner's copy (the sums of two aligned lane groups).
+template <int kN, int kW>
+__device__ void reduce_level(float *v, int hl) {
+    const bool up = (hl & kW) != 0;
+#pragma unroll
+    for (int x = 0; x < kN; ++x) {
+        const float send = select(up, v[x], v[x + kN]);
+        const float keep = select(up, v[x + kN], v[x]);
+        v[x] = keep + __shfl_xor_sync(kFullMask, send, kW);
+    }
+}
+
+// Steps (row, unit) through a row-major [rows, units] grid by kAttnThreads from thread tid, without divisions.
+struct GridWalk {
+    int row, unit, units;
+    __device__ GridWalk(int tid, int units_per_row) : row(tid / units_per_row), unit(tid % units_per_row),
+                                                      units(units_per_row) {}
+    __device__ void next() {
+        unit += kAttnThreads % units;
+        row += kAttnThreads / units;
+        if (unit >= units) {
+            unit -= units;
+            ++row;
+        }
+    }
+};
+
+#endif  // MEMRA_ATTENTION_CLUSTERS
+
+// One cluster per (work item, split) (kSplit) or per work item (kWhole). Per split [s0, s1] of the row's visible
+// range [lo, hi] (left to right), with c the CTA's rank and j a head of the batch:
+//   scores (block c): keys staged 32 rows at a time, decoded (rounded to bf16 for f32 / bf16 keys); a half-warp
+//           per position, lane l summing d = l, l + 16, ... (dot_f32's lane l), then the 16 lanes' fixed tree as a
+//           reduce-scatter over the 16 (position, head) sums of the half-warp (each level adds the same aligned
+//           lane groups as reduce_lanes_tree, so every sum has its bits), times scale;
+//   block max: warp j folds block c's max (first maximum kept, NaN skipped); the cluster exchanges the 4 block
+//           maxima and every CTA forms the running max m_b, live_b and alpha_b of each block;
+//   e_p = exp(s_p - m_c) and P_p = bf16(e_p) over block c, and lane j sums e_p in increasing p (b_sum_c);
+//   every CTA copies the other blocks' P and forms l = l * alpha_b + b_sum_b over the live blocks;
+//   values: thread (j, d) of the CTA's dims scales acc by alpha_b and adds P_p * v[p, d] over increasing p,
+//           block by block, the block's values decoded (to bf16) into shared memory.
+// kWhole merges each split into the running state as the merge kernel does, then writes out = ACC / L times the
+// sigmoid gate; kSplit stores the split's state. kChains: the value chains per thread (attention_chains). kSplit
+// (decode) with one chain is held to 64 registers so that an SM runs 4 CTAs (32 warps for the latencies, and 8K
+// positions' 512 CTAs in one wave), with 4 chains to 80 (3 CTAs); kWhole (prefill, many items) would spill there.
+template <AttnMode kMode, int kChains>
+__global__ void __cluster_dims__(kClusterCtas, 1, 1)
+    __launch_bounds__(kAttnThreads, kMode == AttnMode::kWhole ? 2 : (kChains == 1 ? 4 : 3))
+    paged_attention_kernel(const AttentionArgs a) {
+#if defined(MEMRA_ATTENTION_CLUSTERS) && defined(__CUDA_ARCH__)
+    extern __shared__ float4 smem4[];
+    float *smem = reinterpret_cast<float *>(smem4);
+    const int hd = a.head_dim;
+    const int ks = key_stride(hd);
+    float *sq = smem;                                 // [hd, kQStride] the batch's query heads by dim, zero past nh
+    float *sp = sq + hd * kQStride;                   // [kHeadBatch, kScoreStride] s_p, then P_p, by frame row
+    float *se = sp + kHeadBatch * kScoreStride;       // [kHeadBatch, kSumStride] e_p of block c
+    float *sk = se + kHeadBatch * kSumStride;         // [kKeyRows, ks] staged keys
+    float *sv = sk;                                   // [nd, kValueStride] a block's values of the CTA's dims
+    __shared__ float s_bm[kHeadBatch];                // block c's max (read by the cluster)
+    __shared__ float s_bsum[kHeadBatch];              // block c's b_sum (read by the cluster)
+    __shared__ float s_mb[kClusterCtas][kHeadBatch];  // the running max after block b
+    __shared__ float s_alpha[kClusterCtas][kHeadBatch];
+    __shared__ int s_live[kClusterCtas][kHeadBatch];
+    __shared__ float s_m[kHeadBatch];  // the split's m and l
+    __shared__ float s_l[kHeadBatch];
+    __shared__ float s_run_m[kHeadBatch];  // kWhole: the merged M and L, and the merge's factors
+    __shared__ float s_run_l[kHeadBatch];
+    __shared__ float s_fa[kHeadBatch];
+    __shared__ float s_fb[kHeadBatch];
+
+    cg::cluster_group cluster = cg::this_cluster();
     const float neg_inf = u32_as_f32(0xff800000u);
     const int tid = static_cast<int>(threadIdx.x);
     const int warp = tid / 32;
     const int lane = tid % 32;
+    const int c = static_cast<int>(cluster.block_rank());
+    const int64_t item = blockIdx.x / kClusterCtas;
+    const Item it = item_of(a, item);
+    const int nh = it.nh;
 
-    const int64_t item = blockIdx.x;
-    const int64_t i = item / (a.n_kv_heads * a.batches);
-    const int64_t g = (item / a.batches) % a.n_kv_heads;
-    const int64_t h0 = g * a.group + (item % a.batches) * kHeadBatch;
-    const int nh = static_cast<int>(imin(kHeadBatch, (g + 1) * a.group - h0));
-    const int64_t n_pairs = nh * head_dim;  // (head j, dim d) pairs, e = j * head_dim + d
-    float *gout = a.out + (i * a.n_heads + h0) * head_dim;  // [nh, head_dim]
-
-    // The CPU's refusals, as NaN outputs and the error flag: a bad sequence or position, a visible block
-    // without a page or with a page outside the pool.
-    const int64_t hi = a.q_pos[i];
-    const int64_t seq = a.q_seq[i];
-    int bad = seq < 0 || seq >= a.n_seqs || hi < a.first_pos || hi / kKvPageRows >= a.bt_stride;
-    int64_t lo = a.first_pos;
-    const int32_t *bt = a.block_tables + (bad ? 0 : seq) * a.bt_stride;  // [bt_stride]
-    if (!bad) {
-        lo = a.window > 0 ? imax(a.first_pos, hi - a.window + 1) : a.first_pos;
-        for (int64_t b = lo / kKvPageRows + tid; b <= hi / kKvPageRows; b += kAttnThreads) {
-            if (bt[b] < 0 || bt[b] >= a.layer.n_pages) bad = 1;
-        }
-    }
-    if (__syncthreads_or(bad)) {
-        if constexpr (kMode != AttnMode::kSplit) {  // the merge launch reports it
-            if (tid == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
-            for (int64_t e = tid; e < n_pairs; e += kAttnThreads) gout[e] = u32_as_f32(0x7fc00000u);
+    // The CPU's refusals: a bad sequence or position (the merge kernel reports those under kSplit), a visible
+    // block without a page or with a page outside the pool (kWhole: the whole range; kSplit: this split's). Every
+    // CTA of the cluster decides the same, so they return together.
+    int64_t lo = 0, hi = 0;
+    if (!visible_range(a, it.i, lo, hi)) {
+        if constexpr (kMode == AttnMode::kWhole) {
+            float *gout = a.out + (it.i * a.n_heads + it.h0) * hd;
+            if (c == 0 && tid == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
+            for (int e = c * kAttnThreads + tid; e < nh * hd; e += kClusterCtas * kAttnThreads) {
+                gout[e] = u32_as_f32(0x7fc00000u);
+            }
         }
         return;
     }
     const int64_t first_split = lo / kSplitRows;
-    // kSplit / kMerge: the item's stored split states.
-    float *ws_item =
-        kMode == AttnMode::kWhole ? nullptr : a.split_ws + item * a.max_splits * split_state_floats(head_dim);
-
-    const std::byte *k_base = a.layer.base + a.layer.k_offset + g * a.k_head_bytes;
-    const std::byte *v_base = a.layer.base + a.layer.v_offset + g * a.v_head_bytes;
-    auto k_row = [&](int64_t p) {
-        return k_base + static_cast<int64_t>(bt[p / kKvPageRows]) * a.layer.page_bytes +
-               (p % kKvPageRows) * a.layer.k_row_bytes;
-    };
-    auto v_row = [&](int64_t p) {
-        return v_base + static_cast<int64_t>(bt[p / kKvPageRows]) * a.layer.page_bytes +
-               (p % kKvPageRows) * a.layer.v_row_bytes;
-    };
-
-    if constexpr (kMode != AttnMode::kMerge) {
-        const float *gq = a.q + i * a.q_stride + h0 * head_dim;  // [nh, head_dim], the heads are contiguous
-        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) sq[e] = gq[e];
+    int64_t split_k = 0;  // kSplit: the split this cluster runs, [r_lo, r_hi] of the range
+    int64_t p_lo = lo, p_hi = hi;
+    if constexpr (kMode == AttnMode::kSplit) {
+        split_k = blockIdx.y;
+        p_lo = split_k == 0 ? lo : (first_split + split_k) * kSplitRows;
+        if (p_lo > hi) return;  // the item has fewer splits
+        p_hi = imin(hi, (first_split + split_k + 1) * kSplitRows - 1);
+    }
+    const int32_t *bt = a.block_tables + a.q_seq[it.i] * a.bt_stride;  // [bt_stride]
+    int bad = 0;
+    for (int64_t b = p_lo / kKvPageRows + tid; b <= p_hi / kKvPageRows; b += kAttnThreads) {
+        if (bt[b] < 0 || bt[b] >= a.layer.n_pages) bad = 1;
+    }
+    float *ws_item = kMode == AttnMode::kSplit ? a.split_ws + item * a.max_splits * split_state_floats(hd) : nullptr;
+    if (__syncthreads_or(bad)) {
+        if (c == 0 && tid == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
+        if constexpr (kMode == AttnMode::kSplit) {
+            if (c == 0 && tid < nh) ws_item[split_k * split_state_floats(hd) + tid] = u32_as_f32(0x7fc00000u);
+        } else {
+            float *gout = a.out + (it.i * a.n_heads + it.h0) * hd;
+            for (int e = c * kAttnThreads + tid; e < nh * hd; e += kClusterCtas * kAttnThreads) {
+                gout[e] = u32_as_f32(0x7fc00000u);
+            }
+        }
+        return;
     }
 
-    const int half = tid / 16;  // the score phase's half-warp
-    const int hl = tid % 16;    // its lane: dot_f32's lane index
-    // One split [s0, s1] of the range into the split state (sacc, s_m, s_l), ending behind a __syncthreads.
+    const std::byte *k_base = a.layer.base + a.layer.k_offset + it.g * a.k_head_bytes;
+    const std::byte *v_base = a.layer.base + a.layer.v_offset + it.g * a.v_head_bytes;
+    // The split's pages (its frame's 8 block-table entries that the range uses), read once per split.
+    constexpr int kPageRows = static_cast<int>(kKvPageRows);
+    __shared__ int64_t s_page_base[kSplitRows / kPageRows];
+    const auto row_offset = [&](int r, int64_t row_bytes) {  // frame row r's byte offset in the pool
+        return s_page_base[r / kPageRows] + (r % kPageRows) * row_bytes;
+    };
+
+    {
+        const float *gq = a.q + it.i * a.q_stride + it.h0 * hd;  // [nh, hd], the heads are contiguous
+        for (int e = tid; e < kHeadBatch * hd; e += kAttnThreads) {
+            const int j = e / hd;
+            sq[(e - j * hd) * kQStride + j] = j < nh ? gq[e] : 0.0f;
+        }
+    }
+
+    // The CTA's value chains: thread tid runs chains e = tid + k * kAttnThreads < nh * nd, head e / nd, dim
+    // d0 + e % nd.
+    const int d0 = c * hd / kClusterCtas;
+    const int nd = (c + 1) * hd / kClusterCtas - d0;
+    const int n_chains = nh * nd;
+    const auto chain_j = [&](int k) { return (tid + k * kAttnThreads) / nd; };
+    const auto chain_dc = [&](int k) { return (tid + k * kAttnThreads) % nd; };
+    float acc[kChains], run[kChains];
+#pragma unroll
+    for (int k = 0; k < kChains; ++k) acc[k] = run[k] = 0.0f;
+
+    const int hw = tid / 16;  // the score phase's half-warp: frame rows hw and hw + 16 of a staged chunk
+    const int hl = tid % 16;  // its lane: dot_f32's lane index
+    // Where the reduce-scatter leaves this lane's sum: (position, head) index 8 * bit0 + 4 * bit1 + 2 * bit2 + bit3.
+    const int sum_idx = 8 * (hl & 1) + 4 * ((hl >> 1) & 1) + 2 * ((hl >> 2) & 1) + ((hl >> 3) & 1);
+    const int sum_row = hw + 16 * (sum_idx / kHeadBatch);
+    const int sum_head = sum_idx % kHeadBatch;
+
+    // One split [s0, s1] into acc (this CTA's chains), s_m and s_l.
     const auto run_split = [&](int64_t s0, int64_t s1) {
-        const int n_s = static_cast<int>(s1 - s0 + 1);
-        // A fresh state for the split. Every earlier reader of these is behind a __syncthreads (the merge's),
-        // except the merge's own thread, which is this one.
-        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) sacc[e] = 0.0f;
-        if (tid < nh) {
-            s_m[tid] = neg_inf;
-            s_l[tid] = 0.0f;
+        const int64_t frame = s0 / kSplitRows * kSplitRows;
+        const int r_lo = static_cast<int>(s0 - frame);
+        const int r_hi = static_cast<int>(s1 - frame);
+        const auto blk_lo = [&](int b) { return max(r_lo, b * static_cast<int>(kBlockRows)); };
+        const auto blk_hi = [&](int b) { return min(r_hi, (b + 1) * static_cast<int>(kBlockRows) - 1); };
+        const int c_lo = blk_lo(c);
+        const int c_hi = blk_hi(c);
+        __syncthreads();  // the previous split's readers of the shared state are done
+        if (tid < kSplitRows / kPageRows && tid >= r_lo / kPageRows && tid <= r_hi / kPageRows) {
+            s_page_base[tid] = static_cast<int64_t>(bt[frame / kPageRows + tid]) * a.layer.page_bytes;
         }
-        __syncthreads();  // sq is loaded (first split)
+        __syncthreads();  // sq and the pages are loaded
 
-        // Scores: half-warp `half` takes positions s0 + r, r = half, half + 16, ...; every lane runs every round
-        // so the shuffles see the whole warp.
-        for (int r_base = 0; r_base < n_s; r_base += kAttnThreads / 16) {
-            const int r = r_base + half;
-            float part[kHeadBatch];
-#pragma unroll
-            for (int j = 0; j < kHeadBatch; ++j) part[j] = 0.0f;
-            if (r < n_s) {
-                const std::byte *row = k_row(s0 + r);
-                for (int64_t d = hl; d < head_dim; d += 16) {
-                    float kd = decode_value(a.layer.k_format, row, d);
-                    if (a.round_keys) kd = round_bf16(kd);
-#pragma unroll
-                    for (int j = 0; j < kHeadBatch; ++j) {
-                        if (j < nh) part[j] = part[j] + sq[j * head_dim + d] * kd;
-                    }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < kHeadBatch; ++j) {
-                if (j >= nh) continue;  // uniform over the CTA
-                float t = part[j];
-                for (int w = 1; w < 16; w *= 2) t = t + __shfl_xor_sync(kFullMask, t, w);
-                if (hl == 0 && r < n_s) ss[j * kSplitRows + r] = t * a.scale;
-            }
-        }
-        __syncthreads();
-
-        for (int64_t b0 = s0; b0 <= s1;) {
-            const int64_t b1 = imin(s1, (b0 / kBlockRows + 1) * kBlockRows - 1);  // block [b0, b1]
-            const int r0 = static_cast<int>(b0 - s0);
-            const int r1 = static_cast<int>(b1 - s0);
-            // The block's statistics: warp j for head j.
-            if (warp < nh) {
-                float *sj = ss + warp * kSplitRows;  // [kSplitRows]
-                // The max of the fold bm = s > bm ? s : bm over increasing positions: each lane folds its
-                // positions, then the lanes combine keeping the larger value and, on equal values (+0 and -0),
-                // the earlier position, which is the fold's result bit for bit. NaN scores are never taken.
-                float bm = neg_inf;
-                int bi = 0x7fffffff;
-                for (int r = r0 + lane; r <= r1; r += 32) {
-                    const float s = sj[r];
-                    if (s > bm) {
-                        bm = s;
-                        bi = r;
-                    }
-                }
-                for (int w = 16; w >= 1; w /= 2) {
-                    const float ov = __shfl_xor_sync(kFullMask, bm, w);
-                    const int oi = __shfl_xor_sync(kFullMask, bi, w);
-                    if (ov > bm || (ov == bm && oi < bi)) {
-                        bm = ov;
-                        bi = oi;
-                    }
-                }
-                const float m = s_m[warp];
-                const float m_new = bm > m ? bm : m;
-                const bool live = m_new != neg_inf;
-                if (live) {
-                    for (int r = r0 + lane; r <= r1; r += 32) sj[r] = exp_f32(sj[r] - m_new);
-                    __syncwarp();
-                    if (lane == 0) {
-                        const float alpha = m == neg_inf ? 0.0f : exp_f32(m - m_new);
-                        float b_sum = 0.0f;
-                        for (int r = r0; r <= r1; ++r) {
-                            b_sum = b_sum + sj[r];
-                            sj[r] = round_bf16(sj[r]);
-                        }
-                        s_l[warp] = s_l[warp] * alpha + b_sum;
-                        s_alpha[warp] = alpha;
-                        s_m[warp] = m_new;
-                    }
-                }
-                if (lane == 0) s_live[warp] = live ? 1 : 0;
+        // Scores of block c, kKeyRows rows at a time; a thread decodes a run of 16 dims of a key row, runs fastest.
+        for (int ch = c_lo; ch <= c_hi; ch += kKeyRows) {
+            const int n_c = min(kKeyRows, c_hi - ch + 1);
+            for (GridWalk w(tid, (hd + kRun - 1) / kRun); w.row < n_c; w.next()) {
+                const unsigned d = kRun * w.unit;
+                const int n = min(kRun, hd - kRun * w.unit);
+                const std::byte *row = k_base + row_offset(ch + w.row, a.layer.k_row_bytes);
+                decode_run(a.layer.k_format, load_run(a.layer.k_format, row, d, n), row, d, n, a.round_keys,
+                           sk + w.row * ks + d, 1);
             }
             __syncthreads();
-
-            // The values: thread (j, d) rescales, then adds P_p * v[p, d] over increasing p.
-            bool any_live = false;
-            for (int j = 0; j < nh; ++j) any_live = any_live || s_live[j] != 0;
-            for (int64_t e = tid; e < n_pairs; e += kAttnThreads) {
-                const int64_t j = e / head_dim;
-                if (s_live[j]) sacc[e] = sacc[e] * s_alpha[j];
-            }
-            for (int64_t c0 = b0; any_live && c0 <= b1; c0 += kVChunk) {
-                const int n_c = static_cast<int>(imin(kVChunk, b1 - c0 + 1));
-                for (int64_t e = tid; e < n_c * head_dim; e += kAttnThreads) {
-                    const int64_t rr = e / head_dim;
-                    sv[e] = round_bf16(decode_value(a.layer.v_format, v_row(c0 + rr), e - rr * head_dim));
+            float v[2 * kHeadBatch];
+#pragma unroll
+            for (int x = 0; x < 2 * kHeadBatch; ++x) v[x] = 0.0f;
+            const float *ka = sk + hw * ks;
+            const float *kb = ka + 16 * ks;
+            for (int d = hl; d < hd; d += 16) {
+                const float k0 = ka[d];
+                const float k1 = kb[d];
+                const float4 q03 = *reinterpret_cast<const float4 *>(sq + d * kQStride);
+                const float4 q47 = *reinterpret_cast<const float4 *>(sq + d * kQStride + 4);
+                const float q[kHeadBatch] = {q03.x, q03.y, q03.z, q03.w, q47.x, q47.y, q47.z, q47.w};
+#pragma unroll
+                for (int j = 0; j < kHeadBatch; ++j) {
+                    v[j] = v[j] + q[j] * k0;
+                    v[kHeadBatch + j] = v[kHeadBatch + j] + q[j] * k1;
                 }
-                __syncthreads();
-                for (int64_t e = tid; e < n_pairs; e += kAttnThreads) {
-                    const int64_t j = e / head_dim;
-                    if (!s_live[j]) continue;
-                    const int64_t d = e - j * head_dim;
-                    const float *pj = ss + j * kSplitRows + (c0 - s0);  // [n_c] P_p of the chunk
-                    float acc = sacc[e];
-                    for (int rr = 0; rr < n_c; ++rr) acc = acc + pj[rr] * sv[rr * head_dim + d];
-                    sacc[e] = acc;
-                }
-                __syncthreads();  // sv is read before the next chunk overwrites it
             }
-            __syncthreads();  // s_live, s_alpha and ss are read before the next block's statistics
-            b0 = b1 + 1;
+            reduce_level<kHeadBatch, 1>(v, hl);
+            reduce_level<kHeadBatch / 2, 2>(v, hl);
+            reduce_level<kHeadBatch / 4, 4>(v, hl);
+            reduce_level<kHeadBatch / 8, 8>(v, hl);
+            if (sum_row < n_c && sum_head < nh) sp[sum_head * kScoreStride + ch + sum_row] = v[0] * a.scale;
+            __syncthreads();  // sk is read before the next chunk is staged
         }
-    };
-    // Merges the split state into the running state (s_run_m, s_run_l, sacc_run), left to right.
-    const auto merge_split = [&](bool first) {
+
+        // Block c's max per head: the fold bm = s > bm ? s : bm over increasing positions, each lane folding its
+        // positions and the lanes combining on the larger value or, on equal values (+0 and -0), the earlier
+        // position, which is the fold's result bit for bit. NaN scores are never taken.
+        if (warp < nh) {
+            const float *sj = sp + warp * kScoreStride;
+            float bm = neg_inf;
+            int bi = 0x7fffffff;
+            for (int r = c_lo + lane; r <= c_hi; r += 32) {
+                const float s = sj[r];
+                if (s > bm) {
+                    bm = s;
+                    bi = r;
+                }
+            }
+            for (int w = 16; w >= 1; w /= 2) {
+                const float ov = __shfl_xor_sync(kFullMask, bm, w);
+                const int oi = __shfl_xor_sync(kFullMask, bi, w);
+                if (ov > bm || (ov == bm && oi < bi)) {
+                    bm = ov;
+                    bi = oi;
+                }
+            }
+            if (lane == 0) s_bm[warp] = bm;
+        }
+        cluster.sync();
+
+        // The running max over the split's blocks, from the cluster's block maxima (every CTA the same).
         if (tid < nh) {
             const int j = tid;
-            if (first) {
-                s_run_m[j] = s_m[j];
-                s_run_l[j] = s_l[j];
-            } else {
-                const float m = s_m[j];
-                const float run_m = s_run_m[j];
-                const float m_next = m > run_m ? m : run_m;
-                const float fa = exp_f32(run_m - m_next);
-                const float fb = exp_f32(m - m_next);
-                s_run_l[j] = s_run_l[j] * fa + s_l[j] * fb;
-                s_run_m[j] = m_next;
-                s_a[j] = fa;
-                s_b[j] = fb;
+            float m = neg_inf;
+            for (int b = 0; b < kClusterCtas; ++b) {
+                const bool has = blk_lo(b) <= blk_hi(b);
+                const float bm = has ? *cluster.map_shared_rank(&s_bm[j], b) : neg_inf;
+                const float m_new = bm > m ? bm : m;
+                const bool live = has && m_new != neg_inf;
+                s_live[b][j] = live ? 1 : 0;
+                s_mb[b][j] = m_new;
+                s_alpha[b][j] = live && m != neg_inf ? exp_f32(m - m_new) : 0.0f;
+                if (live) m = m_new;
+            }
+            s_m[j] = m;
+        }
+        __syncthreads();
+
+        // Block c: e_p and P_p, then lane j's b_sum in increasing p.
+        for (int x = tid; x < nh * static_cast<int>(kBlockRows); x += kAttnThreads) {
+            const int j = x / static_cast<int>(kBlockRows);
+            const int r = c * static_cast<int>(kBlockRows) + x % static_cast<int>(kBlockRows);
+            if (r >= c_lo && r <= c_hi && s_live[c][j]) {
+                const float e = exp_f32(sp[j * kScoreStride + r] - s_mb[c][j]);
+                se[j * kSumStride + x % static_cast<int>(kBlockRows)] = e;
+                sp[j * kScoreStride + r] = round_bf16_inner(e);
             }
         }
         __syncthreads();
-        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) {
-            const int64_t j = e / head_dim;
-            sacc_run[e] = first ? sacc[e] : sacc_run[e] * s_a[j] + sacc[e] * s_b[j];
+        if (tid < nh) {
+            float b_sum = 0.0f;
+            if (s_live[c][tid]) {
+                const float *ej = se + tid * kSumStride - c * static_cast<int>(kBlockRows);
+                for (int r = c_lo; r <= c_hi; ++r) b_sum = b_sum + ej[r];
+            }
+            s_bsum[tid] = b_sum;
         }
-    };
-    const auto write_out = [&] {
-        // s_run_l was written before the last merge's __syncthreads; each thread reads back only its own pairs.
-        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) {
-            const int64_t j = e / head_dim;
-            float o = sacc_run[e] / s_run_l[j];
-            if (a.gate != nullptr) o = o * sigmoid_f32(a.gate[i * a.gate_stride + h0 + j]);
-            gout[e] = o;
+        cluster.sync();
+
+        // The other blocks' P, and l over the live blocks.
+        for (int b = 0; b < kClusterCtas; ++b) {
+            if (b == c || blk_lo(b) > blk_hi(b)) continue;
+            const float *remote = cluster.map_shared_rank(sp, b);
+            for (int x = tid; x < nh * static_cast<int>(kBlockRows / 4); x += kAttnThreads) {
+                const int off = (x / static_cast<int>(kBlockRows / 4)) * kScoreStride +
+                                b * static_cast<int>(kBlockRows) + 4 * (x % static_cast<int>(kBlockRows / 4));
+                *reinterpret_cast<float4 *>(sp + off) = *reinterpret_cast<const float4 *>(remote + off);
+            }
+        }
+        if (tid < nh) {
+            float l = 0.0f;
+            for (int b = 0; b < kClusterCtas; ++b) {
+                if (s_live[b][tid]) l = l * s_alpha[b][tid] + *cluster.map_shared_rank(&s_bsum[tid], b);
+            }
+            s_l[tid] = l;
+        }
+        // No CTA of the cluster reads another's shared memory after this until the next split's exchange.
+        cluster.sync();
+
+        // The values of the CTA's dims, block by block.
+        for (int b = 0; b < kClusterCtas; ++b) {
+            const int b_lo = blk_lo(b);
+            const int b_hi = blk_hi(b);
+            if (b_lo > b_hi) continue;
+            const int b0 = b * static_cast<int>(kBlockRows);
+            const int n_r = b_hi - b_lo + 1;
+            // sv[dc][r - b0]: a thread decodes a run of dims of a row (split where the 16-dim runs of the head
+            // split), runs fastest; the row stride spreads the transposed stores over the banks.
+            const int first_run = d0 / kRun;
+            const int runs = nd == 0 ? 0 : (d0 + nd - 1) / kRun - first_run + 1;
+            for (GridWalk w(tid, max(runs, 1)); runs > 0 && w.row < n_r; w.next()) {
+                const int da = max(d0, (first_run + w.unit) * kRun);
+                const int db = min(d0 + nd, (first_run + w.unit + 1) * kRun);
+                const std::byte *row = v_base + row_offset(b_lo + w.row, a.layer.v_row_bytes);
+                decode_run(a.layer.v_format, load_run(a.layer.v_format, row, da, db - da), row, da, db - da, true,
+                           sv + (da - d0) * kValueStride + b_lo - b0 + w.row, kValueStride);
+            }
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < kChains; ++k) {
+                if (tid + k * kAttnThreads >= n_chains) continue;
+                const int j = chain_j(k);
+                if (!s_live[b][j]) continue;
+                const float *pj = sp + j * kScoreStride;
+                const float *vj = sv + chain_dc(k) * kValueStride - b0;
+                float x = acc[k] * s_alpha[b][j];
+                int r = b_lo;
+                for (; r <= b_hi && (r & 3) != 0; ++r) x = x + pj[r] * vj[r];
+                if (r + 3 <= b_hi) {  // 4 at a time, the next 4 loaded while these are added
+                    float4 p4 = *reinterpret_cast<const float4 *>(pj + r);
+                    float4 v4 = *reinterpret_cast<const float4 *>(vj + r);
+                    for (; r + 7 <= b_hi; r += 4) {
+                        const float4 p_next = *reinterpret_cast<const float4 *>(pj + r + 4);
+                        const float4 v_next = *reinterpret_cast<const float4 *>(vj + r + 4);
+                        x = x + p4.x * v4.x;
+                        x = x + p4.y * v4.y;
+                        x = x + p4.z * v4.z;
+                        x = x + p4.w * v4.w;
+                        p4 = p_next;
+                        v4 = v_next;
+                    }
+                    x = x + p4.x * v4.x;
+                    x = x + p4.y * v4.y;
+                    x = x + p4.z * v4.z;
+                    x = x + p4.w * v4.w;
+                    r += 4;
+                }
+                for (; r <= b_hi; ++r) x = x + pj[r] * vj[r];
+                acc[k] = x;
+            }
+            __syncthreads();  // sv is read before the next block is staged
         }
     };
 
-    if constexpr (kMode == AttnMode::kMerge) {
-        const int64_t state = split_state_floats(head_dim);
-        const int64_t n_k = hi / kSplitRows - first_split + 1;
-        for (int64_t k = 0; k < n_k; ++k) {
-            const float *st = ws_item + k * state;
-            for (int64_t e = tid; e < n_pairs; e += kAttnThreads) sacc[e] = st[2 * kHeadBatch + e];
-            if (tid < nh) {
-                s_m[tid] = st[tid];
-                s_l[tid] = st[kHeadBatch + tid];
-            }
-            __syncthreads();  // the previous merge's readers of s_a and s_b are done
-            merge_split(k == 0);
+    if constexpr (kMode == AttnMode::kSplit) {
+        run_split(p_lo, p_hi);
+        float *st = ws_item + split_k * split_state_floats(hd);
+#pragma unroll
+        for (int k = 0; k < kChains; ++k) {
+            if (tid + k * kAttnThreads < n_chains) st[2 * kHeadBatch + chain_j(k) * hd + d0 + chain_dc(k)] = acc[k];
         }
-        write_out();
-    } else if constexpr (kMode == AttnMode::kSplit) {
-        const int64_t k = blockIdx.y;
-        const int64_t s0 = k == 0 ? lo : (first_split + k) * kSplitRows;
-        if (s0 > hi) return;  // the item has fewer splits
-        run_split(s0, imin(hi, (first_split + k + 1) * kSplitRows - 1));
-        float *st = ws_item + k * split_state_floats(head_dim);
-        for (int64_t e = tid; e < n_pairs; e += kAttnThreads) st[2 * kHeadBatch + e] = sacc[e];
-        if (tid < nh) {
+        if (c == 0 && tid < nh) {
             st[tid] = s_m[tid];
             st[kHeadBatch + tid] = s_l[tid];
         }
@@ -477,11 +773,92 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(const Att
         for (int64_t s0 = lo; s0 <= hi;) {
             const int64_t s1 = imin(hi, (s0 / kSplitRows + 1) * kSplitRows - 1);  // split [s0, s1]
             run_split(s0, s1);
-            merge_split(s0 == lo);
+            const bool first = s0 == lo;
+            if (tid < nh) {
+                const int j = tid;
+                if (first) {
+                    s_run_m[j] = s_m[j];
+                    s_run_l[j] = s_l[j];
+                } else {
+                    const float m = s_m[j];
+                    const float run_m = s_run_m[j];
+                    const float m_next = m > run_m ? m : run_m;
+                    const float fa = exp_f32(run_m - m_next);
+                    const float fb = exp_f32(m - m_next);
+                    s_run_l[j] = s_run_l[j] * fa + s_l[j] * fb;
+                    s_run_m[j] = m_next;
+                    s_fa[j] = fa;
+                    s_fb[j] = fb;
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < kChains; ++k) {
+                if (tid + k * kAttnThreads >= n_chains) continue;
+                const int j = chain_j(k);
+                run[k] = first ? acc[k] : run[k] * s_fa[j] + acc[k] * s_fb[j];
+                acc[k] = 0.0f;
+            }
             s0 = s1 + 1;
         }
-        write_out();
+        float *gout = a.out + (it.i * a.n_heads + it.h0) * hd;  // [nh, hd]
+#pragma unroll
+        for (int k = 0; k < kChains; ++k) {
+            if (tid + k * kAttnThreads >= n_chains) continue;
+            const int j = chain_j(k);
+            float o = run[k] / s_run_l[j];
+            if (a.gate != nullptr) o = o * sigmoid_f32(a.gate[it.i * a.gate_stride + it.h0 + j]);
+            gout[j * hd + d0 + chain_dc(k)] = o;
+        }
     }
+#endif
+}
+
+// kSplit's second launch: thread e of item blockIdx.x merges the (head j, dim d) pair e = j * head_dim + d of the
+// stored split states left to right, M' = max(M, m), L' = L * e^(M - M') + l * e^(m - M'), ACC likewise, and writes
+// out = ACC / L times the sigmoid gate; NaN outputs (and the error flag) for a refused query.
+__global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const AttentionArgs a) {
+    const int64_t item = blockIdx.x;
+    const Item it = item_of(a, item);
+    const int hd = a.head_dim;
+    const int e = static_cast<int>(blockIdx.y) * kMergeThreads + static_cast<int>(threadIdx.x);
+    if (e >= it.nh * hd) return;
+    const int j = e / hd;
+    int64_t lo = 0, hi = 0;
+    bool bad = !visible_range(a, it.i, lo, hi);
+    float o = 0.0f;
+    if (!bad) {
+        const int64_t state = split_state_floats(hd);
+        const float *st = a.split_ws + item * a.max_splits * state;
+        const int64_t n_k = hi / kSplitRows - lo / kSplitRows + 1;
+        float run_m = 0.0f, run_l = 0.0f, run_acc = 0.0f;
+        for (int64_t k = 0; k < n_k && !bad; ++k, st += state) {
+            const float m = st[j];
+            const float l = st[kHeadBatch + j];
+            const float acc = st[2 * kHeadBatch + e];
+            if (m != m) {
+                bad = true;  // a split whose pages were refused
+            } else if (k == 0) {
+                run_m = m;
+                run_l = l;
+                run_acc = acc;
+            } else {
+                const float m_next = m > run_m ? m : run_m;
+                const float fa = exp_f32(run_m - m_next);
+                const float fb = exp_f32(m - m_next);
+                run_l = run_l * fa + l * fb;
+                run_acc = run_acc * fa + acc * fb;
+                run_m = m_next;
+            }
+        }
+        o = run_acc / run_l;
+        if (a.gate != nullptr) o = o * sigmoid_f32(a.gate[it.i * a.gate_stride + it.h0 + j]);
+    }
+    if (bad) {
+        if (e == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
+        o = u32_as_f32(0x7fc00000u);
+    }
+    a.out[(it.i * a.n_heads + it.h0) * hd + e] = o;
 }
 
 }  // namespace
@@ -564,7 +941,7 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     }
     const int64_t group = n_heads / n_kv_heads;
     const int64_t batches = (group + kHeadBatch - 1) / kHeadBatch;
-    if (n_q > kMaxGrid / (n_kv_heads * batches)) return cudaErrorInvalidValue;
+    if (n_q > kMaxGrid / (n_kv_heads * batches * kClusterCtas)) return cudaErrorInvalidValue;
     const int64_t n_items = n_q * n_kv_heads * batches;
     if (n_items == 0) return cudaSuccess;
     if (q == nullptr || q_pos == nullptr || q_seq == nullptr || layer.base == nullptr || block_tables == nullptr ||
@@ -588,7 +965,7 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     a.layer = layer;
     a.n_heads = n_heads;
     a.n_kv_heads = n_kv_heads;
-    a.head_dim = head_dim;
+    a.head_dim = static_cast<int>(head_dim);
     a.window = shape.window;
     a.group = group;
     a.batches = batches;
@@ -603,7 +980,7 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     a.split_ws = split ? split_ws : nullptr;
     a.max_splits = attention_max_splits(shape, bt_stride);
 
-    const int64_t smem_bytes = attention_smem_floats(head_dim) * static_cast<int64_t>(sizeof(float));
+    const int64_t smem_bytes = attention_smem_floats(a.head_dim) * static_cast<int64_t>(sizeof(float));
     const auto launch = [&](auto kernel, dim3 grid) {
         if (smem_bytes > kDefaultSmemBytes) {
             const cudaError_t err =
@@ -613,11 +990,21 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
         kernel<<<grid, kAttnThreads, static_cast<size_t>(smem_bytes), stream>>>(a);
         return cudaGetLastError();
     };
-    if (!split) return launch(paged_attention_kernel<AttnMode::kWhole>, dim3(static_cast<unsigned>(n_items)));
-    const cudaError_t err = launch(paged_attention_kernel<AttnMode::kSplit>,
-                                   dim3(static_cast<unsigned>(n_items), static_cast<unsigned>(a.max_splits)));
+    const auto clusters = static_cast<unsigned>(n_items * kClusterCtas);
+    const bool one_chain = attention_chains(a.head_dim) == 1;
+    if (!split) {
+        return one_chain ? launch(paged_attention_kernel<AttnMode::kWhole, 1>, dim3(clusters))
+                         : launch(paged_attention_kernel<AttnMode::kWhole, kMaxChains>, dim3(clusters));
+    }
+    const dim3 split_grid(clusters, static_cast<unsigned>(a.max_splits));
+    const cudaError_t err = one_chain ? launch(paged_attention_kernel<AttnMode::kSplit, 1>, split_grid)
+                                      : launch(paged_attention_kernel<AttnMode::kSplit, kMaxChains>, split_grid);
     if (err != cudaSuccess) return err;
-    return launch(paged_attention_kernel<AttnMode::kMerge>, dim3(static_cast<unsigned>(n_items)));
+    const int64_t pairs = std::min<int64_t>(kHeadBatch, group) * head_dim;
+    attention_merge_kernel<<<dim3(static_cast<unsigned>(n_items),
+                                  static_cast<unsigned>((pairs + kMergeThreads - 1) / kMergeThreads)),
+                             kMergeThreads, 0, stream>>>(a);
+    return cudaGetLastError();
 }
 
 }  // namespace memra::cuda

@@ -41,17 +41,18 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
 // optional sigmoid head gate. Arguments as the CPU's, all device pointers: q [n_q, q_stride] f32 (query i head h
 // at q[i * q_stride + h * head_dim]), q_pos [n_q] i64, q_seq [n_q] i32, block_tables [n_seqs, bt_stride] i32,
 // gate [n_q, gate_stride] f32 raw logits or nullptr, out [n_q, n_heads, head_dim] f32 (not overlapping q or gate).
-// layer.base is the device pool, layer's offsets and row sizes those of kv_page_layout. One CTA per CPU work
-// item (query, kv head, batch of up to 8 query heads). A query whose sequence index, position or visible pages
+// layer.base is the device pool, layer's offsets and row sizes those of kv_page_layout. A cluster of 4 CTAs per
+// CPU work item (query, kv head, batch of up to 8 query heads) and split (needs sm_90: thread-block clusters and
+// distributed shared memory). A query whose sequence index, position or visible pages
 // the CPU would refuse (q_seq outside [0, n_seqs), q_pos < first_pos or past the block table, a visible block
 // without a page or with a page outside [0, n_pages)) gets NaN outputs and sets *error_flag = 1.
 // Invalid: the shape checks of the CPU (heads, head_dim in [1, 512], window and first_pos >= 0), q_stride,
 // bt_stride, n_seqs and gate_stride too small, K/V row sizes that are not n_kv_heads heads of head_dim values in
 // the layer's formats, null pointers with work to do, more than 2^31 - 1 work items.
 // Split-KV: with a workspace of split_ws_floats device floats, at least paged_attention_split_floats, the splits of
-// 512 positions run in CTAs of their own and a second launch merges them left to right: the same bits, with
-// parallelism for long ranges and small batches. Otherwise (no workspace, too small, one split) one launch, one CTA
-// per item.
+// 512 positions run in clusters of their own and a second launch merges them left to right: the same bits, with
+// parallelism for long ranges and small batches. Otherwise (no workspace, too small, one split) one launch, one
+// cluster per item running its splits in turn.
 cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, int64_t q_stride, const int64_t *q_pos,
                             const int32_t *q_seq, int64_t n_q, const cpu::PagedLayer &layer,
                             const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
