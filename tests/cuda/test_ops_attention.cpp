@@ -715,7 +715,9 @@ TEST(CudaAttention, Shapes) {
 }
 
 // Shapes past Step-3.5's: a group of 12 (two head batches of 8 and 4, as the sliding layers' 96 / 8), head_dim 17
-// (partial dot lanes; f32 / bf16 only), head_dim 512 (the opt-in shared memory size), a single kv head.
+// (partial dot lanes; f32 / bf16 only), head_dim 512 (the opt-in shared memory size, 4 value chains per thread),
+// a single kv head, head_dim 96 (block-format runs starting inside a 32-block: 8 and 24), head_dim 2 (cluster
+// CTAs that own no dims), head_dim 200 (4 value chains per thread, not all used).
 std::vector<Config> other_shape_configs() {
     struct Shape {
         int64_t n_heads, n_kv_heads, head_dim, window;
@@ -728,7 +730,10 @@ std::vector<Config> other_shape_configs() {
                     Shape{4, 2, 17, 0, KvFormat::kF32, KvFormat::kBf16},
                     Shape{3, 1, 17, 300, KvFormat::kBf16, KvFormat::kF32},
                     Shape{2, 1, 512, 0, KvFormat::kQ5_1, KvFormat::kQ8_0},
-                    Shape{2, 2, 512, 300, KvFormat::kF32, KvFormat::kF32}}) {
+                    Shape{2, 2, 512, 300, KvFormat::kF32, KvFormat::kF32},
+                    Shape{8, 2, 96, 0, KvFormat::kQ8_0, KvFormat::kQ5_1},
+                    Shape{4, 2, 2, 300, KvFormat::kF32, KvFormat::kBf16},
+                    Shape{8, 1, 200, 0, KvFormat::kBf16, KvFormat::kF32}}) {
         Config cfg = mixed_step(s.kf, s.vf);
         cfg.seed = seed++;
         cfg.n_heads = s.n_heads;
@@ -872,6 +877,9 @@ TEST(CudaAttention, PerturbedKeyIsDetected) {
 
 // Inputs the CPU refuses by aborting: a visible block without a page, a page past the pool, a sequence index
 // past the block tables. Those rows come out NaN and raise the flag; the other rows of the step are unaffected.
+// Cases 0-2 make every row of sequence 1 bad; case 3 releases a page in sequence 0's second split (positions
+// 640-703), so only its rows at 700 and later see it (split-KV stores the refusal in that split's state, and the
+// merge meets it after a good split).
 TEST(CudaAttention, BadRowsRaiseTheFlag) {
     MEMRA_SKIP_WITHOUT_GPU();
     Config cfg = mixed_step(KvFormat::kQ8_0, KvFormat::kQ5_1, 70);
@@ -881,20 +889,23 @@ TEST(CudaAttention, BadRowsRaiseTheFlag) {
     Pool pool(cfg.k_format, cfg.v_format, c.n_pages, cfg.n_kv_heads, cfg.head_dim);
     fill_both(c, pool);
     const Floats want = cpu_run(c, pool, c.queries);
-    for (int what = 0; what < 3; ++what) {
+    for (int what = 0; what < 4; ++what) {
         Queries qs = c.queries;
-        // Rows of sequence 1 (its prefill chunk) become bad; sequence 0 and 2 rows stay valid.
         if (what == 0) qs.bt[sz(qs.bt_stride + 2)] = -1;                                  // block 2 released
         if (what == 1) qs.bt[sz(qs.bt_stride + 4)] = static_cast<int32_t>(c.n_pages);  // past the pool
         if (what == 2) {
             for (int32_t &s : qs.seq) s = s == 1 ? static_cast<int32_t>(qs.n_seqs) : s;  // no such sequence
         }
+        if (what == 3) qs.bt[sz(700 / kKvPageRows)] = -1;  // sequence 0's block 10 released
+        const auto bad = [&](int64_t i) {
+            return what < 3 ? c.queries.seq[sz(i)] == 1 : c.queries.seq[sz(i)] == 0 && c.queries.pos[sz(i)] >= 640;
+        };
         const GpuRun got = gpu_run(c, pool, qs);
         EXPECT_EQ(got.flag, 1) << "case " << what;
         for (int64_t i = 0; i < qs.n(); ++i) {
             const Floats g(got.out.begin() + i * c.q_row(), got.out.begin() + (i + 1) * c.q_row());
             const Floats w(want.begin() + i * c.q_row(), want.begin() + (i + 1) * c.q_row());
-            if (c.queries.seq[sz(i)] == 1) {
+            if (bad(i)) {
                 EXPECT_TRUE(std::all_of(g.begin(), g.end(), [](float x) { return std::isnan(x); }))
                     << "case " << what << " query " << i;
             } else {

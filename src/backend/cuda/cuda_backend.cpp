@@ -69,6 +69,15 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_index, Numer
     if (cudaError_t e = cudaSetDevice(device_index); e != cudaSuccess) {
         return make_error("cuda backend: GPU {}: {}", device_index, cuda_message(e));
     }
+    bool attention = false;
+    if (cudaError_t e = cuda::attention_supported(attention); e != cudaSuccess || !attention) {
+        int major = 0, minor = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_index);
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_index);
+        return make_error("cuda backend: GPU {} has compute capability {}.{}; this build's attention kernel needs 9.0 "
+                          "(Hopper: thread-block clusters, sm_90a code){}",
+                          device_index, major, minor, e == cudaSuccess ? "" : fmt::format(" ({})", cuda_message(e)));
+    }
     cudaStream_t stream = nullptr;
     // Blocking (cudaStreamDefault): cudaMemcpy on the legacy stream (cuda_rank_copy) orders after it.
     if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamDefault); e != cudaSuccess) {

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -47,7 +48,6 @@ constexpr int kRowThreads = 128;       // kv_write: one CTA per row
 constexpr int kElemThreads = 256;      // round_rows: grid-stride loops
 constexpr int64_t kMaxBlocks = 65536;  // the grid-stride loop covers anything larger
 constexpr int64_t kMaxGrid = 2147483647;  // grid.x limit
-
 
 __device__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -229,7 +229,7 @@ __device__ bool visible_range(const AttentionArgs &a, int64_t i, int64_t &lo, in
 // cluster scores block c, and sums the values of dims [c * head_dim / 4, (c + 1) * head_dim / 4) over the split.
 constexpr int kClusterCtas = static_cast<int>(kSplitRows / kBlockRows);
 constexpr int kKeyRows = 32;                 // keys staged per pass: 16 half-warps x 2 positions
-constexpr int kScoreStride = kSplitRows + 4;  // sp's row stride: the 8 b_sum lanes read distinct banks
+constexpr int kScoreStride = kSplitRows + 4;  // sp's row stride: float4 aligned, heads on distinct banks
 constexpr int kSumStride = kBlockRows + 1;    // se's row stride: the 8 b_sum lanes read distinct banks
 constexpr int kValueStride = kBlockRows + 4;  // sv's row stride: float4 aligned, 2-way store conflicts at most
 constexpr int kQStride = kHeadBatch + 4;      // sq's: a quarter-warp's float4 loads of 8 dims hit distinct banks
@@ -255,10 +255,14 @@ __host__ __device__ int64_t attention_smem_floats(int head_dim) {
            (keys > values ? keys : values);
 }
 
-// The cluster kernel needs sm_90 (thread-block clusters and distributed shared memory); the compute_80 PTX build
-// leaves its body and helpers out, and a launch there fails with the launch error.
+// The cluster kernel needs sm_90 (thread-block clusters and distributed shared memory): the compute_80 PTX build
+// leaves its body, helpers and cluster shape out, and paged_attention refuses a device that would run that PTX
+// (any but compute capability 9.0, the sm_90a code's) with cudaErrorNotSupported.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define MEMRA_ATTENTION_CLUSTERS 1
+#define MEMRA_CLUSTER_DIMS __cluster_dims__(kClusterCtas, 1, 1)
+#else
+#define MEMRA_CLUSTER_DIMS
 #endif
 
 #ifdef MEMRA_ATTENTION_CLUSTERS
@@ -279,11 +283,11 @@ __device__ void round_bf16_pair(float &lo, float &hi) {
     hi = u32_as_f32(packed & 0xffff0000u);
 }
 
-// A run of values [d, d + n) of one head's row (n <= kRun, not crossing a multiple of kRun; d even for the block
-// formats) as loaded, before decoding: bf16 codes, or code byte pairs and the block's header (f32 rows, a test
-// format, are read when decoded: 16 words would not fit beside the rest in registers). Rows and blocks are 2-byte
-// aligned (kv_page_layout), and nothing past the run is read. A thread issues all of a run's loads before it
-// decodes any value, so their latencies overlap.
+// A run of values [d, d + n) of one head's row (n <= kRun, not crossing a multiple of kRun; d and n even for the
+// block formats, whose rows hold multiples of 32 values) as loaded, before decoding: bf16 codes, or code byte
+// pairs and the block's header (f32 rows, a test format, are read when decoded: 16 words would not fit beside the
+// rest in registers). Rows and blocks are 2-byte aligned (kv_page_layout), and nothing past the run is read. A
+// thread issues all of a run's loads before it decodes any value, so their latencies overlap.
 constexpr int kRun = 16;
 constexpr unsigned kBlockValues = kQuantBlock;  // unsigned, so d / 32 and d % 32 are a shift and a mask
 
@@ -453,9 +457,10 @@ struct GridWalk {
 // kWhole merges each split into the running state as the merge kernel does, then writes out = ACC / L times the
 // sigmoid gate; kSplit stores the split's state. kChains: the value chains per thread (attention_chains). kSplit
 // (decode) with one chain is held to 64 registers so that an SM runs 4 CTAs (32 warps for the latencies, and 8K
-// positions' 512 CTAs in one wave), with 4 chains to 80 (3 CTAs); kWhole (prefill, many items) would spill there.
+// positions' 512 CTAs in one wave), with 4 chains to 80 (3 CTAs), each spilling a few words outside the dot and
+// value loops; kWhole (prefill, many items) takes 128.
 template <AttnMode kMode, int kChains>
-__global__ void __cluster_dims__(kClusterCtas, 1, 1)
+__global__ void MEMRA_CLUSTER_DIMS
     __launch_bounds__(kAttnThreads, kMode == AttnMode::kWhole ? 2 : (kChains == 1 ? 4 : 3))
     paged_attention_kernel(const AttentionArgs a) {
 #if defined(MEMRA_ATTENTION_CLUSTERS) && defined(__CUDA_ARCH__)
@@ -505,7 +510,7 @@ __global__ void __cluster_dims__(kClusterCtas, 1, 1)
         return;
     }
     const int64_t first_split = lo / kSplitRows;
-    int64_t split_k = 0;  // kSplit: the split this cluster runs, [r_lo, r_hi] of the range
+    int64_t split_k = 0;  // kSplit: the split this cluster runs, [p_lo, p_hi] of the range
     int64_t p_lo = lo, p_hi = hi;
     if constexpr (kMode == AttnMode::kSplit) {
         split_k = blockIdx.y;
@@ -904,6 +909,29 @@ int64_t attention_max_splits(const cpu::AttentionShape &shape, int64_t bt_stride
 
 }  // namespace
 
+cudaError_t attention_supported(bool &ok) {
+    static std::atomic<uint64_t> asked{0};  // bit d: device d was asked
+    static std::atomic<uint64_t> yes{0};    // bit d: and it runs the cluster kernel
+    int device = 0;
+    if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+    const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+    if (bit != 0 && (asked.load() & bit) != 0) {
+        ok = (yes.load() & bit) != 0;
+        return cudaSuccess;
+    }
+    int major = 0, minor = 0;
+    if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); e != cudaSuccess) {
+        return e;
+    }
+    if (cudaError_t e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device); e != cudaSuccess) {
+        return e;
+    }
+    ok = major == 9 && minor == 0;
+    if (ok) yes.fetch_or(bit);
+    asked.fetch_or(bit);
+    return cudaSuccess;
+}
+
 int64_t paged_attention_split_floats(const cpu::AttentionShape &shape, int64_t n_q, int64_t bt_stride) {
     if (shape.n_heads <= 0 || shape.n_kv_heads <= 0 || shape.n_heads % shape.n_kv_heads != 0 || shape.head_dim <= 0 ||
         shape.head_dim > kMaxHeadDim || n_q <= 0 || bt_stride < 1 || bt_stride > (int64_t{1} << 40)) {
@@ -948,6 +976,10 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
         out == nullptr) {
         return cudaErrorInvalidValue;
     }
+
+    bool supported = false;
+    if (const cudaError_t e = attention_supported(supported); e != cudaSuccess) return e;
+    if (!supported) return cudaErrorNotSupported;
 
     AttentionArgs a{};
     a.q = q;

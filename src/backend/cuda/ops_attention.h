@@ -48,7 +48,8 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
 // without a page or with a page outside [0, n_pages)) gets NaN outputs and sets *error_flag = 1.
 // Invalid: the shape checks of the CPU (heads, head_dim in [1, 512], window and first_pos >= 0), q_stride,
 // bt_stride, n_seqs and gate_stride too small, K/V row sizes that are not n_kv_heads heads of head_dim values in
-// the layer's formats, null pointers with work to do, more than 2^31 - 1 work items.
+// the layer's formats, null pointers with work to do, more than (2^31 - 1) / 4 work items. A device other than
+// compute capability 9.0 (which would run the compute_80 PTX, without the cluster kernel): cudaErrorNotSupported.
 // Split-KV: with a workspace of split_ws_floats device floats, at least paged_attention_split_floats, the splits of
 // 512 positions run in clusters of their own and a second launch merges them left to right: the same bits, with
 // parallelism for long ranges and small batches. Otherwise (no workspace, too small, one split) one launch, one
@@ -58,6 +59,11 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
                             const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
                             const float *gate, int64_t gate_stride, float *out, int32_t *error_flag,
                             cudaStream_t stream, float *split_ws = nullptr, int64_t split_ws_floats = 0);
+
+// Whether paged_attention runs on the current device: its kernel is in the sm_90a code only (thread-block
+// clusters), which compute capability 9.0 runs; any other device would run the compute_80 PTX without it. Asked
+// of the driver once per device.
+cudaError_t attention_supported(bool &ok);
 
 // The workspace floats paged_attention needs to split n_q rows: a state (8 x (2 + head_dim) floats) per work item
 // and split its range can span (within bt_stride pages of the block table, and the window). 0 when it would not
