@@ -269,18 +269,11 @@ __host__ __device__ int64_t attention_smem_floats(int head_dim) {
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // The same rounding inside attention, where a NaN can only make NaN outputs (which compare as NaN): the bare
-// conversion, for one value and for a pair at once; round_bf16's bits for every other x.
+// conversion (round_bf16's instruction, so RoundBf16EveryHighHalf covers its bits for every other x).
 __device__ float round_bf16_inner(float x) {
     unsigned short h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return bf16_to_f32(h);
-}
-
-__device__ void round_bf16_pair(float &lo, float &hi) {
-    uint32_t packed;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
-    lo = u32_as_f32(packed << 16);
-    hi = u32_as_f32(packed & 0xffff0000u);
 }
 
 // A run of values [d, d + n) of one head's row (n <= kRun, not crossing a multiple of kRun; d and n even for the
@@ -387,7 +380,7 @@ __device__ void decode_run(KvFormat f, const RawRun &r, const std::byte *row, un
     }
     if (round) {
 #pragma unroll
-        for (int t = 0; t < kRun; t += 2) round_bf16_pair(v[t], v[t + 1]);
+        for (int t = 0; t < kRun; ++t) v[t] = round_bf16_inner(v[t]);
     }
     if (n == kRun && stride == 1) {  // staged keys: a row's stride and d are multiples of 4
 #pragma unroll
