@@ -2,6 +2,8 @@
 #include "kv/paged_kv.h"
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <functional>
 
 #include <fmt/format.h>
@@ -13,7 +15,6 @@ namespace memra::kv {
 namespace {
 
 constexpr int32_t kNoPage = -1;
-constexpr int32_t kCounted = -2;  // a block counted by begin()'s first pass; restored to kNoPage right after
 
 size_t idx(PoolKind kind) { return kind == PoolKind::kFull ? 0 : 1; }
 
@@ -134,6 +135,32 @@ void SeqKv::give_back(PoolKind kind, int64_t block, PagePool &pool) {
     --held_[idx(kind)];
 }
 
+std::array<int64_t, 2> SeqKv::pages_needed(std::span<const int64_t> rows) const {
+    std::array<int64_t, 2> needed = {0, 0};
+    for (const PoolKind kind : {PoolKind::kFull, PoolKind::kSwa}) {
+        // The streams' staged blocks [b0, b1] may overlap; each block without a page counts once.
+        int64_t lo = INT64_MAX, hi = -1;
+        for (int s = 0; s < shape_.n_streams && s < static_cast<int>(rows.size()); ++s) {
+            const int64_t n = rows[static_cast<size_t>(s)];
+            if (n <= 0 || !uses(kind, s)) continue;
+            lo = std::min(lo, block_of(length_[s]));
+            hi = std::max(hi, std::min(block_of(length_[s] + n - 1), shape_.max_blocks() - 1));
+        }
+        const std::vector<int32_t> &table = tables_[idx(kind)];
+        for (int64_t b = lo; b <= hi; ++b) {
+            if (table[static_cast<size_t>(b)] != kNoPage) continue;
+            for (int s = 0; s < shape_.n_streams && s < static_cast<int>(rows.size()); ++s) {
+                const int64_t n = rows[static_cast<size_t>(s)];
+                if (n > 0 && uses(kind, s) && b >= block_of(length_[s]) && b <= block_of(length_[s] + n - 1)) {
+                    ++needed[idx(kind)];
+                    break;
+                }
+            }
+        }
+    }
+    return needed;
+}
+
 Result<TxnId> SeqKv::begin(std::span<const int64_t> rows, PagePool &full, PagePool &swa) {
     if (open_) return make_error("KV begin: a transaction is already open (generation {})", generation_);
     if (static_cast<int>(rows.size()) != shape_.n_streams) {
@@ -147,39 +174,19 @@ Result<TxnId> SeqKv::begin(std::span<const int64_t> rows, PagePool &full, PagePo
                               s, length_[s] + n - 1, shape_.max_positions);
         }
     }
-    // First pass: the blocks without a page each pool must supply (marked, counted once, then unmarked).
-    PagePool *pools[2] = {&full, &swa};
+    const std::array<int64_t, 2> needed = pages_needed(rows);
+    const PagePool *pools[2] = {&full, &swa};
     for (const PoolKind kind : {PoolKind::kFull, PoolKind::kSwa}) {
-        std::vector<int32_t> &table = tables_[idx(kind)];
-        int64_t needed = 0;
-        for (int s = 0; s < shape_.n_streams; ++s) {
-            const int64_t n = rows[static_cast<size_t>(s)];
-            if (n == 0 || !uses(kind, s)) continue;
-            for (int64_t b = block_of(length_[s]); b <= block_of(length_[s] + n - 1); ++b) {
-                int32_t &entry = table[static_cast<size_t>(b)];
-                if (entry == kNoPage) {
-                    entry = kCounted;
-                    ++needed;
-                }
-            }
-        }
-        for (int s = 0; s < shape_.n_streams; ++s) {  // unmark the same ranges
-            const int64_t n = rows[static_cast<size_t>(s)];
-            if (n == 0 || !uses(kind, s)) continue;
-            for (int64_t b = block_of(length_[s]); b <= block_of(length_[s] + n - 1); ++b) {
-                int32_t &entry = table[static_cast<size_t>(b)];
-                if (entry == kCounted) entry = kNoPage;
-            }
-        }
-        if (needed > pools[idx(kind)]->n_free()) {
+        const PagePool &pool = *pools[idx(kind)];
+        if (needed[idx(kind)] > pool.n_free()) {
             return make_error("{} KV pool out of pages: the step needs {} more, {} of {} are free",
-                              pool_kind_name(kind), needed, pools[idx(kind)]->n_free(), pools[idx(kind)]->n_pages());
+                              pool_kind_name(kind), needed[idx(kind)], pool.n_free(), pool.n_pages());
         }
     }
     for (const PoolKind kind : {PoolKind::kFull, PoolKind::kSwa}) {
         for (int s = 0; s < shape_.n_streams; ++s) {
             if (!uses(kind, s)) continue;
-            take_pages(kind, length_[s], length_[s] + rows[static_cast<size_t>(s)], *pools[idx(kind)]);
+            take_pages(kind, length_[s], length_[s] + rows[static_cast<size_t>(s)], kind == PoolKind::kFull ? full : swa);
         }
     }
     for (int s = 0; s < shape_.n_streams; ++s) staged_[s] = rows[static_cast<size_t>(s)];

@@ -12,6 +12,7 @@
 // only once wholly below the window of every stream's next row, so a rollback never needs a released row.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -90,6 +91,9 @@ public:
     bool in_txn() const { return open_; }
     uint64_t last_generation() const { return generation_; }
 
+    // The free pages of each pool ([full, sliding]) begin(rows) would take: the blocks of the staged rows that
+    // have no page yet, each counted once. A scheduler plans a step's pages with it.
+    std::array<int64_t, 2> pages_needed(std::span<const int64_t> rows) const;
     // Opens a transaction staging rows[s] rows on each stream (rows.size() == n_streams, each >= 0) and
     // takes the pages they need from the pools. Refused, changing nothing: an open transaction, rows past
     // max_positions, a pool out of pages (the message names the pool, the pages needed and the pages free).

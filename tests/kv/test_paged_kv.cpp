@@ -8,6 +8,7 @@
 // bytes (the touched sequence's every time, every sequence's every 64 operations); MTP streams, which the
 // oracle does not have, get a bookkeeping fuzz of their own.
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -1231,7 +1232,23 @@ std::string run_mtp_fuzz(uint64_t seed, FuzzStats &stats) {
             }
             what = fmt::format("seq {} begin {}", i, join(rows));
             const Observed before = observe(kv, pools);
+            // pages_needed predicts begin: a refusal exactly when a pool has fewer free pages, else exactly the
+            // pages taken.
+            const std::array<int64_t, 2> needed = kv.pages_needed(rows);
+            const bool fits = needed[0] <= pools.full.n_free() && needed[1] <= pools.swa.n_free();
+            const int32_t free_before[2] = {pools.full.n_free(), pools.swa.n_free()};
             auto txn = kv.begin(rows, pools.full, pools.swa);
+            if (txn.has_value() != fits) {
+                return fail(op, fmt::format("{}: pages_needed {} {} against {} {} free, but begin {}", what, needed[0],
+                                            needed[1], free_before[0], free_before[1],
+                                            txn ? "succeeded" : txn.error().message));
+            }
+            if (txn && (free_before[0] - pools.full.n_free() != needed[0] ||
+                        free_before[1] - pools.swa.n_free() != needed[1])) {
+                return fail(op, fmt::format("{}: begin took {} {} pages, pages_needed said {} {}", what,
+                                            free_before[0] - pools.full.n_free(), free_before[1] - pools.swa.n_free(),
+                                            needed[0], needed[1]));
+            }
             if (!txn) {
                 if (txn.error().message.find("KV pool out of pages") == std::string::npos) {
                     return fail(op, what + ": refused: " + txn.error().message);
