@@ -16,9 +16,11 @@ set(model_srcs
     ${PROJECT_SOURCE_DIR}/src/model/step35_stats.cpp
     ${PROJECT_SOURCE_DIR}/src/model/step35_plan.cpp
     ${PROJECT_SOURCE_DIR}/src/parallel/plan.cpp)
+# The server's request parser and its plain request types (nothing of the engine).
+set(serve_srcs ${PROJECT_SOURCE_DIR}/src/serve/openai.cpp ${PROJECT_SOURCE_DIR}/src/serve/request.cpp)
 
 set(fuzz_flags -g -O1 -ffp-contract=off)
-add_library(memra_fuzz_support STATIC ${core_srcs} ${io_srcs} ${text_srcs} ${model_srcs})
+add_library(memra_fuzz_support STATIC ${core_srcs} ${io_srcs} ${text_srcs} ${model_srcs} ${serve_srcs})
 target_include_directories(memra_fuzz_support PUBLIC ${PROJECT_SOURCE_DIR}/src ${NLOHMANN_JSON_INCLUDE}
                                                      ${TL_EXPECTED_INCLUDE} ${PCRE2_INCLUDE} ${UTF8PROC_INCLUDE})
 # The library is instrumented for coverage and the sanitizers but carries no main (fuzzer-no-link).

@@ -7,6 +7,7 @@
 # last. Logs go to $OUT (or ./gpu-out).
 #   device run:  bash scripts/gpu.sh            (carry: [".deps"])
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
+#   MEMRA_GPU_E128=0 leaves out the Step-3.5-E128 runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -69,14 +70,42 @@ ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum -
 # K1: the products at decode shapes against a copy of the same bytes, and PyTorch (cuBLAS) on the same shapes.
 build-gpu/memra_bench_cuda_products --benchmark_format=json >"$out/bench_cuda_products.json" 2>"$out/bench_cuda_products.log"
 python3 bench/cuda_peers.py >"$out/bench_cuda_peers.jsonl" 2>"$out/bench_cuda_peers.log"
+# Serving on the GPU: the openai client's suite (tests/oracle/test_serve.py, from wheels carried in .deps/wheels)
+# against `memra serve --device cuda` on the default model, then the load test on the release-width preset.
+serve_rc=1
+if python3 -m venv --system-site-packages "$tmp/venv" >"$out/serve_venv.log" 2>&1 &&
+    "$tmp/venv/bin/python" -m pip install -q --no-index --find-links .deps/wheels openai==3.57.0 \
+        prometheus-client==0.26.0 pytest==9.2.0 >>"$out/serve_venv.log" 2>&1; then
+    MEMRA_EXE=$memra MEMRA_SERVE_DEVICE=cuda timeout 300 "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
+        tests/oracle/test_serve.py >"$out/serve_tests.log" 2>&1
+    serve_rc=$?
+fi
+$memra serve "$release" --device cuda --port 0 -c 65536 >/dev/null 2>"$out/serve_release.log" &
+serve_pid=$!
+port=""
+for _ in $(seq 600); do
+    port=$(sed -n 's/.*listening on http:\/\/[^:]*:\([0-9]*\).*/\1/p' "$out/serve_release.log")
+    [ -n "$port" ] && break
+    sleep 0.2
+done
+if [ -n "$port" ]; then
+    timeout 240 python3 bench/serve_load.py --url "http://127.0.0.1:$port" --num-prompts 256 --max-concurrency 64 \
+        --input-len 512 --output-len 128 >"$out/serve_load.txt" 2>&1
+fi
+kill -INT $serve_pid 2>/dev/null
+wait $serve_pid
+serve_stop_rc=$?
 # E1 / E3 on Step-3.5-E128 (the release architecture with 128 routed experts: 102.8 GB in the official layout, FP8
 # experts; too large for this disk, so built in device memory from a seed): decode at batch 1 and 32, prefill 512.
+e128_rc=skipped
+if [ "${MEMRA_GPU_E128:-1}" = 1 ]; then  # MEMRA_GPU_E128=0 leaves out the two E128 runs (about 150 s)
 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 512 -n 32 -r 2 --parallel 32 -o json \
     >"$out/bench_e128.json" 2>"$out/bench_e128.log"
 e128_rc=$?
 # E128's per-op times: a 512-token context, then 32 decode steps (each op synchronised, so a separate run).
 MEMRA_CUDA_PROFILE=1 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 512 -r 1 \
     >/dev/null 2>"$out/op_times_e128.log"
+fi
 # Per-op times (each op synchronised; launch + kernel), one prefill of 512 and 16 decode steps on the release preset.
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 512 -n 0 -r 1 >/dev/null 2>"$out/op_times_prefill.log"
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 0 -n 16 -r 1 >/dev/null 2>"$out/op_times_decode.log"
@@ -169,6 +198,10 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
         print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")
 EOF
 echo "| bench rc | $bench_rc $bench64_rc, e128 $e128_rc ($((t5 - t4)) s) |"
+echo "| serve tests (rc $serve_rc) | $(tail -1 "$out/serve_tests.log" 2>/dev/null) |"
+echo "| serve release (stop rc $serve_stop_rc) | $(grep -E 'KV cache|stopped' "$out/serve_release.log" | tr '\n' ' ' | cut -c1-300) |"
+grep -E "^(Successful|Failed|Benchmark duration|Output token|Total Token|Mean TTFT|P99 TTFT|Mean TPOT|P99 TPOT|Mean ITL|P99 ITL)" \
+    "$out/serve_load.txt" 2>/dev/null | sed 's/^\(.*[^ ]\)  *\([^ ]*\) *$/| serve load | \1 \2 |/' 
 grep -h -m3 -E "synthetic|generated|GB/s" "$out/bench_e128.log" | sed 's/^/| e128 load | /; s/$/ |/'
 if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
     echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"
@@ -193,4 +226,4 @@ grep -h -m2 -E "STEP_WORK" "$out/verify_release.log" | sed 's/^/| verify release
 (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='bench_*.json' -- * 2>/dev/null &&
     find . -maxdepth 1 -type f ! -name logs.tgz ! -name 'bench_*.json' -delete)
 [ $cuda_rc -eq 0 ] && [ $cli_rc -eq 0 ] && [ $run_rc -eq 0 ] && [ "$run_same" = yes ] && [ $verify_rc -eq 0 ] &&
-    [ $verify_release_rc -eq 0 ] && [ $cpu_rc -eq 0 ]
+    [ $verify_release_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $serve_rc -eq 0 ] && [ $serve_stop_rc -eq 0 ]

@@ -174,7 +174,6 @@ int run_generate(const RunOptions &opt) {
 Command add_run_command(CLI::App &app) {
     auto opt = std::make_shared<RunOptions>();
     opt->threads = default_threads();
-    SamplingParams &s = opt->sampling;
 
     CLI::App *sub = app.add_subcommand("run", "Generate text from a prompt (on the GPU when one is visible, else the CPU), streaming it to stdout");
     add_model_dir_option(*sub, opt->model_dir);
@@ -184,41 +183,7 @@ Command add_run_command(CLI::App &app) {
         ->envname("MEMRA_N_PREDICT")
         ->check(CLI::Range(-1, std::numeric_limits<int>::max()))
         ->capture_default_str();
-    sub->add_option("--temp,--temperature", s.temperature, "Temperature (0 = greedy)")
-        ->envname("MEMRA_TEMP")
-        ->check(CLI::Range(0.0f, std::numeric_limits<float>::max()))
-        ->capture_default_str();
-    sub->add_option("--top-k", s.top_k, "Top-k (0 = off)")
-        ->envname("MEMRA_TOP_K")
-        ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()))
-        ->capture_default_str();
-    sub->add_option("--top-p", s.top_p, "Top-p, nucleus (1 = off)")
-        ->envname("MEMRA_TOP_P")
-        ->check(CLI::Range(0.0f, 1.0f))
-        ->capture_default_str();
-    sub->add_option("--min-p", s.min_p, "Min-p, relative to the most likely token (0 = off)")
-        ->envname("MEMRA_MIN_P")
-        ->check(CLI::Range(0.0f, 1.0f))
-        ->capture_default_str();
-    sub->add_option("--repeat-penalty", s.repetition_penalty, "Repetition penalty (1 = off)")
-        ->envname("MEMRA_REPEAT_PENALTY")
-        ->check(CLI::Range(0.0f, std::numeric_limits<float>::max()))
-        ->capture_default_str();
-    sub->add_option("--repeat-last-n", s.penalty_last_n,
-                    "Context tokens the penalties look at (0 = none, -1 = the whole context)")
-        ->envname("MEMRA_REPEAT_LAST_N")
-        ->check(CLI::Range(-1, std::numeric_limits<int32_t>::max()))
-        ->capture_default_str();
-    sub->add_option("--presence-penalty", s.presence_penalty, "Presence penalty (0 = off)")
-        ->envname("MEMRA_PRESENCE_PENALTY")
-        ->capture_default_str();
-    sub->add_option("--frequency-penalty", s.frequency_penalty, "Frequency penalty (0 = off)")
-        ->envname("MEMRA_FREQUENCY_PENALTY")
-        ->capture_default_str();
-    sub->add_option("-s,--seed", s.seed, "Sampling seed (same seed and settings give the same text)")
-        ->envname("MEMRA_SEED")
-        ->check(uint64_validator())
-        ->capture_default_str();
+    add_sampling_options(*sub, opt->sampling);
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     add_threads_option(*sub, opt->threads);

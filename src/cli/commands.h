@@ -23,6 +23,8 @@
 #include "model/step35_config.h"
 #include "model/step35_model.h"
 #include "runtime/engine.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 namespace memra::cli {
 
@@ -45,6 +47,8 @@ Command add_run_command(CLI::App &app);
 Command add_bench_command(CLI::App &app);
 Command add_perplexity_command(CLI::App &app);
 Command add_verify_command(CLI::App &app);
+Command add_serve_command(CLI::App &app);
+Command add_chat_command(CLI::App &app);
 
 // The embedded default model: <directory of the memra executable>/models/default, the committed trained
 // checkpoint the build copies there. MEMRA_MODEL (or a MODEL_DIR argument) overrides it.
@@ -179,6 +183,16 @@ Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const m
                                  runtime::EngineOptions options, const BackendChoice &backends);
 // A backend factory for rank r of `backends` (verify's native ranks and reference), without upload progress.
 runtime::BackendFactory backend_factory(const BackendChoice &backends);
+
+// The chat template of serve and chat: the --chat-template FILE when given, else tokenizer_config.json's (nullopt
+// when neither has one), with the tokenizer's BOS and EOS texts; `origin` says which. Refused: an unreadable file,
+// a template that does not parse (the message names where it came from).
+Result<std::optional<text::ChatTemplate>> load_chat_template(const text::Tokenizer &tok, const std::string &file,
+                                                             std::string &origin);
+
+// The sampling options of run and chat (llama.cpp's spellings and defaults, MEMRA_* mirrors): --temp, --top-k,
+// --top-p, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty, --frequency-penalty, -s/--seed.
+void add_sampling_options(CLI::App &sub, SamplingParams &sampling);
 
 // Options shared by the commands that drive the engine (run, bench, perplexity): -c/--ctx-size and
 // -ub/--ubatch-size.

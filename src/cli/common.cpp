@@ -7,11 +7,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
 #include <new>
 #include <optional>
+#include <span>
+#include <sstream>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -415,6 +418,65 @@ void add_engine_size_options(CLI::App &sub, int64_t &ctx_size, int64_t &step_row
                    "sized by it, not by the prompt")
         ->envname("MEMRA_UBATCH")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+        ->capture_default_str();
+}
+
+Result<std::optional<text::ChatTemplate>> load_chat_template(const text::Tokenizer &tok, const std::string &file,
+                                                             std::string &origin) {
+    std::string source = tok.chat_template();
+    origin = "tokenizer_config.json";
+    if (!file.empty()) {
+        std::ifstream in(file, std::ios::binary);
+        if (!in) return make_error("--chat-template: cannot open {}", file);
+        std::ostringstream text;
+        text << in.rdbuf();
+        source = text.str();
+        origin = file;
+    }
+    if (source.empty()) return std::optional<text::ChatTemplate>();
+    const auto text_of = [&](std::optional<int32_t> id) { return id ? tok.token_text(*id) : std::string(); };
+    const std::span<const int32_t> eos = tok.eos_ids();
+    auto made = text::ChatTemplate::create(std::move(source), text_of(tok.bos_id()),
+                                           eos.empty() ? std::string() : tok.token_text(eos.front()));
+    if (!made) return make_error("chat template ({}): {}", origin, made.error().message);
+    return std::optional<text::ChatTemplate>(std::move(*made));
+}
+
+void add_sampling_options(CLI::App &sub, SamplingParams &s) {
+    sub.add_option("--temp,--temperature", s.temperature, "Temperature (0 = greedy)")
+        ->envname("MEMRA_TEMP")
+        ->check(CLI::Range(0.0f, std::numeric_limits<float>::max()))
+        ->capture_default_str();
+    sub.add_option("--top-k", s.top_k, "Top-k (0 = off)")
+        ->envname("MEMRA_TOP_K")
+        ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()))
+        ->capture_default_str();
+    sub.add_option("--top-p", s.top_p, "Top-p, nucleus (1 = off)")
+        ->envname("MEMRA_TOP_P")
+        ->check(CLI::Range(0.0f, 1.0f))
+        ->capture_default_str();
+    sub.add_option("--min-p", s.min_p, "Min-p, relative to the most likely token (0 = off)")
+        ->envname("MEMRA_MIN_P")
+        ->check(CLI::Range(0.0f, 1.0f))
+        ->capture_default_str();
+    sub.add_option("--repeat-penalty", s.repetition_penalty, "Repetition penalty (1 = off)")
+        ->envname("MEMRA_REPEAT_PENALTY")
+        ->check(CLI::Range(0.0f, std::numeric_limits<float>::max()))
+        ->capture_default_str();
+    sub.add_option("--repeat-last-n", s.penalty_last_n,
+                    "Context tokens the penalties look at (0 = none, -1 = the whole context)")
+        ->envname("MEMRA_REPEAT_LAST_N")
+        ->check(CLI::Range(-1, std::numeric_limits<int32_t>::max()))
+        ->capture_default_str();
+    sub.add_option("--presence-penalty", s.presence_penalty, "Presence penalty (0 = off)")
+        ->envname("MEMRA_PRESENCE_PENALTY")
+        ->capture_default_str();
+    sub.add_option("--frequency-penalty", s.frequency_penalty, "Frequency penalty (0 = off)")
+        ->envname("MEMRA_FREQUENCY_PENALTY")
+        ->capture_default_str();
+    sub.add_option("-s,--seed", s.seed, "Sampling seed (same seed and settings give the same text)")
+        ->envname("MEMRA_SEED")
+        ->check(uint64_validator())
         ->capture_default_str();
 }
 

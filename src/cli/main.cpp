@@ -16,7 +16,7 @@ int main(int argc, char **argv) {
         const char *to;
     };
     static constexpr Alias kAliases[] = {
-        {"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}, {"-ub", "--ubatch-size"}};
+        {"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}, {"-ub", "--ubatch-size"}, {"-np", "--parallel"}};
     std::vector<const char *> args(argv, argv + argc);
     for (const char *&arg : args) {
         for (const Alias &alias : kAliases) {
@@ -34,7 +34,8 @@ int main(int argc, char **argv) {
     const std::vector<Command> commands = {add_inspect_command(app), add_plan_command(app),
                                            add_make_tiny_command(app), add_make_tokenizer_command(app), add_run_command(app),
                                            add_bench_command(app), add_perplexity_command(app),
-                                           add_verify_command(app)};
+                                           add_verify_command(app), add_serve_command(app),
+                                           add_chat_command(app)};
 
     try {
         app.parse(argc, args.data());

