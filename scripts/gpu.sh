@@ -90,7 +90,7 @@ for _ in $(seq 600); do
 done
 if [ -n "$port" ]; then
     timeout 240 python3 bench/serve_load.py --url "http://127.0.0.1:$port" --num-prompts 256 --max-concurrency 64 \
-        --input-len 512 --output-len 128 >"$out/serve_load.txt" 2>&1
+        --input-len 512 --output-len 128 --id-low 266 --id-high 700 >"$out/serve_load.txt" 2>&1
 fi
 kill -INT $serve_pid 2>/dev/null
 wait $serve_pid

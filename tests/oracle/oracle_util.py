@@ -5,8 +5,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import numpy as np
-
 
 def build_tool(name):
     """Path of an executable in the build directory CTest passes as MEMRA_BUILD_DIR."""
@@ -19,6 +17,7 @@ def build_tool(name):
 
 def run_dtype_tool(tool, tmp_path, op, data, out_dtype, *extra):
     """memra_dtype_tool OP IN OUT [extra...] on raw little-endian arrays; returns OUT as out_dtype."""
+    import numpy as np  # imported where used: the server suite runs on hosts without numpy (scripts/gpu.sh)
     src = tmp_path / f"{op}.in"
     dst = tmp_path / f"{op}.out"
     src.write_bytes(np.ascontiguousarray(data).tobytes())
@@ -44,6 +43,7 @@ def make_tiny(out_dir, dtype, seed, preset="tiny"):
 
 def run_forward_tool(model_dir, ids, tmp_path, *flags):
     """memra_forward_tool on raw int32 ids; returns (float32 logits, flat, and the tool's stdout)."""
+    import numpy as np
     ids_file, out_file = tmp_path / "ids.bin", tmp_path / "logits.bin"
     ids_file.write_bytes(np.asarray(ids, dtype="<i4").tobytes())
     proc = subprocess.run([build_tool("memra_forward_tool"), str(model_dir), str(ids_file), str(out_file),
@@ -60,4 +60,5 @@ def decoded_ids(stdout):
 
 def rel_err(a, ref):
     """max |a - ref| / max |ref|: the relative logit error every model comparison reports."""
+    import numpy as np
     return float(np.abs(a - ref).max() / np.abs(ref).max())
