@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 #include <httplib.h>
+#include <sys/socket.h>
 
 namespace memra::serve {
 namespace {
@@ -17,6 +18,7 @@ using std::chrono::milliseconds;
 constexpr milliseconds kPoll{20};                // how often a waiting response checks its socket
 constexpr std::chrono::seconds kSsePing{15};      // a comment line keeps idle streams (long prefills) alive
 constexpr size_t kMaxBody = size_t{64} << 20;     // request bodies
+constexpr int kListenBacklog = 4096;              // pending connections the kernel queues for accept
 
 void send_error(httplib::Response &res, const ApiError &e) {
     res.status = e.status;
@@ -242,6 +244,13 @@ HttpServer::HttpServer(const ServerOptions &options)
     http_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
     http_->set_payload_max_length(kMaxBody);
     http_->set_default_headers({{"Access-Control-Allow-Origin", "*"}});
+    // SO_REUSEADDR (a restart binds while old connections linger) but not httplib's default SO_REUSEPORT, which
+    // would let a second server bind the same port and split its traffic; the socket is kept to raise the backlog.
+    http_->set_socket_options([this](socket_t sock) {
+        const int yes = 1;
+        setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+        listen_fd_ = sock;
+    });
     routes();
 }
 
@@ -257,6 +266,13 @@ Result<void> HttpServer::bind() {
                               options_.host, options_.port);
         }
         port_ = options_.port;
+    }
+    // httplib listens with a backlog of 5: a burst of clients (hundreds of streams opened at once) overflows it,
+    // and connections the kernel cannot queue are dropped or reset. listen() again sets the backlog (the kernel
+    // caps it at net.core.somaxconn).
+    if (::listen(listen_fd_, kListenBacklog) != 0) {
+        return make_error("serve: cannot set the listen backlog of {}:{} to {}", options_.host, port_,
+                          kListenBacklog);
     }
     return {};
 }

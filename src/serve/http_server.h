@@ -54,6 +54,7 @@ private:
     ServerOptions options_;
     std::unique_ptr<httplib::Server> http_;
     int port_ = 0;
+    int listen_fd_ = -1;  // the socket bind() listens on (httplib's own backlog of 5 is raised on it)
     std::atomic<Scheduler *> scheduler_{nullptr};
     ModelInfo model_;
     Metrics *metrics_ = nullptr;

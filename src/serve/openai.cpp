@@ -328,7 +328,13 @@ tl::expected<ParsedRequest, ApiError> parse_request(Endpoint endpoint, std::stri
         if (!ids->is_array()) return wrong_type("stop_token_ids", "an array of token ids", *ids);
         for (const Json &id : *ids) {
             if (!id.is_number_integer()) return wrong_type("stop_token_ids", "an array of token ids", id);
-            g.stop_ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+            const int64_t value = id.get<int64_t>();
+            if (value < 0 || value >= model.tokenizer->n_tokens()) {
+                return bad_request(fmt::format("stop_token_ids: token id {} is outside the vocabulary of {}", value,
+                                               model.tokenizer->n_tokens()),
+                                   "stop_token_ids");
+            }
+            g.stop_ids.push_back(static_cast<int32_t>(value));
         }
     }
     MEMRA_TRY(ignore_eos, f.boolean("ignore_eos"));

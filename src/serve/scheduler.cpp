@@ -131,6 +131,12 @@ tl::expected<std::shared_ptr<RequestState>, SubmitError> Scheduler::submit(Gener
                           fmt::format("prompt: token id {} is outside the model's vocabulary of {}", id, vocab));
         }
     }
+    for (const int32_t id : request.stop_ids) {
+        if (id < 0 || id >= vocab) {
+            return refuse(Refusal::kInvalid,
+                          fmt::format("stop_token_ids: token id {} is outside the model's vocabulary of {}", id, vocab));
+        }
+    }
     const int64_t context = max_context();
     if (n_prompt >= context) {
         return refuse(Refusal::kInvalid,

@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -288,6 +289,20 @@ def test_many_concurrent_streams(server):
         texts = list(pool.map(stream, range(256)))
     for i, t in enumerate(texts):
         assert t == solo[prompts[i % 8]]
+
+
+def test_the_listening_socket_queues_bursts_and_owns_its_port(server):
+    """The backlog holds a burst of clients (httplib's own is 5: 256 clients at once overflowed it and some were
+    reset), and a second server on the same port is refused instead of sharing it (no SO_REUSEPORT)."""
+    if shutil.which("ss"):  # iproute2: scripts/setup.sh installs it; the GPU host may lack it
+        somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+        listing = subprocess.run(["ss", "-Hltn", f"sport = :{server.port}"], capture_output=True, text=True,
+                                 check=True).stdout.split()
+        assert listing[0] == "LISTEN" and int(listing[2]) == min(4096, somaxconn), listing
+    second = subprocess.run([memra_exe(), "serve", "--port", str(server.port), "--device", DEVICE, "-c", "8192"],
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{server.port}" in second.stderr, second.stderr
 
 
 def cancelled(server):

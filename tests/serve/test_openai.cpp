@@ -129,6 +129,10 @@ TEST(OpenAiRequest, RefusalsNameTheFieldTheExpectationAndTheValue) {
                    "best_of: only best_of = n is supported (every choice is returned)", "best_of");
     expect_refused(completion({{"prompt", {0, 999999}}}), 400, "prompt: token id 999999 is outside the vocabulary of 1024",
                    "prompt");
+    expect_refused(completion({{"prompt", "x"}, {"stop_token_ids", {2, 1024}}}), 400,
+                   "stop_token_ids: token id 1024 is outside the vocabulary of 1024", "stop_token_ids");
+    expect_refused(completion({{"prompt", "x"}, {"stop_token_ids", {int64_t{1} << 40}}}), 400,
+                   "stop_token_ids: token id 1099511627776 is outside the vocabulary of 1024", "stop_token_ids");
     expect_refused(completion(Json::object()), 400, "prompt: required", "prompt");
     expect_refused(completion({{"prompt", "x"}, {"model", "gpt-4"}}), 404,
                    "The model `gpt-4` does not exist; this server serves `default`", "model", "model_not_found");

@@ -386,6 +386,9 @@ TEST(Scheduler, RefusalsNameTheFieldAndTheCounts) {
     GenerationRequest bad_id = greedy("x", 4);
     bad_id.prompt.push_back(1 << 20);
     refused(bad_id, Refusal::kInvalid, "outside the model's vocabulary");
+    GenerationRequest bad_stop_id = greedy("x", 4);
+    bad_stop_id.stop_ids = {2, -1};
+    refused(bad_stop_id, Refusal::kInvalid, "stop_token_ids: token id -1 is outside the model's vocabulary");
     GenerationRequest bad_temp = greedy("x", 4);
     bad_temp.sampling.temperature = -1.0f;
     refused(bad_temp, Refusal::kInvalid, "temperature");
