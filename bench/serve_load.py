@@ -7,7 +7,8 @@ dataset does) go to /v1/completions as streams of --output-len tokens (ignore_eo
 arriving at --request-rate per second (inf: all at once). Each stream asks for logprobs 0, so every chunk says how
 many tokens it carries: TTFT is the time to the first token, ITL the gap before each later chunk divided among
 its tokens, TPOT (e2e - TTFT) / (tokens - 1). --cancel-fraction of the requests hang up after their first token
-(cancellations under load); they count as cancelled, not as successful.
+(cancellations under load); they count as cancelled, not as successful. --prefix-len P puts the same P random
+ids before every prompt (vLLM's --random-prefix-len), the workload a prefix cache serves.
 
     python3 bench/serve_load.py --url http://127.0.0.1:8080 --num-prompts 200 --max-concurrency 32
 """
@@ -88,6 +89,7 @@ def main():
     ap.add_argument("--max-concurrency", type=int, default=32)
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="arrivals per second (inf: all at once)")
     ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--prefix-len", type=int, default=0, help="random ids every prompt starts with (shared)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--id-low", type=int, default=300, help="random prompt ids are drawn from [low, high)")
     ap.add_argument("--id-high", type=int, default=1000)
@@ -97,7 +99,8 @@ def main():
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(args.id_low, args.id_high) for _ in range(args.input_len)]
+    prefix = [rng.randrange(args.id_low, args.id_high) for _ in range(args.prefix_len)]
+    prompts = [prefix + [rng.randrange(args.id_low, args.id_high) for _ in range(args.input_len)]
                for _ in range(args.num_prompts)]
     cancels = [rng.random() < args.cancel_fraction for _ in range(args.num_prompts)]
     gaps = [rng.expovariate(args.request_rate) if args.request_rate != float("inf") else 0.0
@@ -123,7 +126,7 @@ def main():
     failed = [r for r in results if r and "error" in r]
     cancelled = [r for r in results if r and r.get("cancelled")]
     out_tokens = sum(r["tokens"] for r in ok)
-    in_tokens = args.input_len * len(ok)
+    in_tokens = (args.prefix_len + args.input_len) * len(ok)
     ttft = [r["ttft"] * 1000 for r in ok]
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) * 1000 for r in ok if r["tokens"] > 1]
     itl = [x * 1000 for r in ok for x in r["itl"]]
@@ -138,7 +141,8 @@ def main():
         "p99_tpot_ms": percentile(tpot, 99),
         "mean_itl_ms": statistics.fmean(itl) if itl else float("nan"), "median_itl_ms": percentile(itl, 50),
         "p99_itl_ms": percentile(itl, 99),
-        "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
+        "max_concurrency": args.max_concurrency, "input_len": args.input_len, "prefix_len": args.prefix_len,
+        "output_len": args.output_len,
     }
     w = 40
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))

@@ -1,9 +1,9 @@
 // libFuzzer target for serve/openai.cpp: the request bodies of /v1/completions and /v1/chat/completions. The
 // first input byte picks the endpoint, the rest is the body. Parsing (JSON, every field's type and range, the
 // chat template over the messages, tokenization) must end in a parsed request or an API error with a 400 or 404
-// status, never a crash, a hang or an exception; an accepted request must hold only token ids of the vocabulary
-// and prompts that leave room to generate. The tokenizer and chat template are the embedded default model's
-// (fuzz.sh runs from the repository root).
+// status, never a crash, a hang or an exception; an accepted request must hold only token ids of the vocabulary,
+// prompts that leave room to generate and a logit bias the sampler accepts. The tokenizer and chat template are
+// the embedded default model's (fuzz.sh runs from the repository root).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/sampling.h"
 #include "serve/openai.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -65,5 +66,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             if (id < 0 || id >= s.tok.n_tokens()) std::abort();
         }
     }
+    if (!memra::validate_logit_bias(parsed->generation.logit_bias, s.tok.n_tokens())) std::abort();
     return 0;
 }

@@ -80,21 +80,48 @@ if python3 -m venv --system-site-packages "$tmp/venv" >"$out/serve_venv.log" 2>&
         tests/oracle/test_serve.py >"$out/serve_tests.log" 2>&1
     serve_rc=$?
 fi
-$memra serve "$release" --device cuda --port 0 -c 65536 >/dev/null 2>"$out/serve_release.log" &
-serve_pid=$!
-port=""
-for _ in $(seq 600); do
-    port=$(sed -n 's/.*listening on http:\/\/[^:]*:\([0-9]*\).*/\1/p' "$out/serve_release.log")
-    [ -n "$port" ] && break
-    sleep 0.2
-done
-if [ -n "$port" ]; then
-    timeout 240 python3 bench/serve_load.py --url "http://127.0.0.1:$port" --num-prompts 256 --max-concurrency 64 \
-        --input-len 512 --output-len 128 --id-low 266 --id-high 700 >"$out/serve_load.txt" 2>&1
-fi
-kill -INT $serve_pid 2>/dev/null
-wait $serve_pid
+# Starts `memra serve MODEL FLAGS...` in the background (log: $out/serve_TAG.log) and waits for its port.
+serve_start() {
+    local tag=$1
+    shift
+    $memra serve "$@" --device cuda --port 0 >/dev/null 2>"$out/serve_$tag.log" &
+    serve_pid=$!
+    port=""
+    for _ in $(seq 600); do
+        port=$(sed -n 's/.*listening on http:\/\/[^:]*:\([0-9]*\).*/\1/p' "$out/serve_$tag.log")
+        [ -n "$port" ] && break
+        sleep 0.2
+    done
+}
+load() {  # load TAG ARGS...: bench/serve_load.py against $port, its report in $out/load_TAG.{txt,json}
+    local tag=$1
+    shift
+    [ -n "$port" ] && timeout 240 python3 bench/serve_load.py --url "http://127.0.0.1:$port" --id-low 266 --id-high 700 \
+        --json "$out/load_$tag.json" "$@" >"$out/load_$tag.txt" 2>&1
+}
+serve_stop() {
+    kill -INT $serve_pid 2>/dev/null
+    wait $serve_pid
+}
+# The release-width preset: 512 unique prompt tokens, then 448 shared + 64 unique (the prefix cache's workload),
+# and the shared workload again on a server without the cache.
+serve_start release "$release" -c 65536
+load random --num-prompts 128 --max-concurrency 64 --input-len 512 --output-len 128
+load prefix --num-prompts 128 --max-concurrency 64 --prefix-len 448 --input-len 64 --output-len 128
+serve_stop
 serve_stop_rc=$?
+serve_start release_nocache "$release" -c 65536 --no-enable-prefix-caching
+load prefix_off --num-prompts 128 --max-concurrency 64 --prefix-len 448 --input-len 64 --output-len 128
+serve_stop
+# MTP speculation on the trained default model (three MTP layers), one stream at a time: drafts 3 against none.
+serve_start spec --spec-draft 3
+load spec3 --num-prompts 8 --max-concurrency 1 --input-len 64 --output-len 256
+python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "http://127.0.0.1:$port/metrics" 2>/dev/null | grep -E "^memra:spec_decode" >"$out/spec_metrics.txt"
+serve_stop
+serve_start nospec
+load spec0 --num-prompts 8 --max-concurrency 1 --input-len 64 --output-len 256
+serve_stop
 # E1 / E3 on Step-3.5-E128 (the release architecture with 128 routed experts: 102.8 GB in the official layout, FP8
 # experts; too large for this disk, so built in device memory from a seed): decode at batch 1 and 32, prefill 512.
 e128_rc=skipped
@@ -200,8 +227,24 @@ EOF
 echo "| bench rc | $bench_rc $bench64_rc, e128 $e128_rc ($((t5 - t4)) s) |"
 echo "| serve tests (rc $serve_rc) | $(tail -1 "$out/serve_tests.log" 2>/dev/null) |"
 echo "| serve release (stop rc $serve_stop_rc) | $(grep -E 'KV cache|stopped' "$out/serve_release.log" | tr '\n' ' ' | cut -c1-300) |"
-grep -E "^(Successful|Failed|Benchmark duration|Output token|Total Token|Mean TTFT|P99 TTFT|Mean TPOT|P99 TPOT|Mean ITL|P99 ITL)" \
-    "$out/serve_load.txt" 2>/dev/null | sed 's/^\(.*[^ ]\)  *\([^ ]*\) *$/| serve load | \1 \2 |/' 
+python3 - "$out" <<'EOF' 2>/dev/null
+import json, os, sys
+for tag, what in [("random", "release, 512 unique in, 128 out, 64 at a time"),
+                  ("prefix", "release, 448 shared + 64 unique in, prefix cache on"),
+                  ("prefix_off", "release, 448 shared + 64 unique in, prefix cache off"),
+                  ("spec3", "default model, 1 at a time, 256 out, --spec-draft 3"),
+                  ("spec0", "default model, 1 at a time, 256 out, no drafts")]:
+    try:
+        r = json.load(open(os.path.join(sys.argv[1], f"load_{tag}.json")))
+    except OSError:
+        print(f"| serve load {tag} | no result |")
+        continue
+    print(f"| serve load {tag} ({what}) | {r['successful_requests']} ok, {r['failed_requests']} failed; "
+          f"{r['output_throughput']:.0f} out tok/s, {r['total_token_throughput']:.0f} total; TTFT mean "
+          f"{r['mean_ttft_ms']:.0f} P99 {r['p99_ttft_ms']:.0f} ms; TPOT mean {r['mean_tpot_ms']:.1f} P99 "
+          f"{r['p99_tpot_ms']:.1f} ms |")
+EOF
+echo "| serve spec metrics | $(tr '\n' ' ' <"$out/spec_metrics.txt" 2>/dev/null) |"
 grep -h -m3 -E "synthetic|generated|GB/s" "$out/bench_e128.log" | sed 's/^/| e128 load | /; s/$/ |/'
 if [ "${MEMRA_GPU_CPU:-0}" = 1 ]; then
     echo "| ctest unit | $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) |"

@@ -291,8 +291,11 @@ public:
     // Samples one token per row (core/sampling.h: penalties, temperature, top-k / top-p / min-p, Gumbel-max
     // keyed by (seed, choice, position)), over the ids [0, n_valid) only, and the log-probabilities a row asks
     // for: out[i] = the SampledToken of rows[i]. logits: [L, vocab] f32; rows: [n] SampleRow as kU8 bytes;
-    // history: i32 tokens the rows' penalty windows index; out: [n] SampledToken as kU8 bytes.
-    virtual void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) = 0;
+    // history: i32 tokens the rows' penalty windows index; bias: LogitBias entries as kU8 bytes, the rows'
+    // logit biases index (each row's range sorted by id, ids unique; applied before the penalties, the
+    // log-probabilities unbiased); out: [n] SampledToken as kU8 bytes.
+    virtual void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView bias,
+                        TensorView out) = 0;
 
     // ---- Step recording ----
 

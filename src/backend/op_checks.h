@@ -230,9 +230,12 @@ inline void join_col_shards(const TensorView &shards, const TensorView &out) {
 }
 
 // Returns the number of rows to sample; workspace_vocab: the ids prepare_sampling sized for (0: not called).
-inline int64_t sample(const TensorView &logits, int32_t n_valid, const TensorView &rows, const TensorView &out,
-                      int32_t workspace_vocab) {
+inline int64_t sample(const TensorView &logits, int32_t n_valid, const TensorView &rows, const TensorView &bias,
+                      const TensorView &out, int32_t workspace_vocab) {
     MEMRA_CHECK(workspace_vocab > 0, "sample: prepare_sampling was not called");
+    MEMRA_CHECK(bias.dtype == DType::kU8 && bias.n_bytes() % sizeof(LogitBias) == 0,
+                "sample: bias of {} {} bytes, expected kU8 LogitBias records of {} bytes", bias.n_bytes(),
+                dtype_name(bias.dtype), sizeof(LogitBias));
     MEMRA_CHECK(rows.dtype == DType::kU8 && out.dtype == DType::kU8 && rows.n_bytes() % sizeof(SampleRow) == 0 &&
                     out.n_bytes() == rows.n_bytes() / sizeof(SampleRow) * sizeof(SampledToken),
                 "sample: {} row bytes, {} out bytes", rows.n_bytes(), out.n_bytes());

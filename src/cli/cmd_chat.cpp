@@ -39,6 +39,7 @@ struct ChatOptions {
     int threads = 1;
     Numerics numerics = Numerics::kDevice;
     DeviceChoice device = DeviceChoice::kAuto;
+    bool prefix_cache = true;  // each turn reuses the conversation so far
 };
 
 // How a turn is shown: a terminal gets the reasoning dim, a pipe gets it between tags.
@@ -89,6 +90,7 @@ int chat_main(const ChatOptions &opt) {
     eo.v_format = in->v_format;
     eo.ctx_size = opt.ctx_size;
     eo.step_rows = opt.step_rows;
+    eo.prefix_cache = opt.prefix_cache;
     eo.sample_vocab = std::min(cfg.vocab_size, tok->n_tokens());
     auto device = resolve_device(opt.device, opt.numerics);
     if (!device) return report_error(device.error().message);
@@ -192,6 +194,7 @@ Command add_chat_command(CLI::App &app) {
         ->capture_default_str();
     add_sampling_options(*sub, opt->sampling);
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
+    add_prefix_cache_option(*sub, opt->prefix_cache);
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     add_threads_option(*sub, opt->threads);
     add_numerics_option(*sub, opt->numerics);

@@ -45,6 +45,9 @@ struct ServeOptions {
     std::string kv_v = "bf16";
     int threads = 1;
     int tp = 1;
+    bool prefix_cache = true;
+    int spec_draft = 0;  // off by default: sequences with MTP streams do not use the prefix cache
+    const CLI::Option *spec_option = nullptr;
     Numerics numerics = Numerics::kDevice;
     DeviceChoice device = DeviceChoice::kAuto;
 };
@@ -81,11 +84,14 @@ int serve_main(const ServeOptions &opt) {
     eo.ctx_size = opt.ctx_size;
     eo.sample_vocab = std::min(cfg.vocab_size, tok->n_tokens());
     eo.tp = opt.tp;
+    eo.prefix_cache = opt.prefix_cache;
     auto device = resolve_device(opt.device, opt.numerics);
     if (!device) return fail(device.error().message);
     const int on_gpu = *device == Device::kCuda ? 1 : 0;
     eo.max_seqs = opt.max_seqs > 0 ? opt.max_seqs : kServeSeqs[on_gpu];
     eo.step_rows = opt.step_rows > 0 ? opt.step_rows : kServeStepRows[on_gpu];
+    auto spec = enable_speculation(eo, cfg, opt.spec_draft, opt.spec_option->count() > 0);
+    if (!spec) return fail(spec.error().message);
     auto loaded = load_engine(in->dir, cfg, eo, BackendChoice{*device, opt.threads, opt.numerics});
     if (!loaded) return fail(loaded.error().message);
     runtime::Engine &engine = *loaded->engine;
@@ -112,6 +118,9 @@ int serve_main(const ServeOptions &opt) {
     std::fprintf(stderr, "serve: model %s (%s, %s, tp %d), served as \"%s\"\n", in->name.c_str(),
                  device_name(*device), opt.numerics == Numerics::kDevice ? "device numerics" : "exact numerics", opt.tp,
                  name.c_str());
+    std::fprintf(stderr, "serve: prefix cache %s; speculation %s\n", eo.prefix_cache ? "on" : "off",
+                 *spec > 0 ? fmt::format("{} MTP drafts per decode step (no prefix cache for its sequences)", *spec).c_str()
+                           : "off");
     std::fprintf(stderr, "serve: chat template: %s\n",
                  *chat_template ? template_origin.c_str() : "none (chat completions refused)");
     std::fprintf(stderr,
@@ -131,8 +140,12 @@ int serve_main(const ServeOptions &opt) {
     server.stop();
     http.join();
     if (auto pages = scheduler.check_pages(); !pages) return report_error(pages.error().message);
+    // Every page is free once the prefix cache lets go of its blocks.
+    const int64_t cached = engine.prefix_cache().entries();
+    engine.clear_prefix_cache();
     const kv::PagePool &full = engine.page_pool(kv::PoolKind::kFull);
-    std::fprintf(stderr, "serve: stopped; %d of %d KV pages free\n", full.n_free(), full.n_pages());
+    std::fprintf(stderr, "serve: stopped; %d of %d KV pages free (%lld cached blocks dropped)\n", full.n_free(),
+                 full.n_pages(), static_cast<long long>(cached));
     return full.n_free() == full.n_pages() ? kExitOk : kExitInvalidInput;
 }
 
@@ -193,6 +206,8 @@ Command add_serve_command(CLI::App &app) {
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_threads_option(*sub, opt->threads);
     add_tp_option(*sub, opt->tp);
+    add_prefix_cache_option(*sub, opt->prefix_cache);
+    opt->spec_option = add_spec_draft_option(*sub, opt->spec_draft, 0);
     add_numerics_option(*sub, opt->numerics);
     add_device_option(*sub, opt->device);
     return {sub, [opt]() { return serve_main(*opt); }};

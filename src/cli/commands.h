@@ -104,6 +104,8 @@ bool cuda_available();
 Result<Device> resolve_device(DeviceChoice choice, Numerics numerics);
 inline const char *device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 void add_tp_option(CLI::App &sub, int &tp);
+// --enable-prefix-caching / --no-enable-prefix-caching (vLLM's names): reuse the KV pages of a cached prompt prefix.
+void add_prefix_cache_option(CLI::App &sub, bool &prefix_cache);
 // The two formats those options name; the error names the option ("--kv-k: ...").
 Result<std::pair<KvFormat, KvFormat>> parse_kv_format_options(const std::string &kv_k,
                                                                        const std::string &kv_v);
@@ -201,7 +203,7 @@ void add_engine_size_options(CLI::App &sub, int64_t &ctx_size, int64_t &step_row
 // The drafts per step `run` makes by default on a model with MTP layers: see README "Speculative decoding" for
 // the measurement behind it.
 inline constexpr int kDefaultSpecDraft = 1;
-// Speculative decoding (run, bench): --spec-draft K, the drafts the MTP layers make per decode step (0: off).
+// Speculative decoding (run, bench, serve): --spec-draft K, the drafts the MTP layers make per decode step (0: off).
 CLI::Option *add_spec_draft_option(CLI::App &sub, int &spec_draft, int default_draft);
 // Gives the engine the MTP layers K drafts need (K = 0: none) and returns the K it runs. K asked for (`given`:
 // the flag or its variable was set) and more than the model's MTP layers is refused, naming the flag, K and the

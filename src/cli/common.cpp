@@ -174,6 +174,13 @@ void add_tp_option(CLI::App &sub, int &tp) {
         ->capture_default_str();
 }
 
+void add_prefix_cache_option(CLI::App &sub, bool &prefix_cache) {
+    sub.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", prefix_cache,
+                 "Reuse the KV rows of a prompt's cached prefix (whole 64-token blocks committed by earlier requests; "
+                 "the output does not change). On by default")
+        ->envname("MEMRA_PREFIX_CACHING");
+}
+
 CLI::Option *add_spec_draft_option(CLI::App &sub, int &spec_draft, int default_draft) {
     spec_draft = default_draft;
     return sub.add_option("--spec-draft,--draft", spec_draft,

@@ -42,6 +42,27 @@ Result<void> validate_sampling_params(const SamplingParams &p) {
     return {};
 }
 
+Result<void> validate_logit_bias(std::span<const LogitBias> bias, int32_t vocab) {
+    if (bias.size() > static_cast<size_t>(kMaxLogitBias)) {
+        return make_error("logit_bias: expected at most {} entries, found {}", kMaxLogitBias, bias.size());
+    }
+    for (size_t i = 0; i < bias.size(); ++i) {
+        const LogitBias &b = bias[i];
+        if (b.id < 0 || b.id >= vocab) {
+            return make_error("logit_bias[{}].id: expected a token id in [0, {}), found {}", i, vocab, b.id);
+        }
+        if (i > 0 && b.id <= bias[i - 1].id) {
+            return make_error("logit_bias[{}].id: expected ids sorted ascending and unique, found {} after {}", i, b.id,
+                              bias[i - 1].id);
+        }
+        if (!std::isfinite(b.value) || b.value < -kMaxLogitBiasValue || b.value > kMaxLogitBiasValue) {
+            return make_error("logit_bias[{}].value: expected a finite value in [{}, {}], found {}", i,
+                              -kMaxLogitBiasValue, kMaxLogitBiasValue, b.value);
+        }
+    }
+    return {};
+}
+
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
     philox4x32_10_words(c.data(), k[0], k[1]);
     return c;
@@ -78,12 +99,21 @@ void Sampler::set_params(const SamplingParams &params) {
     params_ = params;
 }
 
-void Sampler::apply_penalties(std::span<const float> logits, std::span<const int32_t> context) {
+void Sampler::apply_penalties(std::span<const float> logits, std::span<const int32_t> context,
+                              std::span<const LogitBias> bias) {
     MEMRA_CHECK(!logits.empty() && static_cast<int64_t>(logits.size()) <= vocab_size_,
                 "logits: expected 1 .. {} values, found {}", vocab_size_, logits.size());
     n_ = static_cast<int32_t>(logits.size());
     const float kNegInf = -std::numeric_limits<float>::infinity();
     for (size_t i = 0; i < logits.size(); ++i) work_[i] = logits[i] != logits[i] ? kNegInf : logits[i];
+    // The bias first (one float add per entry; a token outside the sampled ids has no logit to bias).
+    if (!bias.empty()) {
+        auto ok = validate_logit_bias(bias, vocab_size_);
+        MEMRA_CHECK(ok.has_value(), "sampler: {}", ok ? "" : ok.error().message);
+        for (const LogitBias &b : bias) {
+            if (b.id < n_) work_[static_cast<size_t>(b.id)] = work_[static_cast<size_t>(b.id)] + b.value;
+        }
+    }
 
     const SamplingParams &p = params_;
     const auto window = static_cast<size_t>(p.penalty_context(static_cast<int64_t>(context.size())));
@@ -123,8 +153,9 @@ bool Sampler::before(int32_t a, int32_t b) const {
     return sa > sb || (sa == sb && a < b);
 }
 
-std::span<const int32_t> Sampler::candidates(std::span<const float> logits, std::span<const int32_t> context) {
-    apply_penalties(logits, context);
+std::span<const int32_t> Sampler::candidates(std::span<const float> logits, std::span<const int32_t> context,
+                                             std::span<const LogitBias> bias) {
+    apply_penalties(logits, context, bias);
     const SamplingParams &p = params_;
     if (p.temperature == 0.0f) {
         order_[0] = greedy();
@@ -178,9 +209,9 @@ std::span<const int32_t> Sampler::candidates(std::span<const float> logits, std:
 }
 
 int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> context, uint64_t choice,
-                        int64_t position) {
+                        int64_t position, std::span<const LogitBias> bias) {
     MEMRA_CHECK(position >= 0 && position <= int64_t{0xffffffff}, "position {} outside [0, 2^32)", position);
-    const std::span<const int32_t> kept = candidates(logits, context);
+    const std::span<const int32_t> kept = candidates(logits, context, bias);
     if (kept.size() == 1) return kept[0];
     // Gumbel-max over the survivors: argmax(score + G) is a draw from softmax(score) restricted to them.
     const float top = score_[static_cast<size_t>(kept[0])];

@@ -20,6 +20,11 @@ namespace memra {
 // Refuses values outside SamplingParams' ranges (core/sampling_hd.h), naming the field, the range and the value found.
 Result<void> validate_sampling_params(const SamplingParams &params);
 
+// Refuses a logit bias list that is not sorted by id with unique ids in [0, vocab), at most kMaxLogitBias
+// entries, values finite in [-kMaxLogitBiasValue, kMaxLogitBiasValue], naming the entry, the expectation and the
+// value found. Allocates nothing when the list is valid.
+Result<void> validate_logit_bias(std::span<const LogitBias> bias, int32_t vocab);
+
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC11): 10 rounds of the
 // 4x32 multiply-xor bijection over a 128-bit counter under a 64-bit key.
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
@@ -50,14 +55,18 @@ public:
     // may be sampled: a model's padding rows past the tokenizer's ids are left out; NaN counts as -Inf);
     // context: the sequence's tokens so far, prompt included (ids in [0, vocab_size)), for the penalties;
     // position: where the sampled token will sit, which with the choice index and the seed selects the
-    // random stream. If every logit is -Inf the lowest id is returned.
+    // random stream; bias: the sequence's logit bias (step 0; MEMRA_CHECK: validate_logit_bias accepts it for
+    // vocab_size; entries with ids >= n have no logit and are skipped). If every logit is -Inf the lowest id is
+    // returned.
     int32_t sample(std::span<const float> logits, std::span<const int32_t> context, uint64_t choice,
-                   int64_t position);
+                   int64_t position, std::span<const LogitBias> bias = {});
 
-    // Steps 1-5 alone: the ids that survive the filters, in descending probability (ties: lower id first).
+    // Steps 0-5 alone: the ids that survive the filters, in descending probability (ties: lower id first).
     // At temperature 0, just the greedy token. Valid until the next call.
-    std::span<const int32_t> candidates(std::span<const float> logits, std::span<const int32_t> context);
-    // After candidates() or sample(): every token's logit after the penalties (step 1), [n] of that call.
+    std::span<const int32_t> candidates(std::span<const float> logits, std::span<const int32_t> context,
+                                        std::span<const LogitBias> bias = {});
+    // After candidates() or sample(): every token's logit after the bias and the penalties (steps 0 and 1), [n]
+    // of that call.
     std::span<const float> penalized_logits() const { return {work_.data(), static_cast<size_t>(n_)}; }
 
     const SamplingParams &params() const { return params_; }
@@ -65,7 +74,8 @@ public:
 
 private:
     Sampler() = default;
-    void apply_penalties(std::span<const float> logits, std::span<const int32_t> context);
+    void apply_penalties(std::span<const float> logits, std::span<const int32_t> context,
+                         std::span<const LogitBias> bias);
     int32_t greedy() const;
     bool before(int32_t a, int32_t b) const;  // descending score, ties to the lower id
 

@@ -12,6 +12,8 @@
 namespace memra {
 
 // The filter chain, in this order (each step sees the previous step's output):
+//   0. the logit bias (LogitBias below, OpenAI's logit_bias): logit[id] + value for each entry of the
+//      sequence's list (-100 all but bans a token, +100 all but forces it);
 //   1. penalties over the last penalty_last_n context tokens (llama.cpp semantics): a logit l of a token seen
 //      c > 0 times becomes (l > 0 ? l / repetition_penalty : l * repetition_penalty)
 //      - c * frequency_penalty - presence_penalty;
@@ -134,6 +136,18 @@ struct TokenLogprobs {
     float top_logprobs[kMaxTopLogprobs] = {};
 };
 
+// Most entries of a sequence's logit bias, and the largest magnitude of a value (OpenAI's range).
+inline constexpr int32_t kMaxLogitBias = 1024;
+inline constexpr float kMaxLogitBiasValue = 100.0f;
+
+// One entry of a logit bias: logit[id] + value before the penalties (step 0 above). A list is sorted by id,
+// ids unique, in [0, vocab), values finite in [-kMaxLogitBiasValue, kMaxLogitBiasValue]
+// (validate_logit_bias, core/sampling.h). The log-probabilities stay those of the raw logits.
+struct LogitBias {
+    int32_t id = 0;
+    float value = 0.0f;
+};
+
 // One row a sampling op draws from, as the engine writes it into a step's tables (plain bytes, the same on
 // host and device).
 struct SampleRow {
@@ -143,6 +157,8 @@ struct SampleRow {
     int32_t logit_row = 0;     // the row of the logits buffer
     int32_t history_begin = 0;  // the penalty context: history[history_begin, + history_len)
     int32_t history_len = 0;
+    int32_t bias_begin = 0;     // the logit bias: bias[bias_begin, + bias_len) (LogitBias, sorted unique ids)
+    int32_t bias_len = 0;
     int32_t top_logprobs = -1;  // -1: no log-probabilities; 0 .. kMaxTopLogprobs alternatives
 };
 

@@ -24,11 +24,19 @@ int64_t block_of(int64_t position) { return position / kKvPageRows; }
 
 const char *pool_kind_name(PoolKind kind) { return kind == PoolKind::kFull ? "full" : "sliding"; }
 
+int64_t window_first_block(int64_t position, int64_t window) {
+    if (window < 1) return 0;
+    return std::max<int64_t>(0, position - window + 1) / kKvPageRows;
+}
+
 // ---- PagePool ----
 
 PagePool::PagePool(int32_t n_pages) {
     MEMRA_CHECK(n_pages >= 0, "page pool of {} pages", n_pages);
     refs_.assign(static_cast<size_t>(n_pages), 0);
+    cached_.assign(static_cast<size_t>(n_pages), 0);
+    lru_prev_.assign(static_cast<size_t>(n_pages), -1);
+    lru_next_.assign(static_cast<size_t>(n_pages), -1);
     free_.reserve(static_cast<size_t>(n_pages));
     for (int32_t p = n_pages - 1; p >= 0; --p) free_.push_back(p);
 }
@@ -36,6 +44,11 @@ PagePool::PagePool(int32_t n_pages) {
 int32_t PagePool::refcount(int32_t page) const {
     MEMRA_CHECK(page >= 0 && page < n_pages(), "page {} of a pool of {}", page, n_pages());
     return refs_[static_cast<size_t>(page)];
+}
+
+bool PagePool::cached(int32_t page) const {
+    MEMRA_CHECK(page >= 0 && page < n_pages(), "page {} of a pool of {}", page, n_pages());
+    return cached_[static_cast<size_t>(page)] != 0;
 }
 
 std::optional<int32_t> PagePool::alloc() {
@@ -46,9 +59,55 @@ std::optional<int32_t> PagePool::alloc() {
     return page;
 }
 
+void PagePool::retain(int32_t page) {
+    MEMRA_CHECK(refcount(page) > 0 || cached(page), "retain of page {}, which is free", page);
+    if (refs_[static_cast<size_t>(page)]++ == 0) lru_unlink(page);
+}
+
 void PagePool::release(int32_t page) {
-    MEMRA_CHECK(refcount(page) > 0, "release of page {}, which is free", page);
+    MEMRA_CHECK(refcount(page) > 0, "release of page {}, which no table holds", page);
     if (--refs_[static_cast<size_t>(page)] > 0) return;
+    if (cached(page)) {
+        lru_append(page);
+    } else {
+        free_page(page);
+    }
+}
+
+void PagePool::set_cached(int32_t page) {
+    MEMRA_CHECK(refcount(page) > 0 && !cached(page), "page {} cannot be cached (holders {}, cached {})", page,
+                refcount(page), cached(page));
+    cached_[static_cast<size_t>(page)] = 1;
+}
+
+void PagePool::uncache(int32_t page) {
+    MEMRA_CHECK(cached(page), "page {} is not cached", page);
+    cached_[static_cast<size_t>(page)] = 0;
+    if (refs_[static_cast<size_t>(page)] == 0) {
+        lru_unlink(page);
+        free_page(page);
+    }
+}
+
+void PagePool::lru_append(int32_t page) {
+    const auto p = static_cast<size_t>(page);
+    lru_prev_[p] = lru_tail_;
+    lru_next_[p] = -1;
+    (lru_tail_ >= 0 ? lru_next_[static_cast<size_t>(lru_tail_)] : lru_head_) = page;
+    lru_tail_ = page;
+    ++n_evictable_;
+}
+
+void PagePool::lru_unlink(int32_t page) {
+    const auto p = static_cast<size_t>(page);
+    const int32_t prev = lru_prev_[p], next = lru_next_[p];
+    (prev >= 0 ? lru_next_[static_cast<size_t>(prev)] : lru_head_) = next;
+    (next >= 0 ? lru_prev_[static_cast<size_t>(next)] : lru_tail_) = prev;
+    lru_prev_[p] = lru_next_[p] = -1;
+    --n_evictable_;
+}
+
+void PagePool::free_page(int32_t page) {
     // Keep the stack sorted (lowest on top) so that ids stay reproducible; pools are small enough for this.
     auto it = std::lower_bound(free_.begin(), free_.end(), page, std::greater<int32_t>());
     free_.insert(it, page);  // within the reserved capacity: no allocation
@@ -195,7 +254,8 @@ Result<TxnId> SeqKv::begin(std::span<const int64_t> rows, PagePool &full, PagePo
     return TxnId{generation_};
 }
 
-Result<void> SeqKv::commit(const TxnId &txn, std::span<const int64_t> keep, PagePool &full, PagePool &swa) {
+Result<void> SeqKv::commit(const TxnId &txn, std::span<const int64_t> keep, PagePool &full, PagePool &swa,
+                           bool release_window) {
     if (auto ok = check_txn(txn, "commit"); !ok) return ok;
     if (static_cast<int>(keep.size()) != shape_.n_streams) {
         return make_error("KV commit: keep counts for {} streams, the sequence has {}", keep.size(), shape_.n_streams);
@@ -221,7 +281,7 @@ Result<void> SeqKv::commit(const TxnId &txn, std::span<const int64_t> keep, Page
     }
     for (int s = 0; s < shape_.n_streams; ++s) staged_[s] = 0;
     open_ = false;
-    release_out_of_window(swa);
+    if (release_window) release_out_of_window(swa);
     return {};
 }
 
@@ -236,7 +296,7 @@ void SeqKv::release_out_of_window(PagePool &swa) {
         any = true;
     }
     if (!any) return;
-    const int64_t dead_end = (frontier - shape_.window + 1) / kKvPageRows;  // blocks [0, dead_end) are dead
+    const int64_t dead_end = window_first_block(frontier, shape_.window);  // blocks [0, dead_end) are dead
     std::vector<int32_t> &table = tables_[idx(PoolKind::kSwa)];
     for (; swa_released_ < dead_end; ++swa_released_) {
         if (table[static_cast<size_t>(swa_released_)] >= 0) give_back(PoolKind::kSwa, swa_released_, swa);
@@ -259,13 +319,43 @@ void SeqKv::release_all(PagePool &full, PagePool &swa) {
     if (open_) (void)rollback(TxnId{generation_}, full, swa);
     PagePool *pools[2] = {&full, &swa};
     for (const PoolKind kind : {PoolKind::kFull, PoolKind::kSwa}) {
-        std::vector<int32_t> &table = tables_[idx(kind)];
-        for (size_t b = 0; b < table.size(); ++b) {
-            if (table[b] >= 0) give_back(kind, static_cast<int64_t>(b), *pools[idx(kind)]);
+        const std::vector<int32_t> &table = tables_[idx(kind)];
+        for (auto b = static_cast<int64_t>(table.size()) - 1; b >= 0; --b) {
+            if (table[static_cast<size_t>(b)] >= 0) give_back(kind, b, *pools[idx(kind)]);
         }
     }
     for (int s = 0; s < shape_.n_streams; ++s) length_[s] = first(s);
     swa_released_ = 0;
+}
+
+
+void SeqKv::adopt(std::span<const int32_t> full_pages, int64_t swa_first, std::span<const int32_t> swa_pages,
+                  PagePool &full, PagePool &swa) {
+    const auto n = static_cast<int64_t>(full_pages.size());
+    MEMRA_CHECK(shape_.n_streams == 1 && length_[0] == 0 && !open_ && held_[0] == 0 && held_[1] == 0,
+                "KV adopt: the sequence is not fresh ({} streams, {} rows)", shape_.n_streams, length_[0]);
+    MEMRA_CHECK(n * kKvPageRows <= shape_.max_positions, "KV adopt: {} blocks past {} positions", n,
+                shape_.max_positions);
+    const bool sliding = shape_.trunk_sliding;
+    MEMRA_CHECK(!sliding || (swa_first == window_first_block(n * kKvPageRows, shape_.window) &&
+                             static_cast<int64_t>(swa_pages.size()) == n - swa_first),
+                "KV adopt: sliding pages from block {} ({} of them) for {} blocks", swa_first, swa_pages.size(), n);
+    for (int64_t b = 0; b < n; ++b) {
+        if (shape_.trunk_full) {
+            const int32_t page = full_pages[static_cast<size_t>(b)];
+            full.retain(page);
+            tables_[idx(PoolKind::kFull)][static_cast<size_t>(b)] = page;
+            ++held_[idx(PoolKind::kFull)];
+        }
+        if (sliding && b >= swa_first) {
+            const int32_t page = swa_pages[static_cast<size_t>(b - swa_first)];
+            swa.retain(page);
+            tables_[idx(PoolKind::kSwa)][static_cast<size_t>(b)] = page;
+            ++held_[idx(PoolKind::kSwa)];
+        }
+    }
+    length_[0] = n * kKvPageRows;
+    swa_released_ = sliding ? swa_first : 0;
 }
 
 }  // namespace memra::kv

@@ -29,8 +29,11 @@ inline constexpr int kMaxStreams = 4;
 enum class PoolKind { kFull, kSwa };
 const char *pool_kind_name(PoolKind kind);  // "full", "sliding"
 
-// Free list and reference counts of one pool's pages. The lowest free page is handed out first, so the same
-// sequence of calls gives the same page ids (reproducible layouts; correctness never depends on them).
+// Free list, reference counts and prefix-cache marks of one pool's pages. The reference count is the number of
+// block tables holding a page; a page the prefix cache holds (kv/prefix_cache.h) is marked cached instead, and
+// when no table holds it any more it is evictable: not free, but a cached page the pool's owner may take back
+// (PrefixCache::evict) before it runs out. The lowest free page is handed out first, so the same sequence of calls
+// gives the same page ids (reproducible layouts; correctness never depends on them).
 class PagePool {
 public:
     PagePool() = default;
@@ -43,16 +46,39 @@ public:
 
     int32_t n_pages() const { return static_cast<int32_t>(refs_.size()); }
     int32_t n_free() const { return static_cast<int32_t>(free_.size()); }
+    // Cached pages no block table holds.
+    int32_t n_evictable() const { return n_evictable_; }
+    // Pages a step may take: the free ones and the evictable ones.
+    int32_t n_available() const { return n_free() + n_evictable_; }
     int32_t refcount(int32_t page) const;  // MEMRA_CHECK: a page of the pool
+    bool cached(int32_t page) const;
+    bool evictable(int32_t page) const { return cached(page) && refcount(page) == 0; }
+    // The evictable page that became evictable longest ago (-1: none): evictable pages form a list in the order
+    // their last holders let them go.
+    int32_t oldest_evictable() const { return lru_head_; }
 
-    // A free page with reference count 1, or nullopt when none is left.
+    // A free page with reference count 1, or nullopt when none is free.
     std::optional<int32_t> alloc();
-    // Drops one reference (MEMRA_CHECK: the page is held); at 0 the page is free again.
+    // One more holder of a held or cached page (a sequence reusing a cached prefix). MEMRA_CHECK: held or cached.
+    void retain(int32_t page);
+    // Drops one reference (MEMRA_CHECK: the page is held); at 0 the page is free again, or evictable if cached.
     void release(int32_t page);
+    // Marks a held page cached (MEMRA_CHECK: held, not cached), and unmarks a cached one (MEMRA_CHECK: cached):
+    // free again if no table holds it.
+    void set_cached(int32_t page);
+    void uncache(int32_t page);
 
 private:
-    std::vector<int32_t> free_;  // a stack whose top (back) is the lowest free page
-    std::vector<int32_t> refs_;  // [page]
+    void free_page(int32_t page);
+    void lru_append(int32_t page);
+    void lru_unlink(int32_t page);
+
+    std::vector<int32_t> free_;     // a stack whose top (back) is the lowest free page
+    std::vector<int32_t> refs_;     // [page]
+    std::vector<uint8_t> cached_;   // [page]
+    std::vector<int32_t> lru_prev_, lru_next_;  // [page] the evictable list's links, -1 at its ends
+    int32_t lru_head_ = -1, lru_tail_ = -1;
+    int32_t n_evictable_ = 0;
 };
 
 // What the sequences of one engine look like.
@@ -65,6 +91,9 @@ struct SeqKvShape {
 
     int64_t max_blocks() const { return (max_positions + kKvPageRows - 1) / kKvPageRows; }
 };
+
+// The first block a row at `position` reads through a sliding window of `window` positions (0 for window < 1).
+int64_t window_first_block(int64_t position, int64_t window);
 
 // A transaction handle: a plain value, checked against the sequence on every use.
 struct TxnId {
@@ -99,12 +128,25 @@ public:
     // max_positions, a pool out of pages (the message names the pool, the pages needed and the pages free).
     Result<TxnId> begin(std::span<const int64_t> rows, PagePool &full, PagePool &swa);
     // Keeps the first keep[s] staged rows of each stream (0 <= keep[s] <= staged(s)), closes the transaction,
-    // releases the pages that hold no committed row and the sliding pages wholly out of every stream's window.
-    Result<void> commit(const TxnId &txn, std::span<const int64_t> keep, PagePool &full, PagePool &swa);
+    // releases the pages that hold no committed row and, unless release_window is false (the caller publishes the
+    // committed blocks first, then calls release_out_of_window), the sliding pages wholly out of every stream's
+    // window.
+    Result<void> commit(const TxnId &txn, std::span<const int64_t> keep, PagePool &full, PagePool &swa,
+                        bool release_window = true);
+    // Releases the sliding pages wholly below the window of every stream's next row.
+    void release_out_of_window(PagePool &swa);
     // Drops every staged row, gives back the pages the transaction took, closes it.
     Result<void> rollback(const TxnId &txn, PagePool &full, PagePool &swa);
-    // Gives back every page (the sequence ends); an open transaction is rolled back first.
+    // Gives back every page (the sequence ends), the last block first (a cached prefix's tail, the least reusable
+    // part, becomes evictable before its head); an open transaction is rolled back first.
     void release_all(PagePool &full, PagePool &swa);
+    // Takes a cached prefix of n = full.size() whole blocks on a sequence with one stream and no rows: block b gets
+    // full[b] (when the trunk has full layers) and, for b >= swa_first, swa[b - swa_first] (when it has sliding
+    // layers; the blocks below swa_first are out of the window of position 64 n, as if released). Each page gains a
+    // holder; the trunk then has 64 n committed rows. MEMRA_CHECK: a fresh one-stream sequence, no open
+    // transaction, swa_first the first block in the window of position 64 n, n within max_positions.
+    void adopt(std::span<const int32_t> full_pages, int64_t swa_first, std::span<const int32_t> swa_pages,
+               PagePool &full, PagePool &swa);
 
     // The page holding logical block b (positions [64 b, 64 b + 64)) of a pool, -1 for none.
     std::span<const int32_t> block_table(PoolKind kind) const;
@@ -123,7 +165,6 @@ private:
     // taken are appended to added.
     void take_pages(PoolKind kind, int64_t p0, int64_t p1, PagePool &pool);
     void give_back(PoolKind kind, int64_t block, PagePool &pool);
-    void release_out_of_window(PagePool &swa);
 
     SeqKvShape shape_;
     std::vector<int32_t> tables_[2];            // [pool kind][block]

@@ -33,13 +33,20 @@ TensorView table_view(const TensorView &buf, int64_t offset, DType dtype, int64_
 // ---- Sequence ----
 
 Sequence::Sequence(Engine *engine, const kv::SeqKvShape &shape, const SequenceOptions &options)
-    : engine_(engine), kv_(shape), sampling_(options.sampling), choice_(options.choice) {}
+    : engine_(engine), kv_(shape), sampling_(options.sampling), choice_(options.choice),
+      logit_bias_(options.logit_bias) {}
 
 Sequence::~Sequence() { engine_->release(*this); }
 
 Result<void> Sequence::set_sampling(const SamplingParams &params) {
     if (auto ok = validate_sampling_params(params); !ok) return ok;
     sampling_ = params;
+    return {};
+}
+
+Result<void> Sequence::set_logit_bias(std::span<const LogitBias> bias) {
+    if (auto ok = validate_logit_bias(bias, engine_->options_.sample_vocab); !ok) return ok;
+    logit_bias_.assign(bias.begin(), bias.end());
     return {};
 }
 
@@ -54,7 +61,7 @@ struct Engine::Rank {
     TensorView tables;      // [table capacity] kU8: the packed step tables
     TensorView sample_out;  // [max sample rows * sizeof(SampledToken)] kU8
     model::StepTables step;  // this step's views into tables
-    TensorView sample_rows, history;
+    TensorView sample_rows, history, bias;
     int64_t d2h_at_run_end = 0;  // the backend's d2h count when run() returned (counters' d2h_before_finish)
     int64_t d2h_at_plan = 0;     // ... and when plan() began
 };
@@ -77,6 +84,8 @@ int64_t table_capacity(const model::ForwardCapacity &cap, int64_t max_blocks, in
     n += align_up(max_sample_rows * static_cast<int64_t>(sizeof(SampleRow)));
     // Penalty windows: one run of context tokens per sequence (a drafting one's with its draft slots after).
     n += align_up(cap.max_seqs * (max_positions + spec_draft) * 4);
+    // Logit biases: one list per sampling sequence.
+    n += align_up(cap.max_seqs * kMaxLogitBias * static_cast<int64_t>(sizeof(LogitBias)));
     // Draft pairs: per drafting layer and sequence, the trunk row, the later layers' draft rows, the window.
     n += spec_draft * align_up(cap.max_seqs * (2 + spec_draft) * 8);
     return n;
@@ -167,6 +176,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
     }
     e->full_ = kv::PagePool(static_cast<int32_t>(full_pages));
     e->swa_ = kv::PagePool(static_cast<int32_t>(swa_pages));
+    if (o.prefix_cache) {
+        e->prefix_ = kv::PrefixCache(e->seq_shape_, static_cast<int32_t>(full_pages), static_cast<int32_t>(swa_pages));
+    }
 
     if (o.tp > 1) {
         auto group = parallel::InProcessGroup::create(o.tp, o.rank_copy);
@@ -178,6 +190,11 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
         return make_error("engine: the sampling history of {} sequences of {} positions exceeds 2^29 tokens; lower "
                           "the context (-c) or the sequences",
                           o.max_seqs, max_positions);
+    }
+    if (int64_t{o.max_seqs} * kMaxLogitBias > INT32_MAX / 8) {
+        return make_error("engine: the logit biases of {} sequences of up to {} entries exceed 2^28 entries; lower "
+                          "the sequences",
+                          o.max_seqs, kMaxLogitBias);
     }
     const int64_t capacity = table_capacity(e->cap_, blocks, max_sample_rows, max_positions, o.spec_draft);
     for (int r = 0; r < o.tp; ++r) {
@@ -243,6 +260,9 @@ Result<std::unique_ptr<Sequence>> Engine::create_sequence(const SequenceOptions 
                           options_.mtp_layers);
     }
     if (auto ok = validate_sampling_params(options.sampling); !ok) return tl::unexpected(ok.error());
+    if (auto ok = validate_logit_bias(options.logit_bias, options_.sample_vocab); !ok) {
+        return tl::unexpected(ok.error());
+    }
     if (options.mtp_streams > 0 && free_carry_.empty()) {
         return make_error("sequence: the engine carries MTP hidden rows for {} sequences (max_mtp_seqs), all held",
                           options_.max_mtp_seqs > 0 ? options_.max_mtp_seqs : options_.max_seqs);
@@ -256,6 +276,40 @@ Result<std::unique_ptr<Sequence>> Engine::create_sequence(const SequenceOptions 
     }
     live_.push_back(seq.get());
     return seq;
+}
+
+Result<int64_t> Engine::reuse_prefix(Sequence &seq) {
+    if (seq.kv_.length(0) != 0 || seq.kv_.in_txn()) {
+        return make_error("prefix cache: the sequence already has {} rows", seq.kv_.length(0));
+    }
+    if (phase_ != Phase::kIdle && std::find(step_seqs_.begin(), step_seqs_.end(), &seq) != step_seqs_.end()) {
+        return make_error("prefix cache: the sequence is in a planned step");
+    }
+    if (!options_.prefix_cache || seq.n_streams() != 1) return 0;
+    const kv::PrefixCache::Match m = prefix_.match(seq.tokens);
+    if (m.blocks == 0) return 0;
+    seq.kv_.adopt(m.full, m.swa_first, m.swa, full_, swa_);
+    seq.published_ = m.blocks;
+    seq.chain_ = m.chain;
+    return m.blocks * kKvPageRows;
+}
+
+void Engine::clear_prefix_cache() { prefix_.clear(full_, swa_); }
+
+void Engine::publish(Sequence &seq) {
+    const int64_t whole = seq.kv_.length(0) / kKvPageRows;
+    const std::span<const int32_t> full = seq.kv_.block_table(kv::PoolKind::kFull);
+    const std::span<const int32_t> swa = seq.kv_.block_table(kv::PoolKind::kSwa);
+    for (; seq.published_ >= 0 && seq.published_ < whole; ++seq.published_) {
+        const auto b = static_cast<size_t>(seq.published_);
+        const std::span<const int32_t> tokens(seq.tokens.data() + b * kKvPageRows, kKvPageRows);
+        const uint64_t chain = prefix_.publish(seq.chain_, tokens, full[b], swa[b], full_, swa_);
+        if (chain == 0) {
+            seq.published_ = -1;
+            return;
+        }
+        seq.chain_ = chain;
+    }
 }
 
 void Engine::release(Sequence &seq) {
@@ -514,7 +568,12 @@ Result<void> Engine::begin_all(std::span<const StepItem> items) {
         Sequence &s = *items[i].seq;
         int64_t rows[kv::kMaxStreams] = {items[i].rows, 0, 0, 0};
         for (int k = 0; k + 1 < s.n_streams(); ++k) rows[1 + k] = items[i].mtp_rows[k];
-        auto txn = s.kv_.begin(std::span<const int64_t>(rows, static_cast<size_t>(s.n_streams())), full_, swa_);
+        const auto staged = std::span<const int64_t>(rows, static_cast<size_t>(s.n_streams()));
+        // Cached pages no sequence holds make room first, least recently used first.
+        const std::array<int64_t, 2> need = s.kv_.pages_needed(staged);
+        if (need[0] > full_.n_free()) prefix_.evict(kv::PoolKind::kFull, need[0] - full_.n_free(), full_, swa_);
+        if (need[1] > swa_.n_free()) prefix_.evict(kv::PoolKind::kSwa, need[1] - swa_.n_free(), full_, swa_);
+        auto txn = s.kv_.begin(staged, full_, swa_);
         if (!txn) {
             for (size_t j = 0; j < i; ++j) (void)items[j].seq->kv_.rollback(items[j].seq->txn_, full_, swa_);
             return wrap_error(fmt::format("step item {}", i), txn.error());
@@ -602,6 +661,12 @@ void Engine::pack_tables(std::span<const StepItem> items) {
         if (it.sample) history_len_ += window_of(it).second;
     }
     history_offset_ = take(history_len_ * 4);
+    // Logit biases: per sampling item its list once, which its trunk and draft rows all read.
+    bias_len_ = 0;
+    for (const StepItem &it : items) {
+        if (it.sample) bias_len_ += static_cast<int64_t>(it.seq->logit_bias_.size());
+    }
+    bias_offset_ = take(bias_len_ * static_cast<int64_t>(sizeof(LogitBias)));
     for (int k = 0; k < model::kMaxMtp; ++k) {
         pairs_count_[k] = 0;
         for (const StepItem &it : items) {
@@ -622,6 +687,7 @@ void Engine::pack_tables(std::span<const StepItem> items) {
     int64_t group_fill[1 + model::kMaxMtp] = {0, group_end_[0], group_end_[1], group_end_[2]};
     int64_t pair_fill[model::kMaxMtp] = {};
     int64_t history_fill = 0;
+    int64_t bias_fill = 0;
     sample_row_of_item_.assign(static_cast<size_t>(n_items), -1);
     auto *sample_rows = reinterpret_cast<SampleRow *>(host + sample_offset_);
     const auto carry_index = [&](const Sequence &sq, int half, int64_t p) {
@@ -690,6 +756,13 @@ void Engine::pack_tables(std::span<const StepItem> items) {
         const int64_t first_logit = logit_begin_[0][static_cast<size_t>(i)] + logit_count_[0][static_cast<size_t>(i)] -
                                     (1 + it.draft);
         sample_row_of_item_[static_cast<size_t>(i)] = group_fill[0];
+        const auto bias_begin = static_cast<int32_t>(bias_fill);
+        const auto bias_len = static_cast<int32_t>(sq.logit_bias_.size());
+        if (bias_len > 0) {
+            std::memcpy(host + bias_offset_ + bias_fill * static_cast<int64_t>(sizeof(LogitBias)),
+                        sq.logit_bias_.data(), sq.logit_bias_.size() * sizeof(LogitBias));
+            bias_fill += bias_len;
+        }
         for (int64_t j = 0; j <= it.draft; ++j) {
             const int64_t hist = p.penalty_context(ctx0 + j);  // none when the penalties are off
             SampleRow sr;
@@ -699,6 +772,8 @@ void Engine::pack_tables(std::span<const StepItem> items) {
             sr.logit_row = static_cast<int32_t>(first_logit + j);
             sr.history_begin = hist > 0 ? static_cast<int32_t>(history_fill + (ctx0 + j - hist - win0)) : 0;
             sr.history_len = static_cast<int32_t>(hist);
+            sr.bias_begin = bias_begin;
+            sr.bias_len = bias_len;
             sr.top_logprobs = it.top_logprobs;
             std::memcpy(&sample_rows[group_fill[0]++], &sr, sizeof(SampleRow));
         }
@@ -715,6 +790,8 @@ void Engine::pack_tables(std::span<const StepItem> items) {
             sr.choice = sq.choice_;
             sr.position = ctx0 + k;
             sr.logit_row = static_cast<int32_t>(logit_begin_[1 + k][static_cast<size_t>(i)]);
+            sr.bias_begin = bias_begin;  // the trunk's bias: drafts aim at the tokens the trunk will sample
+            sr.bias_len = bias_len;
             const int64_t at = group_fill[1 + k]++;
             std::memcpy(&sample_rows[at], &sr, sizeof(SampleRow));
             sp.draft_row[k] = at;
@@ -758,6 +835,8 @@ void Engine::pack_tables(std::span<const StepItem> items) {
         rk->sample_rows = table_view(rk->tables, sample_offset_, DType::kU8,
                                      n_sample_rows_ * static_cast<int64_t>(sizeof(SampleRow)));
         rk->history = table_view(rk->tables, history_offset_, DType::kI32, history_len_);
+        rk->bias =
+            table_view(rk->tables, bias_offset_, DType::kU8, bias_len_ * static_cast<int64_t>(sizeof(LogitBias)));
     }
 }
 
@@ -793,7 +872,7 @@ Result<void> Engine::run_rank(int rank) {
     const TensorView logits = rk.forward->logits(n_logit_rows_);
     const auto sample_group = [&](int64_t g0, int64_t g1) {
         if (g1 > g0) be.sample(logits, options_.sample_vocab, rk.sample_rows.row_slice(g0 * sz, g1 * sz), rk.history,
-                               rk.sample_out.row_slice(g0 * out_sz, g1 * out_sz));
+                               rk.bias, rk.sample_out.row_slice(g0 * out_sz, g1 * out_sz));
     };
     if (!mtp_first_) {
         if (auto ok = rk.forward->run(rk.step); !ok) return ok;
@@ -846,7 +925,7 @@ void Engine::build_step_key() {
             view(*v);
         }
     }
-    for (const TensorView *v : {&t.bt_full, &t.bt_swa, &rk.sample_rows, &rk.history}) view(*v);
+    for (const TensorView *v : {&t.bt_full, &t.bt_swa, &rk.sample_rows, &rk.history, &rk.bias}) view(*v);
     MEMRA_CHECK(k.size() <= kStepKeyCapacity, "engine: a step key of {} values", k.size());
 }
 
@@ -945,9 +1024,15 @@ Result<void> Engine::finish(std::span<const Keep> keep) {
         }
         const auto kept = std::span<const int64_t>(rows, static_cast<size_t>(s.n_streams()));
         update_carry(i, kept);
-        auto ok = s.kv_.commit(s.txn_, kept, full_, swa_);
+        // Blocks are published before their sliding pages leave the window, so the cache keeps them.
+        const bool publishing = options_.prefix_cache && s.n_streams() == 1;
+        auto ok = s.kv_.commit(s.txn_, kept, full_, swa_, !publishing);
         MEMRA_CHECK(ok.has_value(), "engine: item {}'s checked keep counts were refused: {}", i,
                     ok ? "" : ok.error().message);
+        if (publishing) {
+            publish(s);
+            s.kv_.release_out_of_window(swa_);
+        }
     }
     step_seqs_.clear();
     phase_ = Phase::kIdle;
@@ -1119,25 +1204,32 @@ Result<void> Engine::check_pages() const {
     for (const kv::PoolKind kind : {kv::PoolKind::kFull, kv::PoolKind::kSwa}) {
         const kv::PagePool &pool = page_pool(kind);
         std::vector<int32_t> refs(static_cast<size_t>(pool.n_pages()), 0);
-        int64_t held = 0;
         for (const Sequence *s : live_) {
-            held += s->kv_.pages_held(kind);
+            int64_t held = 0;
             for (const int32_t page : s->kv_.block_table(kind)) {
-                if (page >= 0) ++refs[static_cast<size_t>(page)];
+                if (page < 0) continue;
+                ++refs[static_cast<size_t>(page)];
+                ++held;
+            }
+            if (held != s->kv_.pages_held(kind)) {
+                return make_error("{} KV pool: a sequence counts {} pages, its block table holds {}",
+                                  kv::pool_kind_name(kind), s->kv_.pages_held(kind), held);
             }
         }
-        if (held + pool.n_free() != pool.n_pages()) {
-            return make_error("{} KV pool: {} pages held + {} free != {} pages", kv::pool_kind_name(kind), held,
-                              pool.n_free(), pool.n_pages());
-        }
+        int32_t free = 0, evictable = 0;
         for (int32_t p = 0; p < pool.n_pages(); ++p) {
             if (refs[static_cast<size_t>(p)] != pool.refcount(p)) {
                 return make_error("{} KV pool: page {} has reference count {}, {} block tables hold it",
                                   kv::pool_kind_name(kind), p, pool.refcount(p), refs[static_cast<size_t>(p)]);
             }
+            if (pool.refcount(p) == 0) ++(pool.cached(p) ? evictable : free);
+        }
+        if (free != pool.n_free() || evictable != pool.n_evictable()) {
+            return make_error("{} KV pool: {} pages free and {} evictable, the pool counts {} and {}",
+                              kv::pool_kind_name(kind), free, evictable, pool.n_free(), pool.n_evictable());
         }
     }
-    return {};
+    return prefix_.check(full_, swa_);
 }
 
 StepCounters Engine::counters(int rank) const {
@@ -1171,19 +1263,21 @@ Result<int32_t> feed(Engine &engine, Sequence &seq) {
     }
 }
 
+int64_t draft_limit(const Engine &engine, const Sequence &seq, int64_t draft, int64_t max_new) {
+    const int64_t len0 = seq.length(0);
+    // MTP layer j drafts from its row at position len0 - 1 + j, and has no rows before position j.
+    if (len0 == 0) return 0;
+    return std::max<int64_t>(0, std::min<int64_t>({draft, seq.n_streams() - 1, engine.options().spec_draft,
+                                                   max_new - 1, engine.max_positions() - 1 - len0, len0 + 1}));
+}
+
 Result<Decoded> decode(Engine &engine, Sequence &seq, const DecodeOptions &options) {
     if (seq.pending() != 1) {
         return make_error("decode: the sequence has {} pending tokens, expected 1 (feed the prompt first)",
                           seq.pending());
     }
     if (options.max_new < 1) return make_error("decode: max_new {}, expected >= 1", options.max_new);
-    const int64_t len0 = seq.length(0);
-    // MTP layer j drafts from its row at position len0 - 1 + j, and has no rows before position j.
-    const int64_t draft =
-        len0 == 0 ? 0
-                  : std::max<int64_t>(0, std::min<int64_t>({options.draft, seq.n_streams() - 1,
-                                                            engine.options().spec_draft, options.max_new - 1,
-                                                            engine.max_positions() - 1 - len0, len0 + 1}));
+    const int64_t draft = draft_limit(engine, seq, options.draft, options.max_new);
     StepItem it;
     it.seq = &seq;
     it.rows = 1;

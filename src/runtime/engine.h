@@ -32,6 +32,7 @@
 #include "core/sampling.h"
 #include "io/safetensors.h"
 #include "kv/paged_kv.h"
+#include "kv/prefix_cache.h"
 #include "model/step35_config.h"
 #include "model/step35_forward.h"
 #include "model/step35_model.h"
@@ -63,6 +64,7 @@ struct EngineOptions {
     int max_mtp_seqs = 0;                 // sequences with MTP streams alive at once (each carries its hidden
                                           // rows between steps); 0: max_seqs
     int32_t sample_vocab = 0;             // ids [0, n) may be sampled (the tokenizer's real ids); 0: every id
+    bool prefix_cache = false;            // publish committed whole blocks for reuse (kv/prefix_cache.h)
     BackendFactory make_backend;
     // How tp > 1 ranks exchange their backend buffers (parallel::InProcessGroup::ByteCopy): nullptr for host
     // buffers, cuda::cuda_rank_copy for ranks sharing a GPU.
@@ -84,6 +86,9 @@ struct SequenceOptions {
     int mtp_streams = 0;
     SamplingParams sampling;  // validated here
     uint64_t choice = 0;      // the choice index of the random stream (OpenAI's n: 0, 1, ...)
+    // Added to the logits before the penalties (core/sampling_hd.h LogitBias), for the trunk's samples and the
+    // drafts alike; validated here against the sampled ids (validate_logit_bias with sample_vocab).
+    std::vector<LogitBias> logit_bias;
 };
 
 // Rows of each stream a sequence carries from one step to the next for the MTP layers that read them: the
@@ -107,6 +112,9 @@ public:
     uint64_t choice() const { return choice_; }
     // Replaces the sampling parameters, refusing invalid ones (nothing changes then).
     Result<void> set_sampling(const SamplingParams &params);
+    const std::vector<LogitBias> &logit_bias() const { return logit_bias_; }
+    // Replaces the logit bias, refusing an invalid one (validate_logit_bias; nothing changes then).
+    Result<void> set_logit_bias(std::span<const LogitBias> bias);
 
     // Committed rows of a stream (0: the trunk, 1 + k: MTP layer k); the next trunk row is position length().
     int64_t length(int stream = 0) const { return kv_.length(stream); }
@@ -134,7 +142,12 @@ private:
     kv::TxnId txn_;
     SamplingParams sampling_;
     uint64_t choice_ = 0;
+    std::vector<LogitBias> logit_bias_;
     int carry_slot_ = -1;  // the engine's carry slot, -1: none (no MTP streams)
+    // The prefix cache's chain: blocks [0, published_) are in the cache (its own pages or an equal block's),
+    // chain_ the last one's chain id; published_ = -1 once a block could not be published.
+    int64_t published_ = 0;
+    uint64_t chain_ = 0;
     Carry carry_[kv::kMaxStreams];
 };
 
@@ -193,6 +206,15 @@ public:
     // A new empty sequence (allocates its block tables: not a hot-path call). Refused: more MTP streams than
     // the engine runs, invalid sampling parameters.
     Result<std::unique_ptr<Sequence>> create_sequence(const SequenceOptions &options = {});
+
+    // Takes the longest cached prefix of a fresh sequence's tokens (kv/prefix_cache.h: whole blocks, at least one
+    // token left to compute) and returns the rows it saved: those positions are committed, their pages shared.
+    // 0 without the prefix cache or for a sequence with MTP streams. Refused: a sequence with rows, or one in
+    // a planned step.
+    Result<int64_t> reuse_prefix(Sequence &seq);
+    // Drops every cached block (pages free once no sequence holds them).
+    void clear_prefix_cache();
+    const kv::PrefixCache &prefix_cache() const { return prefix_; }
 
     // ---- The step ----
 
@@ -294,6 +316,8 @@ private:
     int64_t default_keep(size_t item, int stream) const;
     void update_carry(size_t item, std::span<const int64_t> kept);
     void release(Sequence &seq);
+    // Publishes the sequence's committed whole blocks not yet in its chain (finish, after the commit).
+    void publish(Sequence &seq);
     void count(int64_t before);
 
     model::Step35Config cfg_;
@@ -305,6 +329,7 @@ private:
     std::optional<parallel::InProcessGroup> group_;
     std::vector<std::unique_ptr<Rank>> ranks_;
     kv::PagePool full_, swa_;
+    kv::PrefixCache prefix_;  // empty unless options_.prefix_cache
     std::vector<Sequence *> live_;  // every sequence not yet destroyed
 
     // The planned step.
@@ -317,6 +342,7 @@ private:
     int64_t n_logit_rows_ = 0;
     int64_t n_sample_rows_ = 0;
     int64_t sample_offset_ = 0, history_offset_ = 0, history_len_ = 0;
+    int64_t bias_offset_ = 0, bias_len_ = 0;  // the sampling items' logit biases (LogitBias entries)
     std::vector<int64_t> sample_row_of_item_;            // [item] its first sample row, -1
     bool mtp_first_ = false;                             // a drafting step: MTP layers before the trunk
     // Per item: the catch-up rows of each MTP layer (its draft rows follow them), its drafts' sample rows and
@@ -394,6 +420,11 @@ struct SpecStats {
         return steps > 0 ? static_cast<double>(emitted) / static_cast<double>(steps) : 0.0;
     }
 };
+
+// The drafts a decode step of seq can verify (its last token pending): at most `draft`, the engine's spec_draft,
+// the sequence's MTP layers, max_new - 1 (the step emits 1 + accepted tokens), the positions left and position + 1
+// (MTP layer j has no rows before position j); 0 at position 0.
+int64_t draft_limit(const Engine &engine, const Sequence &seq, int64_t draft, int64_t max_new);
 
 // One decode step of a sequence whose last token is pending (appended, not yet fed). With draft > 0 and MTP
 // streams the MTP layers draft up to `draft` tokens (at most the engine's spec_draft, the sequence's MTP

@@ -90,6 +90,19 @@ void Metrics::on_generated_tokens(int64_t n) {
     generation_tokens_ += n;
 }
 
+void Metrics::on_prefix_lookup(int64_t queried, int64_t hit) {
+    std::lock_guard lock(mu_);
+    prefix_queries_ += queried;
+    prefix_hits_ += hit;
+}
+
+void Metrics::on_drafts(int64_t drafted, int64_t accepted) {
+    std::lock_guard lock(mu_);
+    ++drafts_;
+    draft_tokens_ += drafted;
+    accepted_tokens_ += accepted;
+}
+
 void Metrics::on_finished(const char *reason, double e2e_seconds) {
     std::lock_guard lock(mu_);
     e2e_.observe(e2e_seconds);
@@ -110,6 +123,14 @@ std::string Metrics::render(const Gauges &g) const {
             labels_, g.preemptions);
     counter(out, "memra:prompt_tokens_total", "Prompt tokens admitted.", labels_, prompt_tokens_);
     counter(out, "memra:generation_tokens_total", "Tokens generated.", labels_, generation_tokens_);
+    counter(out, "memra:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", labels_,
+            prefix_queries_);
+    counter(out, "memra:prefix_cache_hits_total", "Prompt tokens whose KV rows the prefix cache held.", labels_,
+            prefix_hits_);
+    counter(out, "memra:spec_decode_num_drafts_total", "Decode steps that verified MTP drafts.", labels_, drafts_);
+    counter(out, "memra:spec_decode_num_draft_tokens_total", "MTP draft tokens verified.", labels_, draft_tokens_);
+    counter(out, "memra:spec_decode_num_accepted_tokens_total", "MTP draft tokens accepted (each the token sampled "
+            "there anyway).", labels_, accepted_tokens_);
     out += "# HELP memra:request_success_total Finished requests by finish reason.\n"
            "# TYPE memra:request_success_total counter\n";
     for (size_t i = 0; i < kReasons.size(); ++i) {

@@ -42,6 +42,10 @@ public:
     void on_token_gap(double seconds);          // between two tokens of one request
     void on_prompt_tokens(int64_t n);           // prompt tokens of a request, counted once at admission
     void on_generated_tokens(int64_t n);
+    // A prefix-cache lookup at admission: the prompt's tokens, and those whose KV rows came from the cache.
+    void on_prefix_lookup(int64_t queried, int64_t hit);
+    // A decode step that verified `drafted` MTP drafts, `accepted` of them taken (a prefix).
+    void on_drafts(int64_t drafted, int64_t accepted);
     // A finished request: its reason ("stop", "length", "cancelled", "timeout", "error") and its latency.
     void on_finished(const char *reason, double e2e_seconds);
 
@@ -52,6 +56,8 @@ private:
     std::string labels_;  // model_name="..."
     Histogram ttft_, itl_, e2e_, queue_;
     int64_t prompt_tokens_ = 0, generation_tokens_ = 0;
+    int64_t prefix_queries_ = 0, prefix_hits_ = 0;
+    int64_t drafts_ = 0, draft_tokens_ = 0, accepted_tokens_ = 0;
     static constexpr std::array<const char *, 5> kReasons = {"stop", "length", "cancelled", "timeout", "error"};
     std::array<int64_t, kReasons.size()> finished_{};
 };

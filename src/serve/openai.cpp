@@ -1,5 +1,7 @@
 #include "serve/openai.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -101,6 +103,52 @@ tl::expected<std::vector<int32_t>, ApiError> prompt_ids(const Json &p, const Mod
         return ids;
     }
     return wrong_type("prompt", "a string, an array of strings or an array of token ids", p);
+}
+
+// OpenAI's logit_bias: an object mapping token ids (decimal strings, e.g. "50256") to numbers in [-100, 100],
+// at most kMaxLogitBias entries; the list sorted by id. null or {} is none.
+tl::expected<std::vector<LogitBias>, ApiError> parse_logit_bias(const Json &lb, int32_t vocab) {
+    const std::string field = "logit_bias";
+    if (!lb.is_object()) return wrong_type(field, "an object mapping token ids to numbers", lb);
+    if (lb.size() > static_cast<size_t>(kMaxLogitBias)) {
+        return bad_request(fmt::format("logit_bias: expected at most {} entries, found {}", kMaxLogitBias, lb.size()),
+                           field);
+    }
+    std::vector<LogitBias> bias;
+    for (auto it = lb.begin(); it != lb.end(); ++it) {
+        const std::string &key = it.key();
+        const size_t digits_at = !key.empty() && key[0] == '-' ? 1 : 0;
+        const bool decimal = key.size() > digits_at &&
+                             std::all_of(key.begin() + static_cast<std::ptrdiff_t>(digits_at), key.end(),
+                                         [](char c) { return c >= '0' && c <= '9'; });
+        if (!decimal) {
+            return bad_request(fmt::format("logit_bias: key \"{}\" is not a decimal token id", key), field);
+        }
+        int64_t id = 0;
+        const std::from_chars_result parsed = std::from_chars(key.data(), key.data() + key.size(), id);
+        if (parsed.ec != std::errc() || id < 0 || id >= vocab) {
+            return bad_request(fmt::format("logit_bias: token id {} is outside the vocabulary of {}", key, vocab),
+                               field);
+        }
+        const Json &v = it.value();
+        const std::string entry = fmt::format("logit_bias[\"{}\"]", key);
+        if (!v.is_number()) {
+            return bad_request(fmt::format("{}: expected a number in [-100, 100], found {}", entry, type_name(v)),
+                               field);
+        }
+        const double x = v.get<double>();
+        if (!(x >= -kMaxLogitBiasValue && x <= kMaxLogitBiasValue)) {
+            return bad_request(fmt::format("{}: expected a number in [-100, 100], found {}", entry, x), field);
+        }
+        bias.push_back(LogitBias{static_cast<int32_t>(id), static_cast<float>(x)});
+    }
+    std::sort(bias.begin(), bias.end(), [](const LogitBias &a, const LogitBias &b) { return a.id < b.id; });
+    for (size_t i = 1; i < bias.size(); ++i) {
+        if (bias[i].id == bias[i - 1].id) {
+            return bad_request(fmt::format("logit_bias: token id {} appears twice", bias[i].id), field);
+        }
+    }
+    return bias;
 }
 
 // A message's content as text: a string, or an array of {"type": "text", "text": ...} parts joined by "\n"
@@ -301,8 +349,9 @@ tl::expected<ParsedRequest, ApiError> parse_request(Endpoint endpoint, std::stri
         out.seed_drawn = true;
     }
     out.seed = s.seed;
-    if (const Json *lb = f.get("logit_bias"); lb && !(lb->is_object() && lb->empty())) {
-        return bad_request("logit_bias: not supported yet", "logit_bias");
+    if (const Json *lb = f.get("logit_bias")) {
+        MEMRA_TRY(bias, parse_logit_bias(*lb, model.tokenizer->n_tokens()));
+        g.logit_bias = std::move(*bias);
     }
 
     // Lengths and stops.

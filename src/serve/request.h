@@ -22,6 +22,7 @@ const char *finish_name(Finish finish);
 struct GenerationRequest {
     std::vector<int32_t> prompt;     // token ids, BOS included where the caller wants one; at least one
     SamplingParams sampling;         // validated at submit
+    std::vector<LogitBias> logit_bias;  // OpenAI's logit_bias: sorted unique ids, validated at submit (core/sampling.h)
     uint64_t choice = 0;             // the random stream's choice index (OpenAI's n: 0, 1, ...)
     int64_t max_tokens = -1;         // tokens to generate at most; -1: up to the context edge
     std::vector<std::string> stop;   // stop strings: the text ends right before the first one

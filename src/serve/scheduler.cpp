@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "core/check.h"
 #include "text/chat_output.h"
 
 namespace memra::serve {
@@ -106,6 +107,7 @@ struct Scheduler::Job {
     Clock::time_point last_token;
     // This step's plan.
     int64_t rows = 0;
+    int64_t draft = 0;  // drafts a decode verifies (its step takes 1 + draft trunk rows)
     std::array<int64_t, 2> pages = {0, 0};
 };
 
@@ -148,6 +150,9 @@ tl::expected<std::shared_ptr<RequestState>, SubmitError> Scheduler::submit(Gener
         return refuse(Refusal::kInvalid, fmt::format("max_tokens: expected at least 1, found {}", request.max_tokens));
     }
     if (auto ok = validate_sampling_params(request.sampling); !ok) return refuse(Refusal::kInvalid, ok.error().message);
+    if (auto ok = validate_logit_bias(request.logit_bias, engine_.options().sample_vocab); !ok) {
+        return refuse(Refusal::kInvalid, ok.error().message);
+    }
     if (request.top_logprobs < -1 || request.top_logprobs > kMaxTopLogprobs) {
         return refuse(Refusal::kInvalid, fmt::format("top_logprobs: expected 0 .. {}, found {}", kMaxTopLogprobs,
                                                      request.top_logprobs));
@@ -228,14 +233,17 @@ bool Scheduler::plan_step(std::vector<Job *> &planned) {
     std::array<int64_t, 2> reserved = {0, 0};
     const kv::PagePool *pools[2] = {&engine_.page_pool(kv::PoolKind::kFull), &engine_.page_pool(kv::PoolKind::kSwa)};
     const auto fits = [&](const std::array<int64_t, 2> &need, int64_t spare) {
-        return need[0] + spare <= pools[0]->n_free() - reserved[0] && need[1] <= pools[1]->n_free() - reserved[1];
+        // Cached pages no sequence holds count as available: the engine evicts them when a step needs them.
+        return need[0] + spare <= pools[0]->n_available() - reserved[0] &&
+               need[1] <= pools[1]->n_available() - reserved[1];
     };
-    const auto plan = [&](Job &job, int64_t rows, const std::array<int64_t, 2> &need) {
+    const auto plan = [&](Job &job, int64_t rows, int64_t draft, const std::array<int64_t, 2> &need) {
         job.rows = rows;
+        job.draft = draft;
         job.pages = need;
         reserved[0] += need[0];
         reserved[1] += need[1];
-        rows_left -= rows;
+        rows_left -= rows + draft;
         --seats;
         planned.push_back(&job);
     };
@@ -244,11 +252,15 @@ bool Scheduler::plan_step(std::vector<Job *> &planned) {
         if (it == planned.end()) return;
         reserved[0] -= job.pages[0];
         reserved[1] -= job.pages[1];
-        rows_left += job.rows;
+        rows_left += job.rows + job.draft;
         ++seats;
         planned.erase(it);
     };
     planned.clear();
+    // A step drafts when it has only decodes: MTP layers run before the trunk in a drafting step, so a prefill
+    // chunk there could not let them catch up (runtime::StepItem::draft).
+    const bool drafting = eo.spec_draft > 0 && waiting_.empty() &&
+                          std::all_of(running_.begin(), running_.end(), [](const auto &j) { return j->seq->pending() == 1; });
 
     // Running requests, oldest first: decodes, then prefill chunks. Short of pages, the newest running request
     // is preempted (it may be the one being planned).
@@ -258,10 +270,16 @@ bool Scheduler::plan_step(std::vector<Job *> &planned) {
             const int64_t pending = job.seq->pending();
             if ((pending == 1) != decodes) continue;
             const int64_t rows[1] = {std::min(pending, rows_left)};
+            const int64_t draft =
+                drafting && !job.req.penalize_generated
+                    ? runtime::draft_limit(engine_, *job.seq, std::min<int64_t>(eo.spec_draft, rows_left - 1),
+                                           job.max_new - job.generated)
+                    : 0;
+            const int64_t trunk_rows[1] = {rows[0] + draft};
             while (true) {
-                const std::array<int64_t, 2> need = job.seq->kv().pages_needed(rows);
+                const std::array<int64_t, 2> need = job.seq->kv().pages_needed(trunk_rows);
                 if (fits(need, 0)) {
-                    plan(job, rows[0], need);
+                    plan(job, rows[0], draft, need);
                     break;
                 }
                 Job &victim = *running_.back();
@@ -278,22 +296,32 @@ bool Scheduler::plan_step(std::vector<Job *> &planned) {
         static_cast<int64_t>(std::ceil(options_.watermark * static_cast<double>(pools[0]->n_pages())));
     while (!waiting_.empty() && seats > 0 && rows_left > 0) {
         Job &job = *waiting_.front();
-        if (!job.seq) {
-            runtime::SequenceOptions so;
-            so.sampling = job.req.sampling;
-            so.choice = job.req.choice;
-            auto seq = engine_.create_sequence(so);
-            if (!seq) {
-                end_job(job, Finish::kError, seq.error().message);
-                waiting_.pop_front();
-                continue;
-            }
-            job.seq = std::move(*seq);
-            job.seq->tokens = std::move(job.tokens);
+        runtime::SequenceOptions so;
+        so.mtp_streams = eo.spec_draft > 0 ? eo.mtp_layers : 0;
+        so.sampling = job.req.sampling;
+        so.choice = job.req.choice;
+        so.logit_bias = job.req.logit_bias;
+        auto seq = engine_.create_sequence(so);
+        if (!seq) {
+            end_job(job, Finish::kError, seq.error().message);
+            waiting_.pop_front();
+            continue;
         }
+        job.seq = std::move(*seq);
+        job.seq->tokens = std::move(job.tokens);
+        auto reused = engine_.reuse_prefix(*job.seq);
+        MEMRA_CHECK(reused.has_value(), "scheduler: a fresh sequence's prefix lookup was refused: {}",
+                    reused ? "" : reused.error().message);
         const int64_t rows[1] = {std::min(job.seq->pending(), rows_left)};
         const std::array<int64_t, 2> need = job.seq->kv().pages_needed(rows);
-        if (!fits(need, running_.empty() ? 0 : watermark)) break;
+        if (!fits(need, running_.empty() ? 0 : watermark)) {
+            // Not admitted: the sequence goes, so the cached pages it took are evictable again for the steps
+            // planned above, which counted on them.
+            job.tokens = std::move(job.seq->tokens);
+            job.seq.reset();
+            break;
+        }
+        if (metrics_) metrics_->on_prefix_lookup(static_cast<int64_t>(job.seq->tokens.size()), *reused);
         if (!job.admitted_once) {
             job.admitted_once = true;
             job.state->mark_started();
@@ -304,7 +332,7 @@ bool Scheduler::plan_step(std::vector<Job *> &planned) {
         }
         running_.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
-        plan(job, rows[0], need);
+        plan(job, rows[0], 0, need);
     }
     return !planned.empty();
 }
@@ -359,9 +387,16 @@ void Scheduler::run_step(std::vector<Job *> &planned) {
         it.sample = last;
         it.top_logprobs = last ? job->req.top_logprobs : -1;
         it.return_logits = last && job->req.hash_logits;
+        it.mtp_follow = job->seq->n_streams() > 1;
+        it.draft = static_cast<int>(job->draft);
         items_.push_back(it);
     }
     Result<void> done = engine_.plan(items_);
+    if (!done && std::any_of(items_.begin(), items_.end(), [](const runtime::StepItem &it) { return it.draft > 0; })) {
+        // Drafts change speed, never what can be decoded: a step they make impossible runs without them.
+        for (runtime::StepItem &it : items_) it.draft = 0;
+        done = engine_.plan(items_);
+    }
     if (done) {
         engine_.run();
         done = engine_.finish();
@@ -372,13 +407,22 @@ void Scheduler::run_step(std::vector<Job *> &planned) {
         for (size_t i = 0; i < planned.size(); ++i) {
             Job &job = *planned[i];
             if (!items_[i].sample) continue;
-            const SampledToken &s = engine_.sampled(i);
-            GeneratedToken token;
-            token.id = s.id;
-            if (s.has_logprobs) token.logprobs = s.logprobs;
-            if (items_[i].return_logits) token.logits_hash = fnv1a(engine_.logits(i));
-            job.seq->tokens.push_back(s.id);
-            deliver(job, token);
+            // A drafting decode emits its sample and one more per accepted draft (trunk row j: the token after
+            // draft j - 1), each with its own logit row; the engine kept the rows behind them.
+            const int64_t accepted = items_[i].draft > 0 ? engine_.accepted(i) : 0;
+            if (items_[i].draft > 0 && metrics_) metrics_->on_drafts(items_[i].draft, accepted);
+            const auto vocab = static_cast<size_t>(engine_.config().vocab_size);
+            for (int64_t j = 0; j <= accepted; ++j) {
+                const SampledToken &s = engine_.sampled(i, j);
+                GeneratedToken token;
+                token.id = s.id;
+                if (s.has_logprobs) token.logprobs = s.logprobs;
+                if (items_[i].return_logits) {
+                    token.logits_hash = fnv1a(engine_.logits(i).subspan(static_cast<size_t>(j) * vocab, vocab));
+                }
+                job.seq->tokens.push_back(s.id);
+                if (deliver(job, token)) break;  // finished: the request's sequence goes, and the rest with it
+            }
         }
     }
     running_.erase(std::remove_if(running_.begin(), running_.end(), [](const auto &j) { return j->state->finished(); }),
@@ -396,7 +440,7 @@ bool Scheduler::step_once() {
     gauges_.running = static_cast<int64_t>(running_.size());
     gauges_.waiting = static_cast<int64_t>(waiting_.size());
     const kv::PagePool &full = engine_.page_pool(kv::PoolKind::kFull);
-    gauges_.kv_pages_used = full.n_pages() - full.n_free();
+    gauges_.kv_pages_used = full.n_pages() - full.n_available();
     return ran;
 }
 

@@ -5,7 +5,16 @@
 // generated so far) stay, and it waits at the head of the queue to be prefilled again. Because every row's bits
 // depend only on its own sequence's tokens (DETERMINISM.md: batch, chunk and slot invariance), and sampling
 // noise is keyed by (seed, choice, position), a request's tokens, logits and text do not depend on what else
-// the server runs, on chunk cuts or on preemptions (SERVING.md 6.3, test T1).
+// the server runs, on chunk cuts or on preemptions (SERVING.md 6.3, test T1). An admitted request first takes the
+// longest cached prefix of its tokens (Engine::reuse_prefix, when the engine has the prefix cache); a request that
+// does not fit gives those pages back and waits.
+//
+// With an engine built for speculation (EngineOptions::spec_draft > 0), every sequence gets the engine's MTP
+// streams; prefill chunks let the MTP layers catch up, and a step whose items are all decodes drafts: each
+// decode verifies up to spec_draft drafted tokens and emits 1 + the accepted ones, each the token the model
+// samples at its position anyway (SERVING.md 2.5), so drafts change speed, never the output. A request with
+// presence or frequency penalties over its generated tokens does not draft (its penalty window is set per step).
+// Sequences with MTP streams do not use the prefix cache (kv/prefix_cache.h).
 //
 // The scheduler also turns tokens into text: each request's tokens are decoded incrementally (complete UTF-8
 // only) and cut at its stop strings across token boundaries, so a request ends at the token that completed a
@@ -91,7 +100,7 @@ struct SubmitError {
 
 class Scheduler {
 public:
-    // The engine (sequences without MTP streams; its max_seqs and step_rows bound each step) and the tokenizer
+    // The engine (its max_seqs and step_rows bound each step; spec_draft > 0: speculation) and the tokenizer
     // must outlive the scheduler. `eos_ids`: the model's end-of-sequence ids.
     Scheduler(runtime::Engine &engine, const text::Tokenizer &tokenizer, std::vector<int32_t> eos_ids,
               const SchedulerOptions &options, Metrics *metrics = nullptr);

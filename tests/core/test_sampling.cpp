@@ -1,6 +1,7 @@
 // Sampler tests: Philox known answers, log_f32 accuracy, greedy ties, each filter alone on hand-made logits
-// (exact surviving sets), the penalties, seeded determinism independent of other calls, and the empirical
-// distribution of 20000 seeded draws against the softmax (chi-square, deterministic for the fixed seed).
+// (exact surviving sets), the penalties, the logit bias (against a Sampler given biased logits), seeded
+// determinism independent of other calls, and the empirical distribution of 20000 seeded draws against the softmax
+// (chi-square, deterministic for the fixed seed).
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
@@ -370,6 +371,152 @@ TEST(Sampler, RefusesBadParameters) {
     ASSERT_FALSE(empty.has_value());
     EXPECT_NE(empty.error().message.find("sampler vocab_size: expected >= 1, found 0"), std::string::npos);
     EXPECT_TRUE(validate_sampling_params(SamplingParams{}).has_value());
+}
+
+// Logits in [-3, 3) from a fixed linear congruential sequence (no two equal for n <= 64).
+std::vector<float> spread_logits(int32_t n, uint32_t seed) {
+    std::vector<float> l;
+    uint32_t x = seed;
+    for (int32_t i = 0; i < n; ++i) {
+        x = x * 1664525u + 1013904223u;
+        l.push_back(static_cast<float>(x >> 8) / 16777216.0f * 6.0f - 3.0f);
+    }
+    return l;
+}
+
+// The logits with the bias added by hand (logit + value, the float add the Sampler is documented to do).
+std::vector<float> biased(std::vector<float> logits, const std::vector<LogitBias> &bias) {
+    for (const LogitBias &b : bias) {
+        if (b.id < static_cast<int32_t>(logits.size())) logits[static_cast<size_t>(b.id)] += b.value;
+    }
+    return logits;
+}
+
+int32_t argmax(const std::vector<float> &l) {
+    return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+}
+
+TEST(SamplerLogitBias, MinusHundredRemovesTheGreedyToken) {
+    const std::vector<float> logits = spread_logits(48, 7);
+    const int32_t greedy = argmax(logits);
+    std::vector<float> rest = logits;
+    rest[static_cast<size_t>(greedy)] = -std::numeric_limits<float>::infinity();
+    const int32_t second = argmax(rest);
+    const std::vector<LogitBias> ban{{greedy, -100.0f}};
+    Sampler g = make(48, plain(0.0f));
+    EXPECT_EQ(g.sample(logits, {}, 0, 3), greedy);
+    EXPECT_EQ(g.sample(logits, {}, 0, 3, ban), second);
+    Sampler t = make(48, plain(1.0f));
+    int64_t drew_greedy_unbiased = 0;
+    for (int64_t pos = 0; pos < 300; ++pos) {
+        EXPECT_NE(t.sample(logits, {}, 0, pos, ban), greedy) << "position " << pos;
+        drew_greedy_unbiased += t.sample(logits, {}, 0, pos) == greedy ? 1 : 0;
+    }
+    EXPECT_GT(drew_greedy_unbiased, 0);  // without the ban it is drawn
+}
+
+TEST(SamplerLogitBias, PlusHundredForcesAToken) {
+    const std::vector<float> logits = spread_logits(48, 8);
+    std::vector<float> sorted = logits;
+    std::sort(sorted.begin(), sorted.end());
+    const auto chosen = static_cast<int32_t>(std::find(logits.begin(), logits.end(), sorted[3]) - logits.begin());
+    const std::vector<LogitBias> force{{chosen, 100.0f}};
+    Sampler g = make(48, plain(0.0f));
+    EXPECT_NE(g.sample(logits, {}, 0, 5), chosen);
+    EXPECT_EQ(g.sample(logits, {}, 0, 5, force), chosen);
+    SamplingParams p = SamplingParams{};  // the default chain: T 0.8, top-k 40, top-p 0.95, min-p 0.05
+    p.temperature = 0.8f;
+    Sampler t = make(48, p);
+    for (int64_t pos = 0; pos < 200; ++pos) {
+        EXPECT_EQ(t.sample(logits, {}, 1, pos, force), chosen) << "position " << pos;
+        const auto kept = t.candidates(logits, {}, force);
+        EXPECT_EQ(Ids(kept.begin(), kept.end()), (Ids{chosen}));
+    }
+}
+
+TEST(SamplerLogitBias, AppliedBeforePenaltiesTemperatureAndFilters) {
+    // Token 1 (logit -1, seen twice) gains 6: bias first, then the repetition penalty divides the positive 5
+    // (penalty first would multiply the -1 instead), then frequency and presence subtract.
+    SamplingParams p = plain(0.0f);
+    p.repetition_penalty = 2.0f;
+    p.frequency_penalty = 0.5f;
+    p.presence_penalty = 0.25f;
+    p.penalty_last_n = -1;
+    const std::vector<float> logits = {2.0f, -1.0f, 0.5f, 1.9f, 0.0f};
+    const Ids context = {1, 3, 1};
+    const std::vector<LogitBias> bias{{1, 6.0f}, {2, -0.5f}, {4, 1.5f}};
+    Sampler s = make(5, p);
+    (void)s.candidates(logits, context, bias);
+    const auto out = s.penalized_logits();
+    EXPECT_EQ(std::vector<float>(out.begin(), out.end()),
+              (std::vector<float>{2.0f, 5.0f / 2.0f - 1.0f - 0.25f, 0.0f, 1.9f / 2.0f - 0.5f - 0.25f, 1.5f}));
+    // Greedy: token 0 (2.0) beats token 1 (1.25); penalties before the bias would make it token 1
+    // (-1 * 2 - 1.25 + 6 = 2.75).
+    EXPECT_EQ(s.sample(logits, context, 0, 9, bias), 0);
+
+    // Everywhere else the bias is the same as biased logits given to an unbiased Sampler: every filter, the
+    // penalties, the temperatures, many positions.
+    const std::vector<float> wide = spread_logits(64, 21);
+    const std::vector<LogitBias> nudges{{0, 1.25f}, {5, -2.0f}, {9, 3.5f}, {17, 0.75f}, {33, -100.0f}, {63, 2.0f}};
+    const Ids history = {5, 9, 9, 17, 40, 5, 2};
+    for (const float temperature : {0.0f, 0.5f, 1.0f, 1.7f}) {
+        SamplingParams q = SamplingParams{};
+        q.temperature = temperature;
+        q.repetition_penalty = 1.3f;
+        q.frequency_penalty = 0.2f;
+        q.presence_penalty = 0.1f;
+        q.penalty_last_n = 5;
+        Sampler with_bias = make(64, q);
+        Sampler by_hand = make(64, q);
+        const std::vector<float> hand = biased(wide, nudges);
+        for (int64_t pos = 0; pos < 100; ++pos) {
+            EXPECT_EQ(with_bias.sample(wide, history, 2, pos, nudges), by_hand.sample(hand, history, 2, pos))
+                << "T " << temperature << " position " << pos;
+        }
+        const auto a = with_bias.candidates(wide, history, nudges);
+        const Ids ids_a(a.begin(), a.end());
+        const auto b = by_hand.candidates(hand, history);
+        EXPECT_EQ(ids_a, Ids(b.begin(), b.end()));
+    }
+}
+
+TEST(SamplerLogitBias, IdsPastTheSampledOnesAndNaNLogits) {
+    // The Sampler is sized for 10 ids, a row gives 8: a bias on id 9 has no logit to move. A NaN logit counts
+    // as -Inf before the bias, so no bias revives it.
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    Sampler s = make(10, plain(0.0f));
+    const std::vector<float> logits = {0.0f, 1.0f, nan, 0.5f, 0.0f, 0.0f, 0.0f, 0.0f};
+    EXPECT_EQ(s.sample(logits, {}, 0, 0, std::vector<LogitBias>{{9, 100.0f}}), 1);
+    EXPECT_EQ(s.sample(logits, {}, 0, 0, std::vector<LogitBias>{{2, 100.0f}}), 1);
+    EXPECT_EQ(s.sample(logits, {}, 0, 0, std::vector<LogitBias>{{2, 100.0f}, {7, 100.0f}}), 7);
+}
+
+TEST(SamplerLogitBias, ValidateNamesTheEntryAndTheValue) {
+    EXPECT_TRUE(validate_logit_bias({}, 10).has_value());
+    EXPECT_TRUE(validate_logit_bias(std::vector<LogitBias>{{0, -100.0f}, {9, 100.0f}}, 10).has_value());
+    std::vector<LogitBias> full;
+    for (int32_t i = 0; i < kMaxLogitBias; ++i) full.push_back(LogitBias{i, 1.0f});
+    EXPECT_TRUE(validate_logit_bias(full, kMaxLogitBias).has_value());
+    full.push_back(LogitBias{kMaxLogitBias, 1.0f});
+    struct Case {
+        std::vector<LogitBias> bias;
+        std::string fragment;
+    };
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const std::vector<Case> cases = {
+        {full, "logit_bias: expected at most 1024 entries, found 1025"},
+        {{{-1, 1.0f}}, "logit_bias[0].id: expected a token id in [0, 2000), found -1"},
+        {{{3, 1.0f}, {2000, 1.0f}}, "logit_bias[1].id: expected a token id in [0, 2000), found 2000"},
+        {{{3, 1.0f}, {2, 1.0f}}, "logit_bias[1].id: expected ids sorted ascending and unique, found 2 after 3"},
+        {{{3, 1.0f}, {3, 2.0f}}, "logit_bias[1].id: expected ids sorted ascending and unique, found 3 after 3"},
+        {{{3, 100.5f}}, "logit_bias[0].value: expected a finite value in [-100, 100], found 100.5"},
+        {{{3, 1.0f}, {4, nan}}, "logit_bias[1].value: expected a finite value in [-100, 100], found nan"},
+    };
+    for (const Case &c : cases) {
+        auto ok = validate_logit_bias(c.bias, 2000);
+        ASSERT_FALSE(ok.has_value()) << c.fragment;
+        EXPECT_NE(ok.error().message.find(c.fragment), std::string::npos) << ok.error().message;
+    }
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -86,18 +87,28 @@ struct OpResult {
     int64_t launches = 0;
 };
 
-OpResult run_op(int threads, const std::vector<float> &logits, int32_t n_valid, const std::vector<SampleRow> &rows) {
+// The logit-bias lists rows index: [0, 1) bans id 2 (row 0's greedy token), [1, 3) forces id 5 (and biases
+// the padding id 45, which has no logit to bias), [3, 7) small nudges, one of them to a padding id.
+const std::vector<LogitBias> kBias{{2, -100.0f}, {5, 100.0f}, {45, 100.0f},
+                                   {0, 1.25f},   {7, -0.5f},  {19, 2.0f}, {41, 3.0f}};
+
+OpResult run_op(int threads, const std::vector<float> &logits, int32_t n_valid, const std::vector<SampleRow> &rows,
+                const std::vector<LogitBias> &bias = {}) {
     CpuBackend be(threads, Numerics::kExact);
     EXPECT_TRUE(be.prepare_sampling(kVocab).has_value());
     auto lg = be.alloc(DType::kF32, {static_cast<int64_t>(logits.size()) / kVocab, kVocab});
     auto rv = be.alloc(DType::kU8, {static_cast<int64_t>(rows.size() * sizeof(SampleRow))});
     auto hv = be.alloc(DType::kI32, {static_cast<int64_t>(kHistory.size())});
+    const auto bias_bytes = static_cast<int64_t>(bias.size() * sizeof(LogitBias));
+    auto bv = be.alloc(DType::kU8, {std::max<int64_t>(bias_bytes, 1)});
     auto out = be.alloc(DType::kU8, {static_cast<int64_t>(rows.size() * sizeof(SampledToken))});
     be.copy_from_host(logits.data(), *lg);
     be.copy_from_host(rows.data(), *rv);
     be.copy_from_host(kHistory.data(), *hv);
+    const TensorView bias_view = bv->row_slice(0, bias_bytes);
+    if (bias_bytes > 0) be.copy_from_host(bias.data(), bias_view);
     be.reset_counters();
-    be.sample(*lg, n_valid, *rv, *hv, *out);
+    be.sample(*lg, n_valid, *rv, *hv, bias_view, *out);
     OpResult r;
     r.launches = be.counters().launches;
     r.tokens.resize(rows.size());
@@ -111,8 +122,9 @@ SampledToken expected(const std::vector<float> &logits, int32_t n_valid, const S
     EXPECT_TRUE(s.has_value());
     const std::span<const float> row(logits.data() + r.logit_row * kVocab, static_cast<size_t>(n_valid));
     const std::span<const int32_t> context(kHistory.data() + r.history_begin, static_cast<size_t>(r.history_len));
+    const std::span<const LogitBias> bias(kBias.data() + r.bias_begin, static_cast<size_t>(r.bias_len));
     SampledToken t;
-    t.id = s->sample(row, context, r.choice, r.position);
+    t.id = s->sample(row, context, r.choice, r.position, bias);
     t.has_logprobs = r.top_logprobs >= 0 ? 1 : 0;
     if (r.top_logprobs >= 0) token_logprobs(row, t.id, r.top_logprobs, t.logprobs);
     return t;
@@ -180,6 +192,50 @@ TEST(CpuSampleOp, ARowDependsOnNoOtherRowOrThreadCount) {
     for (size_t i = 0; i < rows.size(); ++i) {
         EXPECT_EQ(token_mismatches(rev.tokens[rows.size() - 1 - i], batch.tokens[i]), 0) << "row " << i;
     }
+}
+
+TEST(CpuSampleOp, BiasedRowsBesideUnbiasedOnes) {
+    // Every row twice in one call: as it is, then with one of the bias lists; the unbiased rows keep their bits,
+    // the biased ones equal a core Sampler given the same bias, and the log-probabilities stay the raw logits'.
+    const std::vector<float> logits = make_logits(4);
+    const std::vector<SampleRow> plain = make_rows();
+    const OpResult alone = run_op(2, logits, kValid, plain);
+    const std::pair<int32_t, int32_t> lists[3] = {{0, 1}, {1, 2}, {3, 4}};
+    std::vector<SampleRow> rows;
+    for (size_t i = 0; i < plain.size(); ++i) {
+        rows.push_back(plain[i]);
+        SampleRow b = plain[i];
+        b.bias_begin = lists[i % 3].first;
+        b.bias_len = lists[i % 3].second;
+        rows.push_back(b);
+    }
+    const OpResult got = run_op(2, logits, kValid, rows, kBias);
+    EXPECT_EQ(got.launches, 1);
+    int64_t changed = 0;
+    for (size_t i = 0; i < plain.size(); ++i) {
+        const SampledToken &u = got.tokens[2 * i];
+        const SampledToken &b = got.tokens[2 * i + 1];
+        const SampleRow &r = rows[2 * i + 1];
+        EXPECT_EQ(token_mismatches(u, alone.tokens[i]), 0) << "unbiased row " << i;
+        EXPECT_EQ(token_mismatches(b, expected(logits, kValid, r)), 0) << "biased row " << i;
+        if (r.bias_begin == 0) {
+            EXPECT_NE(b.id, 2) << "row " << i;  // banned
+        } else if (r.bias_begin == 1) {
+            EXPECT_EQ(b.id, 5) << "row " << i;  // forced, at any temperature and filter
+        }
+        if (b.has_logprobs != 0) {
+            EXPECT_EQ(b.logprobs.n_top, u.logprobs.n_top) << "row " << i;
+            for (int32_t j = 0; j < b.logprobs.n_top; ++j) {
+                EXPECT_EQ(b.logprobs.top_ids[j], u.logprobs.top_ids[j]) << "row " << i;
+                EXPECT_EQ(bits(b.logprobs.top_logprobs[j]), bits(u.logprobs.top_logprobs[j])) << "row " << i;
+            }
+        }
+        changed += b.id != u.id;
+    }
+    EXPECT_GT(changed, 5);  // the bias acts
+    // Row 0 (greedy) without its ban takes id 2 (make_logits), with it another one.
+    EXPECT_EQ(got.tokens[0].id, 2);
+    EXPECT_NE(got.tokens[1].id, 2);
 }
 
 }  // namespace

@@ -41,7 +41,8 @@ struct Trace {
 };
 
 Trace run_engine(const fs::path &dir, Device device, KvFormat k, KvFormat v, const std::vector<int32_t> &prompt,
-                 int decode_steps) {
+                 int decode_steps, const SamplingParams *sampling = nullptr,
+                 const std::vector<LogitBias> &logit_bias = {}) {
     Trace t;
     auto cfg = model::load_step35_config(dir);
     EXPECT_TRUE(cfg.has_value()) << cfg.error().message;
@@ -70,6 +71,8 @@ Trace run_engine(const fs::path &dir, Device device, KvFormat k, KvFormat v, con
     if (!engine) return t;
     runtime::SequenceOptions so;
     so.sampling.temperature = 0.0f;
+    if (sampling != nullptr) so.sampling = *sampling;
+    so.logit_bias = logit_bias;
     auto seq = (*engine)->create_sequence(so);
     EXPECT_TRUE(seq.has_value()) << seq.error().message;
     if (!seq) return t;
@@ -273,6 +276,35 @@ TEST(CudaEngine, ReplayedStepsEqualIssuedSteps) {
     // The prefill and the first decode step run as issued, the second decode step is captured, the rest replay.
     EXPECT_EQ(replayed.graph_captures, 1);
     EXPECT_EQ(replayed.graph_replays, 14);
+}
+
+// A sampled sequence with a logit bias (a forced token, a ban, nudges) draws the CPU's tokens, decode steps
+// replayed as CUDA graphs included; the forced token at every step.
+TEST(CudaEngine, LogitBiasEqualsTheCpu) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    auto cfg = model::load_step35_config(default_model());
+    ASSERT_TRUE(cfg.has_value()) << cfg.error().message;
+    const std::vector<int32_t> prompt = prompt_ids(40, static_cast<int32_t>(cfg->vocab_size));
+    SamplingParams p;
+    p.temperature = 0.8f;
+    p.seed = 17;
+    for (const bool forced : {true, false}) {
+        std::vector<LogitBias> bias = {{3, -100.0f}, {10, 2.5f}, {32, -3.0f}, {101, 1.5f}, {640, 4.0f}};
+        if (forced) bias.push_back(LogitBias{700, 100.0f});
+        const Trace cpu =
+            run_engine(default_model(), Device::kCpu, KvFormat::kBf16, KvFormat::kBf16, prompt, 12, &p, bias);
+        const Trace gpu =
+            run_engine(default_model(), Device::kCuda, KvFormat::kBf16, KvFormat::kBf16, prompt, 12, &p, bias);
+        ASSERT_EQ(cpu.tokens.size(), 13u);
+        EXPECT_EQ(cpu.tokens, gpu.tokens) << (forced ? "forced" : "nudged");
+        EXPECT_EQ(bit_mismatches(cpu.logits, gpu.logits), 0) << (forced ? "forced" : "nudged");
+        for (const int32_t t : cpu.tokens) {
+            if (forced) {
+                EXPECT_EQ(t, 700);
+            }
+            EXPECT_NE(t, 3);
+        }
+    }
 }
 
 TEST(CudaEngine, ReleaseWidthPresetLogitsEqualTheCpuBitForBit) {

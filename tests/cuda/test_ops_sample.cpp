@@ -2,16 +2,19 @@
 // CpuBackend(1, device).sample over the same logits, rows and history: greedy, temperature, top-k / top-p /
 // min-p alone and together, penalties over history windows, 0..20 alternatives, exact ties (equal logits, +-0),
 // rows reading different logit rows, n_valid below the row width, adversarial logits (NaN, +-Inf, huge,
-// subnormal), vocabularies of 1000 and 128k ids, more rows than workspace slots, and the error flag.
+// subnormal), logit biases (bans, forced ids, long lists, padding ids) beside unbiased rows, vocabularies of 1000
+// and 128k ids, more rows than workspace slots, and the error flag.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -33,6 +36,7 @@ struct Call {
     std::vector<float> logits;
     std::vector<SampleRow> rows;
     std::vector<int32_t> history;
+    std::vector<LogitBias> bias;  // the entries the rows' bias ranges index
 
     int64_t n_logit_rows() const { return static_cast<int64_t>(logits.size()) / vocab; }
 };
@@ -87,11 +91,15 @@ std::vector<SampledToken> cpu_sample(const Call &c) {
     auto lg = be.alloc(DType::kF32, {c.n_logit_rows(), c.vocab});
     auto rv = be.alloc(DType::kU8, {static_cast<int64_t>(c.rows.size() * sizeof(SampleRow))});
     auto hv = be.alloc(DType::kI32, {static_cast<int64_t>(history.size())});
+    const auto bias_bytes = static_cast<int64_t>(c.bias.size() * sizeof(LogitBias));
+    auto bv = be.alloc(DType::kU8, {std::max<int64_t>(bias_bytes, 1)});
     auto out = be.alloc(DType::kU8, {static_cast<int64_t>(c.rows.size() * sizeof(SampledToken))});
     be.copy_from_host(c.logits.data(), *lg);
     be.copy_from_host(c.rows.data(), *rv);
     be.copy_from_host(history.data(), *hv);
-    be.sample(*lg, c.n_valid, *rv, *hv, *out);
+    const TensorView bias_view = bv->row_slice(0, bias_bytes);
+    if (bias_bytes > 0) be.copy_from_host(c.bias.data(), bias_view);
+    be.sample(*lg, c.n_valid, *rv, *hv, bias_view, *out);
     std::vector<SampledToken> tokens(c.rows.size());
     be.copy_to_host(*out, tokens.data());
     return tokens;
@@ -106,13 +114,18 @@ std::vector<SampledToken> gpu_sample(const Call &c, int64_t slots = 0, int32_t *
     DeviceBuffer d_rows(c.rows.size() * sizeof(SampleRow));
     d_rows.upload(c.rows.data());
     DeviceBuffer d_history = to_device(history);
+    const std::vector<LogitBias> bias = c.bias.empty() ? std::vector<LogitBias>{LogitBias{}} : c.bias;
+    DeviceBuffer d_bias(bias.size() * sizeof(LogitBias));
+    d_bias.upload(bias.data());
     DeviceBuffer d_out(c.rows.size() * sizeof(SampledToken));
     EXPECT_EQ(cudaMemset(d_out.as<void>(), 0, c.rows.size() * sizeof(SampledToken)), cudaSuccess);
     const int64_t ws_bytes = cuda::sample_workspace_bytes(c.vocab, slots);
     DeviceBuffer d_ws(static_cast<size_t>(ws_bytes));
     DeviceBuffer d_flag = to_device(std::vector<int32_t>{0});
     EXPECT_EQ(cuda::sample(d_logits.as<float>(), c.n_logit_rows(), c.vocab, c.n_valid, d_rows.as<SampleRow>(), n_rows,
-                           d_history.as<int32_t>(), static_cast<int64_t>(c.history.size()), d_out.as<SampledToken>(),
+                           d_history.as<int32_t>(), static_cast<int64_t>(c.history.size()),
+                           c.bias.empty() ? nullptr : d_bias.as<LogitBias>(), static_cast<int64_t>(c.bias.size()),
+                           d_out.as<SampledToken>(),
                            d_ws.as<void>(), ws_bytes, c.vocab, d_flag.as<int32_t>(), nullptr),
               cudaSuccess);
     std::vector<SampledToken> tokens(c.rows.size());
@@ -431,6 +444,30 @@ TEST(CudaSample, MoreRowsThanWorkspaceSlots) {
     expect_same_tokens(gpu_sample(c, 1), want, c.rows);
 }
 
+// Runs `call` with a corrupted copy (corrupt(row, i)) before each of its first n rows, which must sample `want`:
+// every corrupted row gets id -1 without log-probabilities and raises the flag, every good row is unchanged.
+void expect_bad_rows_flagged(Call call, size_t n, const std::vector<SampledToken> &want,
+                             const std::function<void(SampleRow &, size_t)> &corrupt) {
+    const std::vector<SampleRow> good = call.rows;
+    call.rows.clear();
+    std::vector<size_t> good_at;
+    for (size_t i = 0; i < n; ++i) {
+        SampleRow b = good[i];
+        corrupt(b, i);
+        call.rows.push_back(b);
+        good_at.push_back(call.rows.size());
+        call.rows.push_back(good[i]);
+    }
+    int32_t flag = 0;
+    const std::vector<SampledToken> got = gpu_sample(call, 0, &flag);
+    EXPECT_EQ(flag, 1);
+    for (size_t i = 0; i < n; ++i) {
+        EXPECT_EQ(got[2 * i].id, -1);
+        EXPECT_EQ(got[2 * i].has_logprobs, 0);
+        EXPECT_EQ(std::memcmp(&got[good_at[i]], &want[i], sizeof(SampledToken)), 0) << describe(good[i]);
+    }
+}
+
 TEST(CudaSample, BadRowsAreFlaggedAndLeaveTheOthersAlone) {
     MEMRA_SKIP_WITHOUT_GPU();
     Call good;
@@ -443,36 +480,21 @@ TEST(CudaSample, BadRowsAreFlaggedAndLeaveTheOthersAlone) {
 
     // The same rows with bad ones between them: a logit row past the buffer, a history range past it, too many
     // alternatives, a negative position.
-    Call bad = good;
-    bad.rows.clear();
-    std::vector<size_t> good_at;
-    for (size_t i = 0; i < good.rows.size(); ++i) {
-        SampleRow b = good.rows[i];
+    expect_bad_rows_flagged(good, good.rows.size(), want, [](SampleRow &b, size_t i) {
         switch (i % 4) {
         case 0: b.logit_row = 5; break;
         case 1: b.history_len = 41; b.history_begin = 0; break;
         case 2: b.top_logprobs = kMaxTopLogprobs + 1; break;
         default: b.position = -1; break;
         }
-        bad.rows.push_back(b);
-        good_at.push_back(bad.rows.size());
-        bad.rows.push_back(good.rows[i]);
-    }
-    int32_t flag = 0;
-    const std::vector<SampledToken> got = gpu_sample(bad, 0, &flag);
-    EXPECT_EQ(flag, 1);
-    for (size_t i = 0; i < good.rows.size(); ++i) {
-        EXPECT_EQ(got[2 * i].id, -1);
-        EXPECT_EQ(got[2 * i].has_logprobs, 0);
-        EXPECT_EQ(std::memcmp(&got[good_at[i]], &want[i], sizeof(SampledToken)), 0) << describe(good.rows[i]);
-    }
+    });
 
     // A history token past the workspace vocabulary is skipped (and flagged) like a padding id.
     Call hist = good;
     hist.history[5] = 100000;
     Call padded = good;
     padded.history[5] = good.vocab - 1;  // a padding id: skipped without a flag
-    flag = 0;
+    int32_t flag = 0;
     const std::vector<SampledToken> got_hist = gpu_sample(hist, 0, &flag);
     bool reads_5 = false;
     for (const SampleRow &r : good.rows) {
@@ -481,6 +503,77 @@ TEST(CudaSample, BadRowsAreFlaggedAndLeaveTheOthersAlone) {
     }
     EXPECT_EQ(flag, reads_5 ? 1 : 0);
     expect_same_tokens(got_hist, cpu_sample(padded), good.rows);
+}
+
+// A sorted unique bias list of n <= vocab entries over [0, vocab) (padding ids among them), values in
+// [-100, 100] with the ends and small nudges among them.
+std::vector<LogitBias> random_bias(int32_t vocab, size_t n, uint32_t seed) {
+    EXPECT_LE(n, static_cast<size_t>(vocab));
+    if (n > static_cast<size_t>(vocab)) return {};
+    std::mt19937 rng(seed);
+    std::set<int32_t> ids;
+    while (ids.size() < n) ids.insert(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+    const float values[] = {-100.0f, 100.0f, -3.5f, 2.25f, 0.0f, -0.001f, 7.0f, 0.37f};
+    std::vector<LogitBias> bias;
+    for (const int32_t id : ids) bias.push_back(LogitBias{id, values[rng() % 8]});
+    return bias;
+}
+
+TEST(CudaSample, LogitBiasRowsBesideUnbiasedOnes) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    Call c;
+    c.vocab = 1500;  // room for a list of kMaxLogitBias distinct ids
+    c.n_valid = 1401;
+    c.logits = shaped_logits(c.vocab, c.n_valid, 61);
+    c.history = random_history(c.vocab, 200, 62);
+    // The lists: a ban of each logit row's greedy token, a forced id (and a forced padding id, which has no
+    // logit), random lists of 1 .. 300 entries, and one of kMaxLogitBias entries (more than a block's threads).
+    std::vector<std::pair<int32_t, int32_t>> lists;
+    const auto add_list = [&](const std::vector<LogitBias> &l) {
+        lists.emplace_back(static_cast<int32_t>(c.bias.size()), static_cast<int32_t>(l.size()));
+        c.bias.insert(c.bias.end(), l.begin(), l.end());
+    };
+    for (int32_t lr = 0; lr < 5; ++lr) {
+        const float *row0 = c.logits.data() + static_cast<size_t>(lr) * static_cast<size_t>(c.vocab);
+        const auto greedy = static_cast<int32_t>(std::max_element(row0, row0 + c.n_valid) - row0);
+        add_list({LogitBias{greedy, -100.0f}});
+    }
+    add_list({LogitBias{123, 100.0f}, LogitBias{1450, 100.0f}});
+    for (uint32_t k = 0; k < 6; ++k) add_list(random_bias(c.vocab, 1 + (k * 59) % 300, 70 + k));
+    add_list(random_bias(c.vocab, kMaxLogitBias, 80));
+    const std::vector<SampleRow> plain = random_rows(120, 5, 200, 63);
+    for (size_t i = 0; i < plain.size(); ++i) {
+        c.rows.push_back(plain[i]);
+        SampleRow b = plain[i];
+        const auto &[begin, len] = lists[i % lists.size()];
+        b.bias_begin = begin;
+        b.bias_len = len;
+        c.rows.push_back(b);
+    }
+    const std::vector<SampledToken> want = cpu_sample(c);
+    const std::vector<SampledToken> got = gpu_sample(c);
+    expect_same_tokens(got, want, c.rows);
+    size_t changed = 0;
+    for (size_t i = 0; i < plain.size(); ++i) {
+        changed += want[2 * i].id != want[2 * i + 1].id ? 1 : 0;
+        if (i % lists.size() == 5) {
+            EXPECT_EQ(got[2 * i + 1].id, 123) << describe(c.rows[2 * i + 1]);
+        }
+    }
+    EXPECT_GT(changed, 30u);  // the bias acts
+
+    // Bad bias ranges are flagged and leave the other rows alone: past the buffer, unsorted, an id past the
+    // workspace vocabulary.
+    Call bad = c;
+    bad.bias.push_back(LogitBias{10, 1.0f});
+    bad.bias.push_back(LogitBias{5, 1.0f});
+    bad.bias.push_back(LogitBias{c.vocab, 1.0f});
+    const auto at = static_cast<int32_t>(c.bias.size());
+    const std::pair<int32_t, int32_t> bad_ranges[] = {{at, 4}, {at, 2}, {at + 2, 1}};
+    expect_bad_rows_flagged(bad, 6, want, [&](SampleRow &b, size_t i) {
+        b.bias_begin = bad_ranges[i % 3].first;
+        b.bias_len = bad_ranges[i % 3].second;
+    });
 }
 
 TEST(CudaSample, RejectsBadArguments) {
@@ -495,23 +588,36 @@ TEST(CudaSample, RejectsBadArguments) {
     const float *lg = d.as<float>();
     void *ws = d_ws.as<void>();
     // n_valid past the workspace's vocabulary or the row width; a workspace too small; null or misaligned buffers.
-    EXPECT_EQ(cuda::sample(lg, 1, 200, 101, rows, 1, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
+    EXPECT_EQ(cuda::sample(lg, 1, 200, 101, rows, 1, nullptr, 0, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
               cudaErrorInvalidValue);
-    EXPECT_EQ(cuda::sample(lg, 1, 50, 60, rows, 1, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
+    EXPECT_EQ(cuda::sample(lg, 1, 50, 60, rows, 1, nullptr, 0, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
               cudaErrorInvalidValue);
-    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, rows, 1, nullptr, 0, out, ws, ws_bytes - 1, 100, nullptr, nullptr),
+    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, rows, 1, nullptr, 0, nullptr, 0, out, ws, ws_bytes - 1, 100, nullptr,
+                           nullptr),
               cudaErrorInvalidValue);
-    EXPECT_EQ(cuda::sample(nullptr, 1, 100, 100, rows, 1, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
+    EXPECT_EQ(cuda::sample(nullptr, 1, 100, 100, rows, 1, nullptr, 0, nullptr, 0, out, ws, ws_bytes, 100, nullptr,
+                           nullptr),
               cudaErrorInvalidValue);
     EXPECT_EQ(cuda::sample(lg, 1, 100, 100, reinterpret_cast<const SampleRow *>(d.as<unsigned char>() + 4), 1,
-                           nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
+                           nullptr, 0, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
               cudaErrorInvalidValue);
-    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, rows, 1, nullptr, 5, out, ws, ws_bytes, 100, nullptr, nullptr),
+    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, rows, 1, nullptr, 5, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
               cudaErrorInvalidValue);
-    EXPECT_EQ(cuda::sample(lg, 1, 100, 0, rows, 1, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
+    EXPECT_EQ(cuda::sample(lg, 1, 100, 0, rows, 1, nullptr, 0, nullptr, 0, out, ws, ws_bytes, 100, nullptr, nullptr),
+              cudaErrorInvalidValue);
+    // A bias size without a bias buffer, a negative one, a misaligned bias buffer.
+    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, rows, 1, nullptr, 0, nullptr, 3, out, ws, ws_bytes, 100, nullptr, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, rows, 1, nullptr, 0, reinterpret_cast<const LogitBias *>(lg), -1, out, ws,
+                           ws_bytes, 100, nullptr, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, rows, 1, nullptr, 0,
+                           reinterpret_cast<const LogitBias *>(d.as<unsigned char>() + 2), 1, out, ws, ws_bytes, 100,
+                           nullptr, nullptr),
               cudaErrorInvalidValue);
     // No rows: nothing to launch.
-    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, nullptr, 0, nullptr, 0, nullptr, nullptr, 0, 100, nullptr, nullptr),
+    EXPECT_EQ(cuda::sample(lg, 1, 100, 100, nullptr, 0, nullptr, 0, nullptr, 0, nullptr, nullptr, 0, 100, nullptr,
+                           nullptr),
               cudaSuccess);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

@@ -253,7 +253,16 @@ def test_stop_strings(server):
     ({"model": "gpt-4", "prompt": PROMPT}, 404, "does not exist"),
     ({"model": MODEL_NAME, "prompt": "word " * 9000}, 400, "maximum context length is 4096"),
     ({"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"5": 101}},
+     400, 'logit_bias["5"]: expected a number in [-100, 100], found 101'),
+    ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"5": "up"}},
+     400, 'logit_bias["5"]: expected a number in [-100, 100], found a string'),
+    ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"five": 1}}, 400, 'key "five" is not a decimal token id'),
+    ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {"1024": 1}},
+     400, "logit_bias: token id 1024 is outside the vocabulary of 1024"),
+    ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": [5]}, 400, "logit_bias: expected an object"),
+    ({"model": MODEL_NAME, "prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(1024)} | {"0000": 1}},
+     400, "logit_bias: expected at most 1024 entries, found 1025"),
     ({"model": MODEL_NAME, "prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
     ({"model": MODEL_NAME}, 400, "prompt: required"),
     ("{not json", 400, "not valid JSON"),
@@ -263,6 +272,50 @@ def test_refusals_use_the_openai_envelope(server, body, status, needle):
     assert got == status, payload
     err = json.loads(payload)["error"]
     assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
+    if isinstance(body, dict) and "logit_bias" in body:
+        assert err["param"] == "logit_bias"
+
+
+def test_logit_bias_forces_and_bans_tokens(server):
+    """OpenAI's logit_bias through the openai client: +100 on a token id (picked with /tokenize) makes greedy
+    decoding emit it at every step, with the log-probabilities still the raw logits' (the unbiased greedy token
+    stays the top alternative); -100 on the greedy token makes greedy decoding pick another one."""
+    status, body = server.request("POST", "/tokenize", {"prompt": " list"})
+    assert status == 200
+    forced = json.loads(body)["tokens"][-1]
+    status, body = server.request("POST", "/detokenize", {"tokens": [forced] * 4})
+    assert status == 200
+    want = json.loads(body)["prompt"]
+    plain = server.client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                             logprobs=1, extra_body={"ignore_eos": True})
+    assert plain.choices[0].text != want
+    comp = server.client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                            logprobs=1, logit_bias={str(forced): 100},
+                                            extra_body={"ignore_eos": True})
+    assert comp.choices[0].text == want
+    lp = comp.choices[0].logprobs
+    assert list(lp.top_logprobs[0]) == [plain.choices[0].logprobs.tokens[0]]  # raw logits: the greedy token on top
+    assert lp.token_logprobs[0] < plain.choices[0].logprobs.token_logprobs[0]
+    # Sampled (T = 0.8, seeded) and in chat, the forced token too.
+    chat = server.client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=3, temperature=0.8, seed=5,
+                                                 logit_bias={str(forced): 100})
+    status, body = server.request("POST", "/detokenize", {"tokens": [forced] * 3})
+    message = chat.choices[0].message
+    reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+    assert reasoning + (message.content or "") == json.loads(body)["prompt"]
+    # A ban: the unbiased greedy first token, banned, is not the first token any more.
+    status, body = server.request("POST", "/tokenize", {"prompt": plain.choices[0].logprobs.tokens[0]})
+    ids = json.loads(body)["tokens"][1:]  # BOS first
+    assert len(ids) == 1
+    banned = server.client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0,
+                                              logprobs=1, logit_bias={str(ids[0]): -100})
+    assert banned.choices[0].logprobs.tokens[0] != plain.choices[0].logprobs.tokens[0]
+    # null and {} are no bias.
+    for none in (None, {}):
+        again = server.client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                                 extra_body={"ignore_eos": True, "logit_bias": none})
+        assert again.choices[0].text == plain.choices[0].text
 
 
 def test_unknown_route_and_chat_errors(server):
@@ -337,6 +390,54 @@ def test_a_client_that_disconnects_is_cancelled_and_its_pages_return(server):
     conn.close()
     assert wait_for(lambda: cancelled(server) == before + 2), server.metrics()
     assert wait_for(lambda: idle(server)), server.metrics()
+
+
+def test_the_prefix_cache_reuses_a_prompt_and_changes_nothing(server):
+    """A prompt sent again takes its whole 64-token blocks from the prefix cache (the hit counters grow by them)
+    and the answer, with its log-probabilities, is byte-identical; a server without the cache answers the same."""
+    prompt = " ".join(f"{PROMPT} {i}." for i in range(40))
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    status, first = server.request("POST", "/v1/completions", body)
+    assert status == 200
+    before = server.metrics()
+    status, again = server.request("POST", "/v1/completions", body)
+    assert status == 200
+    after = server.metrics()
+    n_prompt = json.loads(first)["usage"]["prompt_tokens"]
+    assert after["memra:prefix_cache_queries_total"] - before["memra:prefix_cache_queries_total"] == n_prompt
+    assert after["memra:prefix_cache_hits_total"] - before["memra:prefix_cache_hits_total"] == (n_prompt - 1) // 64 * 64
+    strip = lambda raw: {k: v for k, v in json.loads(raw).items() if k not in ("id", "created", "seed")}
+    assert strip(again) == strip(first)
+    cold = Server("-c", "8192", "--no-enable-prefix-caching")
+    try:
+        status, fresh = cold.request("POST", "/v1/completions", body)
+        assert status == 200 and strip(fresh) == strip(first)
+        cold.request("POST", "/v1/completions", body)
+        assert cold.metrics()["memra:prefix_cache_hits_total"] == 0
+    finally:
+        cold.stop()
+
+
+def test_speculation_changes_nothing_but_the_speed(server):
+    """A server drafting with the MTP layers (--spec-draft 3) answers byte for byte as the module's server, greedy
+    and seeded sampling, with log-probabilities; it reports the drafts it verified and accepted."""
+    bodies = [{"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 1, "seed": 1},
+              {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 24, "temperature": 0.8, "seed": 5, "n": 2}]
+    strip = lambda raw: {k: v for k, v in json.loads(raw).items() if k not in ("id", "created")}
+    spec = Server("-c", "8192", "--spec-draft", "3")
+    try:
+        for body in bodies:
+            want = server.request("POST", "/v1/completions", body)
+            got = spec.request("POST", "/v1/completions", body)
+            assert got[0] == want[0] == 200
+            assert strip(got[1]) == strip(want[1])
+        m = spec.metrics()
+        assert m["memra:spec_decode_num_draft_tokens_total"] > 0
+        assert m["memra:spec_decode_num_accepted_tokens_total"] > 0
+        assert server.metrics()["memra:spec_decode_num_drafts_total"] == 0
+    finally:
+        rc, log = spec.stop()
+    assert rc == 0 and "speculation 3 MTP drafts per decode step" in log, log
 
 
 def test_metrics_follow_the_vllm_names(server):

@@ -458,6 +458,103 @@ TEST_P(EngineTest, SamplingRestrictedSeededAndWithLogprobs) {
     EXPECT_LE(t.logprobs.chosen, 0.0f);
 }
 
+// A logit bias acts on its own sequence only: in a batch with unbiased sequences, those draw exactly the tokens
+// they draw alone, the biased one the forced token at every step (sampled or greedy), never a banned one; the
+// batched steps allocate nothing. Invalid lists are refused.
+TEST_P(EngineTest, LogitBiasForcesATokenAndLeavesTheBatchAlone) {
+    Loaded l = load(options());
+    Engine &e = *l.engine;
+    constexpr int kSteps = 8;
+    constexpr int32_t kForced = 777;
+    struct Spec {
+        float temperature;
+        uint64_t seed;
+        std::vector<LogitBias> bias;
+    };
+    const std::vector<Spec> specs = {
+        {0.8f, 11, {}},
+        {0.8f, 12, {{3, -100.0f}, {kForced, 100.0f}, {900, -100.0f}}},
+        {0.0f, 13, {}},
+        {0.0f, 14, {{kForced, 100.0f}}},
+        {1.2f, 15, {}},
+    };
+    const auto make = [&](size_t i) {
+        SequenceOptions so;
+        so.sampling.temperature = specs[i].temperature;
+        so.sampling.seed = specs[i].seed;
+        so.logit_bias = specs[i].bias;
+        auto s = e.create_sequence(so);
+        EXPECT_TRUE(s.has_value()) << s.error().message;
+        (*s)->tokens = make_tokens(40 + i, 5 + 3 * i, 1024);
+        return std::move(*s);
+    };
+    // Alone: prefill, then a decode step per token.
+    std::vector<std::vector<int32_t>> alone;
+    for (size_t i = 0; i < specs.size(); ++i) {
+        auto s = make(i);
+        for (int k = 0; k < kSteps; ++k) {
+            auto id = feed(e, *s);
+            ASSERT_TRUE(id.has_value()) << id.error().message;
+            s->tokens.push_back(*id);
+        }
+        alone.push_back(s->tokens);
+    }
+    // Together: one step for every sequence's prefill, then batched decode steps.
+    e.set_allocation_counter(test::allocation_count);
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    std::vector<StepItem> items;
+    for (size_t i = 0; i < specs.size(); ++i) {
+        seqs.push_back(make(i));
+        seqs.back()->tokens.reserve(64);
+        StepItem it;
+        it.seq = seqs.back().get();
+        it.rows = seqs.back()->pending();
+        it.sample = true;
+        items.push_back(it);
+    }
+    for (int k = 0; k < kSteps; ++k) {
+        auto ok = e.step(items);
+        ASSERT_TRUE(ok.has_value()) << ok.error().message;
+        if (k > 1) {
+            EXPECT_EQ(e.step_allocations(), 0) << "step " << k;
+        }
+        for (size_t i = 0; i < items.size(); ++i) {
+            seqs[i]->tokens.push_back(e.sampled(i).id);
+            items[i].rows = 1;
+        }
+    }
+    e.set_allocation_counter({});
+    for (size_t i = 0; i < specs.size(); ++i) {
+        EXPECT_EQ(seqs[i]->tokens, alone[i]) << "sequence " << i;
+        const size_t prompt = alone[i].size() - kSteps;
+        for (size_t k = prompt; k < alone[i].size(); ++k) {
+            if (!specs[i].bias.empty()) {
+                EXPECT_EQ(alone[i][k], kForced) << "sequence " << i << " token " << k;
+            } else if (k == prompt) {
+                EXPECT_NE(alone[i][k], kForced) << "sequence " << i << ": the unbiased model does not pick it";
+            }
+        }
+    }
+
+    // Refusals: an id outside the sampled ids, unsorted ids, a value past 100; set_logit_bias changes nothing then.
+    SequenceOptions so;
+    so.logit_bias = {{1024, 1.0f}};
+    auto bad = e.create_sequence(so);
+    ASSERT_FALSE(bad.has_value());
+    EXPECT_NE(bad.error().message.find("logit_bias[0].id: expected a token id in [0, 1024), found 1024"),
+              std::string::npos)
+        << bad.error().message;
+    so.logit_bias = {{5, 1.0f}, {4, 1.0f}};
+    EXPECT_FALSE(e.create_sequence(so).has_value());
+    so.logit_bias = {{5, 101.0f}};
+    EXPECT_FALSE(e.create_sequence(so).has_value());
+    Sequence &s = *seqs[1];
+    EXPECT_FALSE(s.set_logit_bias(std::vector<LogitBias>{{2, 1.0f}, {2, 1.0f}}).has_value());
+    EXPECT_EQ(s.logit_bias().size(), 3u);
+    EXPECT_TRUE(s.set_logit_bias({}).has_value());
+    EXPECT_TRUE(s.logit_bias().empty());
+}
+
 // Every refusal leaves the engine and the sequences as they were, and the engine usable.
 TEST_P(EngineTest, BadStepsAreRefusedAndChangeNothing) {
     EngineOptions o = options();

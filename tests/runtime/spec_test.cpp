@@ -72,6 +72,7 @@ struct RunSpec {
     int64_t ctx = 0;
     int64_t step_rows = 64;
     SamplingParams sampling;
+    std::vector<LogitBias> bias;  // the sequence's logit bias
     // The drafts to force at a step: the sequence's tokens so far (the last one pending) -> ids (-1: leave).
     std::function<std::array<int32_t, 3>(const std::vector<int32_t> &, uint64_t)> force;
     bool abandon_some = false;  // plan + run + abandon a drafting step before every 5th step
@@ -102,6 +103,7 @@ Trace generate(const Model &m, const RunSpec &rs, const std::vector<int32_t> &pr
     SequenceOptions so;
     so.mtp_streams = o.mtp_layers;
     so.sampling = rs.sampling;
+    so.logit_bias = rs.bias;
     auto seq = e.create_sequence(so);
     EXPECT_TRUE(seq.has_value()) << seq.error().message;
     if (!seq) return t;
@@ -419,6 +421,43 @@ TEST(Speculation, DraftingSequencesInOneStepEqualEachAlone) {
     for (size_t i = 0; i < seqs.size(); ++i) EXPECT_EQ(seqs[i]->tokens, alone[i]) << "sequence " << i;
     EXPECT_GT(accepted, kSanitized ? 3 : 10);
     EXPECT_TRUE((*e)->check_pages().has_value());
+}
+
+// The drafts are sampled with the sequence's logit bias: a forced token is drafted and accepted at every step
+// (drafts without the bias would be the MTP layers' own guesses), and with any bias the emitted tokens and logit
+// rows equal decoding without drafts.
+TEST(Speculation, DraftsUseTheSequencesLogitBias) {
+    const Model m = open_model(default_model());
+    ASSERT_TRUE(m.ckpt);
+    const std::vector<int32_t> prompt = model::make_tokens(31, 20, 1000);
+    struct Case {
+        std::string name;
+        SamplingParams sp;
+        std::vector<LogitBias> bias;
+        bool forced;
+    };
+    const std::vector<Case> cases = {
+        {"greedy, forced", sampling(0.0f, 1.0f), {{517, 100.0f}}, true},
+        {"T0.7, forced", sampling(0.7f, 0.9f), {{3, -100.0f}, {517, 100.0f}}, true},
+        {"T0.8, nudged", sampling(0.8f, 0.95f, 1.1f), {{10, 2.5f}, {32, -3.0f}, {101, 1.5f}, {640, 4.0f}}, false},
+    };
+    DraftForcing forcing;
+    for (const Case &c : cases) {
+        RunSpec base;
+        base.ctx = kSanitized ? 44 : 64;
+        base.sampling = c.sp;
+        base.bias = c.bias;
+        const Trace ref = generate(m, base, prompt, forcing);
+        RunSpec rs = base;
+        rs.draft = 3;
+        const Trace spec = generate(m, rs, prompt, forcing);
+        expect_same(ref, spec, c.name);
+        if (!c.forced) continue;
+        for (size_t k = prompt.size(); k < ref.tokens.size(); ++k) EXPECT_EQ(ref.tokens[k], 517) << c.name;
+        for (size_t i = 0; i < spec.accepted.size(); ++i) {
+            EXPECT_EQ(spec.accepted[i], spec.drafted[i]) << c.name << " step " << i;
+        }
+    }
 }
 
 // Refusals leave the sequence and the pools as they were; a drafting item keeps no unconfirmed row.

@@ -5,9 +5,14 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
 
 #include <gtest/gtest.h>
 
+#include "core/sampling.h"
 #include "serve/openai.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -107,6 +112,35 @@ TEST(OpenAiRequest, CompletionFieldsAreRead) {
     EXPECT_EQ(rep->generation.sampling.penalty_last_n, -1);
 }
 
+TEST(OpenAiRequest, LogitBiasIsReadSortedById) {
+    auto r = completion({{"prompt", "x"}, {"logit_bias", {{"50", -100}, {"7", 2.5}, {"1023", 100}, {"0", 0}}}});
+    ASSERT_TRUE(r.has_value()) << r.error().message;
+    const std::vector<LogitBias> &b = r->generation.logit_bias;
+    ASSERT_EQ(b.size(), 4u);
+    const std::vector<std::pair<int32_t, float>> want = {{0, 0.0f}, {7, 2.5f}, {50, -100.0f}, {1023, 100.0f}};
+    for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(b[i].id, want[i].first) << i;
+        EXPECT_EQ(b[i].value, want[i].second) << i;
+    }
+    EXPECT_TRUE(validate_logit_bias(b, 1024).has_value());
+    // Chat too; null and {} are none; the full 1024 entries are accepted.
+    auto c = chat({{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"logit_bias", {{"3", -1}}}});
+    ASSERT_TRUE(c.has_value()) << c.error().message;
+    ASSERT_EQ(c->generation.logit_bias.size(), 1u);
+    EXPECT_EQ(c->generation.logit_bias[0].id, 3);
+    for (const Json &none : {Json(nullptr), Json::object()}) {
+        auto n = completion({{"prompt", "x"}, {"logit_bias", none}});
+        ASSERT_TRUE(n.has_value()) << n.error().message;
+        EXPECT_TRUE(n->generation.logit_bias.empty());
+    }
+    Json full = Json::object();
+    for (int i = 0; i < kMaxLogitBias; ++i) full[std::to_string(i)] = i % 2 == 0 ? 1 : -1;
+    auto f = completion({{"prompt", "x"}, {"logit_bias", full}});
+    ASSERT_TRUE(f.has_value()) << f.error().message;
+    EXPECT_EQ(f->generation.logit_bias.size(), static_cast<size_t>(kMaxLogitBias));
+    EXPECT_TRUE(validate_logit_bias(f->generation.logit_bias, 1024).has_value());
+}
+
 TEST(OpenAiRequest, RefusalsNameTheFieldTheExpectationAndTheValue) {
     expect_refused(completion({{"prompt", "x"}, {"temperature", "hot"}}), 400,
                    "temperature: expected a number, found a string", "temperature");
@@ -122,8 +156,31 @@ TEST(OpenAiRequest, RefusalsNameTheFieldTheExpectationAndTheValue) {
     expect_refused(completion({{"prompt", "x"}, {"stop", {"a", 3}}}), 400,
                    "stop: expected a string or an array of strings, found an integer", "stop");
     expect_refused(completion({{"prompt", "x"}, {"stop", ""}}), 400, "stop: an empty stop string", "stop");
-    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {{"5", 10}}}}), 400, "logit_bias: not supported yet",
-                   "logit_bias");
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {{"5", 10}, {"1024", 1}}}}), 400,
+                   "logit_bias: token id 1024 is outside the vocabulary of 1024", "logit_bias");
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {{"-3", 1}}}}), 400,
+                   "logit_bias: token id -3 is outside the vocabulary of 1024", "logit_bias");
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {{"99999999999999999999999", 1}}}}), 400,
+                   "logit_bias: token id 99999999999999999999999 is outside the vocabulary of 1024", "logit_bias");
+    for (const char *key : {"abc", "", "5.0", " 5", "0x10", "-"}) {
+        expect_refused(chat({{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"logit_bias", {{key, 1}}}}), 400,
+                       fmt::format("logit_bias: key \"{}\" is not a decimal token id", key), "logit_bias");
+    }
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {{"5", "up"}}}}), 400,
+                   "logit_bias[\"5\"]: expected a number in [-100, 100], found a string", "logit_bias");
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {{"5", 100.5}}}}), 400,
+                   "logit_bias[\"5\"]: expected a number in [-100, 100], found 100.5", "logit_bias");
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {{"5", -101}}}}), 400,
+                   "logit_bias[\"5\"]: expected a number in [-100, 100], found -101", "logit_bias");
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {{"7", 1}, {"007", 2}}}}), 400,
+                   "logit_bias: token id 7 appears twice", "logit_bias");
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", {5, 10}}}), 400,
+                   "logit_bias: expected an object mapping token ids to numbers, found an array", "logit_bias");
+    Json too_many = Json::object();
+    for (int i = 0; i <= kMaxLogitBias; ++i) too_many[std::to_string(i % 1024) + (i >= 1024 ? "0" : "")] = 1;
+    ASSERT_EQ(too_many.size(), 1025u);
+    expect_refused(completion({{"prompt", "x"}, {"logit_bias", too_many}}), 400,
+                   "logit_bias: expected at most 1024 entries, found 1025", "logit_bias");
     expect_refused(completion({{"prompt", "x"}, {"echo", true}}), 400, "echo: not supported", "echo");
     expect_refused(completion({{"prompt", "x"}, {"best_of", 2}}), 400,
                    "best_of: only best_of = n is supported (every choice is returned)", "best_of");

@@ -1,6 +1,7 @@
 // The serving scheduler (serve/scheduler.h) on the embedded default model through the CPU backend. T1 (SERVING.md
 // 6.4): every request served in a crowd — random arrivals, step budgets of 1 to 333 rows, a pool so small that
-// running requests are preempted and recomputed, cancellations of other requests, seeded sampling and penalties —
+// running requests are preempted and recomputed, the prefix cache cold, warm and evicting, MTP drafts,
+// cancellations of other requests, seeded sampling and penalties —
 // produces the tokens, the hash of every sampled position's logits, the text and the finish of the same request
 // served alone; zero mismatches. T6: the limits (context, queue, timeout) and every refusal. Stop strings across
 // token boundaries, max_tokens and the context edge, cancellation and shutdown giving every page back, and the
@@ -20,6 +21,7 @@
 #include "io/safetensors.h"
 #include "model/step35_config.h"
 #include "runtime/engine.h"
+#include "serve/metrics.h"
 #include "serve/scheduler.h"
 #include "text/tokenizer.h"
 
@@ -57,7 +59,8 @@ const Model &the_model() {
     return *m;
 }
 
-std::unique_ptr<runtime::Engine> make_engine(int max_seqs, int64_t step_rows, int64_t ctx_size) {
+std::unique_ptr<runtime::Engine> make_engine(int max_seqs, int64_t step_rows, int64_t ctx_size,
+                                             bool prefix_cache = false, int spec_draft = 0) {
     const Model &m = the_model();
     runtime::EngineOptions o;
     o.k_format = KvFormat::kQ8_0;
@@ -65,6 +68,9 @@ std::unique_ptr<runtime::Engine> make_engine(int max_seqs, int64_t step_rows, in
     o.ctx_size = ctx_size;
     o.max_seqs = max_seqs;
     o.step_rows = step_rows;
+    o.prefix_cache = prefix_cache;
+    o.mtp_layers = spec_draft;
+    o.spec_draft = spec_draft;
     o.sample_vocab = std::min(m.cfg.vocab_size, m.tok->n_tokens());
     o.make_backend = [](int) -> Result<std::unique_ptr<Backend>> {
         return std::unique_ptr<Backend>(std::make_unique<cpu::CpuBackend>(1, Numerics::kDevice));
@@ -177,56 +183,87 @@ struct Crowd {
     int64_t step_rows;
     int64_t ctx_size;
     uint64_t seed;
+    bool prefix_cache;
+    int rounds;      // the mix served this many times on one engine (a warm prefix cache after the first)
+    int spec_draft;  // MTP drafts per decode step (0: none)
 };
+
+// A counter of the scheduler's metrics.
+double metric(const Metrics &metrics, const std::string &name) {
+    const std::string text = metrics.render(Gauges{});
+    const std::string line = name + "{model_name=\"t\"} ";
+    const size_t at = text.find(line);
+    EXPECT_NE(at, std::string::npos) << text;
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + line.size()));
+}
+
+// Prompt tokens the prefix cache supplied.
+double prefix_hits(const Metrics &metrics) { return metric(metrics, "memra:prefix_cache_hits_total"); }
 
 TEST(SchedulerT1, EveryRequestInACrowdEqualsItselfAlone) {
     const std::vector<GenerationRequest> reqs = request_mix();
     const std::vector<Outcome> &alone = mix_alone();
     // Budgets around the chunking edges, a one-row budget, and pools of 16 pages for 8 sequences of up to 8 pages
-    // each: with 64-row chunks admissions outrun the pool and running requests are preempted.
-    for (const Crowd &c : {Crowd{8, 7, 512, 1}, Crowd{8, 333, 4096, 2}, Crowd{3, 1, 1024, 3}, Crowd{8, 64, 512, 4}}) {
-        SCOPED_TRACE(fmt::format("max_seqs {} step_rows {} ctx {}", c.max_seqs, c.step_rows, c.ctx_size));
-        auto engine = make_engine(c.max_seqs, c.step_rows, c.ctx_size);
-        Scheduler sched(*engine, *the_model().tok, the_model().eos, SchedulerOptions{});
+    // each: with 64-row chunks admissions outrun the pool and running requests are preempted. With the prefix
+    // cache the mix's shared prefixes hit (and a second round on the same engine starts warm), in the small pool
+    // cached pages are evicted, and preempted requests take their own published blocks back.
+    // With MTP drafts (3, and 1 in a pool short of pages) pure-decode steps speculate and the rest catch up.
+    for (const Crowd &c : {Crowd{8, 7, 512, 1, false, 1, 0}, Crowd{8, 333, 4096, 2, true, 2, 0},
+                           Crowd{3, 1, 1024, 3, false, 1, 0}, Crowd{8, 64, 512, 4, false, 1, 0},
+                           Crowd{8, 64, 512, 6, true, 1, 0}, Crowd{5, 48, 1024, 5, true, 2, 0},
+                           Crowd{6, 40, 2048, 7, false, 1, 3}, Crowd{8, 64, 512, 8, false, 1, 1}}) {
+        SCOPED_TRACE(fmt::format("max_seqs {} step_rows {} ctx {} prefix cache {} drafts {}", c.max_seqs,
+                                 c.step_rows, c.ctx_size, c.prefix_cache, c.spec_draft));
+        auto engine = make_engine(c.max_seqs, c.step_rows, c.ctx_size, c.prefix_cache, c.spec_draft);
+        Metrics metrics("t");
+        Scheduler sched(*engine, *the_model().tok, the_model().eos, SchedulerOptions{}, &metrics);
         std::mt19937_64 rng(c.seed);
-        std::vector<std::shared_ptr<RequestState>> states(reqs.size());
-        std::vector<std::shared_ptr<RequestState>> others;  // cancelled at random: not compared
-        size_t next = 0;
-        while (next < reqs.size() || sched.busy()) {
-            while (next < reqs.size() && rng() % 3 != 0) {
-                auto s = sched.submit(reqs[next]);
-                ASSERT_TRUE(s.has_value()) << s.error().message;
-                states[next++] = *s;
-                if (rng() % 4 == 0) {  // another request, which a client abandons later
-                    GenerationRequest other = reqs[rng() % reqs.size()];
-                    other.max_tokens = 40;
-                    auto o = sched.submit(other);
-                    ASSERT_TRUE(o.has_value());
-                    others.push_back(*o);
+        for (int round = 0; round < c.rounds; ++round) {
+            SCOPED_TRACE(fmt::format("round {}", round));
+            std::vector<std::shared_ptr<RequestState>> states(reqs.size());
+            std::vector<std::shared_ptr<RequestState>> others;  // cancelled at random: not compared
+            size_t next = 0;
+            while (next < reqs.size() || sched.busy()) {
+                while (next < reqs.size() && rng() % 3 != 0) {
+                    auto s = sched.submit(reqs[next]);
+                    ASSERT_TRUE(s.has_value()) << s.error().message;
+                    states[next++] = *s;
+                    if (rng() % 4 == 0) {  // another request, which a client abandons later
+                        GenerationRequest other = reqs[rng() % reqs.size()];
+                        other.max_tokens = 40;
+                        auto o = sched.submit(other);
+                        ASSERT_TRUE(o.has_value());
+                        others.push_back(*o);
+                    }
+                }
+                for (const auto &o : others) {
+                    if (rng() % 16 == 0) o->cancel();
+                }
+                sched.step_once();
+                auto pages = sched.check_pages();
+                ASSERT_TRUE(pages.has_value()) << pages.error().message;
+            }
+            int mismatches = 0;
+            for (size_t i = 0; i < reqs.size(); ++i) {
+                const Outcome got = collect(*states[i]);
+                if (!(got == alone[i])) {
+                    ++mismatches;
+                    ADD_FAILURE() << "request " << i << ": alone " << describe(alone[i]) << "; in the crowd "
+                                  << describe(got);
                 }
             }
-            for (const auto &o : others) {
-                if (rng() % 16 == 0) o->cancel();
-            }
-            sched.step_once();
-            auto pages = sched.check_pages();
-            ASSERT_TRUE(pages.has_value()) << pages.error().message;
+            EXPECT_EQ(mismatches, 0);
         }
-        int mismatches = 0;
-        for (size_t i = 0; i < reqs.size(); ++i) {
-            const Outcome got = collect(*states[i]);
-            if (!(got == alone[i])) {
-                ++mismatches;
-                ADD_FAILURE() << "request " << i << ": alone " << describe(alone[i]) << "; in the crowd "
-                              << describe(got);
-            }
-        }
-        EXPECT_EQ(mismatches, 0);
-        if (c.step_rows == 64) {  // the scenario built to run short of pages
+        if (c.step_rows == 64 && !c.prefix_cache) {  // the scenario built to run short of pages (shared pages last)
             EXPECT_GT(sched.gauges().preemptions, 0);
         }
+        EXPECT_EQ(prefix_hits(metrics) > 0, c.prefix_cache);
+        EXPECT_EQ(metric(metrics, "memra:spec_decode_num_accepted_tokens_total") > 0, c.spec_draft > 0);
         const kv::PagePool &full = engine->page_pool(kv::PoolKind::kFull);
+        EXPECT_EQ(full.n_available(), full.n_pages());
+        engine->clear_prefix_cache();
         EXPECT_EQ(full.n_free(), full.n_pages());
+        EXPECT_TRUE(engine->check_pages().has_value());
     }
 }
 
@@ -248,16 +285,25 @@ TEST(SchedulerT1, DecodingRequestsPreemptedAndRecomputedEqualThemselvesAlone) {
         reqs.push_back(std::move(r));
     }
     const std::vector<Outcome> alone = solo_run(reqs);
-    auto engine = make_engine(8, 32, 512);
-    Scheduler sched(*engine, *the_model().tok, the_model().eos, SchedulerOptions{});
-    std::vector<std::shared_ptr<RequestState>> states;
-    for (const GenerationRequest &r : reqs) states.push_back(*sched.submit(r));
-    while (sched.busy()) {
-        sched.step_once();
-        ASSERT_TRUE(sched.check_pages().has_value());
+    for (const bool prefix_cache : {false, true}) {  // with it, a recomputed request takes back its own blocks
+        SCOPED_TRACE(fmt::format("prefix cache {}", prefix_cache));
+        auto engine = make_engine(8, 32, 512, prefix_cache);
+        Metrics metrics("t");
+        Scheduler sched(*engine, *the_model().tok, the_model().eos, SchedulerOptions{}, &metrics);
+        std::vector<std::shared_ptr<RequestState>> states;
+        for (const GenerationRequest &r : reqs) states.push_back(*sched.submit(r));
+        while (sched.busy()) {
+            sched.step_once();
+            ASSERT_TRUE(sched.check_pages().has_value());
+        }
+        for (size_t i = 0; i < reqs.size(); ++i) {
+            const Outcome got = collect(*states[i]);
+            EXPECT_EQ(got, alone[i]) << "request " << i << ": alone " << describe(alone[i]) << "; in the crowd "
+                                     << describe(got);
+        }
+        EXPECT_GE(sched.gauges().preemptions, 4);
+        EXPECT_EQ(prefix_hits(metrics) > 0, prefix_cache);
     }
-    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(collect(*states[i]), alone[i]) << "request " << i;
-    EXPECT_GE(sched.gauges().preemptions, 4);
 }
 
 TEST(SchedulerT1, ThreadedLoopEqualsTheSteppedOne) {

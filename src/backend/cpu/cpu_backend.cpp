@@ -466,25 +466,33 @@ void CpuBackend::join_col_shards(TensorView shards, TensorView out) {
     }
 }
 
-void CpuBackend::sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) {
+void CpuBackend::sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView bias,
+                        TensorView out) {
     ++counters_.launches;
-    const int64_t n = op_checks::sample(logits, n_valid, rows, out, sampler_ ? sampler_->vocab_size() : 0);
+    const int64_t n = op_checks::sample(logits, n_valid, rows, bias, out, sampler_ ? sampler_->vocab_size() : 0);
     const int64_t vocab = logits.row_elems();
     const auto *rs = static_cast<const SampleRow *>(rows.data);
     auto *os = static_cast<SampledToken *>(out.data);
     const int32_t *hist = i32(history);
+    const auto *bs = static_cast<const LogitBias *>(bias.data);
+    const auto n_bias = static_cast<int64_t>(bias.n_bytes() / sizeof(LogitBias));
     const float *lg = f32(logits);
     for (int64_t i = 0; i < n; ++i) {
         const SampleRow &r = rs[i];
         MEMRA_CHECK(r.logit_row >= 0 && r.logit_row < logits.rows() && r.history_begin >= 0 && r.history_len >= 0 &&
-                        r.history_begin + r.history_len <= history.numel(),
-                    "sample: row {} reads logits row {} of {}, history [{}, +{}) of {}", i, r.logit_row, logits.rows(),
-                    r.history_begin, r.history_len, history.numel());
+                        r.history_begin + r.history_len <= history.numel() && r.bias_begin >= 0 && r.bias_len >= 0 &&
+                        r.bias_begin + r.bias_len <= n_bias,
+                    "sample: row {} reads logits row {} of {}, history [{}, +{}) of {}, bias [{}, +{}) of {}", i,
+                    r.logit_row, logits.rows(), r.history_begin, r.history_len, history.numel(), r.bias_begin,
+                    r.bias_len, n_bias);
         const std::span<const float> row(lg + r.logit_row * vocab, static_cast<size_t>(n_valid));
         sampler_->set_params(r.params);
         SampledToken &o = os[i];
+        const std::span<const LogitBias> row_bias =
+            r.bias_len > 0 ? std::span<const LogitBias>(bs + r.bias_begin, static_cast<size_t>(r.bias_len))
+                           : std::span<const LogitBias>();
         o.id = sampler_->sample(row, {hist + r.history_begin, static_cast<size_t>(r.history_len)}, r.choice,
-                                r.position);
+                                r.position, row_bias);
         o.has_logprobs = r.top_logprobs >= 0 ? 1 : 0;
         if (r.top_logprobs >= 0) token_logprobs(row, o.id, r.top_logprobs, o.logprobs);
     }

@@ -80,7 +80,8 @@ public:
     void concat_cols(TensorView a, TensorView b, TensorView out) override;
     void canonical_combine(TensorView subtree_sums, TensorView out) override;
     void join_col_shards(TensorView shards, TensorView out) override;
-    void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) override;
+    void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView bias,
+                TensorView out) override;
 
     BackendCounters counters() const override { return counters_; }
     void reset_counters() override { counters_ = {}; }

@@ -662,10 +662,13 @@ Result<void> CudaBackend::prepare_sampling(int32_t vocab_size) {
     return {};
 }
 
-void CudaBackend::sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) {
-    const int64_t n = op_checks::sample(logits, n_valid, rows, out, sample_vocab_);
+void CudaBackend::sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView bias,
+                         TensorView out) {
+    const int64_t n = op_checks::sample(logits, n_valid, rows, bias, out, sample_vocab_);
+    const auto n_bias = static_cast<int64_t>(bias.n_bytes() / sizeof(LogitBias));
     launched("sample", cuda::sample(f32(logits), logits.rows(), logits.row_elems(), n_valid, static_cast<const SampleRow *>(rows.data),
                                     n, history.numel() > 0 ? i32c(history) : nullptr, history.numel(),
+                                    n_bias > 0 ? static_cast<const LogitBias *>(bias.data) : nullptr, n_bias,
                                     static_cast<SampledToken *>(out.data), sample_workspace_, sample_workspace_bytes_,
                                     sample_vocab_, error_flag_, stream()));
 }

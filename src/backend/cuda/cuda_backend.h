@@ -113,7 +113,8 @@ public:
     void scatter_rows(TensorView src, TensorView rows, TensorView dst) override;
     void scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) override;
     void concat_cols(TensorView a, TensorView b, TensorView out) override;
-    void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView out) override;
+    void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView bias,
+                TensorView out) override;
 
     // Steps recorded as CUDA graphs: a key seen for the second time is captured (its ops run as the graph's
     // first replay), later ones replay it; the least recently used of kMaxStepGraphs is dropped for a new one.

@@ -190,15 +190,25 @@ __device__ float ordered_sum(int64_t n, Term term, Shared &sh) {
 __device__ float key_weight(uint64_t key) { return u32_as_f32(static_cast<uint32_t>(key >> 32)); }
 
 // Sampler::sample for one row (every thread returns the id). gwork: [n] f32 scratch; gkeys: [pow2 >= n] u64.
+// gbias: the row's [r.bias_len] entries (sorted unique ids, checked by the kernel).
 __device__ int32_t sample_row(const float *glogits, int32_t n, const SampleRow &r, const int32_t *ghistory,
-                              int32_t vocab, float *gwork, uint64_t *gkeys, Shared &sh, int32_t *flag) {
+                              const LogitBias *gbias, int32_t vocab, float *gwork, uint64_t *gkeys, Shared &sh,
+                              int32_t *flag) {
     const int tid = static_cast<int>(threadIdx.x);
     const SamplingParams &p = r.params;
-    // 1. Penalised logits (NaN -> -Inf), then the penalties of the window's distinct tokens: counts in gkeys
-    //    as i32 (zeroed, counted, then taken by exactly one thread per token with an exchange).
+    // 1. Penalised logits (NaN -> -Inf), the bias added (each id once: no two threads touch one logit), then the
+    //    penalties of the window's distinct tokens: counts in gkeys as i32 (zeroed, counted, then taken by
+    //    exactly one thread per token with an exchange).
     for (int64_t i = tid; i < n; i += kThreads) {
         const float l = glogits[i];
         gwork[i] = l != l ? neg_inf() : l;
+    }
+    if (r.bias_len > 0) {
+        __syncthreads();
+        for (int64_t j = tid; j < r.bias_len; j += kThreads) {
+            const LogitBias b = gbias[j];
+            if (b.id < n) gwork[b.id] = gwork[b.id] + b.value;
+        }
     }
     const int64_t window = p.penalty_context(r.history_len);
     if (window > 0) {
@@ -395,8 +405,8 @@ __device__ void logprobs_row(const float *glogits, int32_t n, int32_t chosen, in
 __global__ void __launch_bounds__(kThreads, 1)
     sample_kernel(const float *glogits, int64_t n_logit_rows, int64_t row_stride, int32_t n_valid,
                   const SampleRow *grows, int64_t n_rows, const int32_t *ghistory, int64_t history_size,
-                  SampledToken *gout, unsigned char *gworkspace, int64_t slot_bytes, int64_t work_bytes,
-                  int32_t vocab, int32_t *flag) {
+                  const LogitBias *gbias, int64_t bias_size, SampledToken *gout, unsigned char *gworkspace,
+                  int64_t slot_bytes, int64_t work_bytes, int32_t vocab, int32_t *flag) {
     __shared__ Shared sh;
     unsigned char *slot = gworkspace + static_cast<int64_t>(blockIdx.x) * slot_bytes;
     auto *gwork = reinterpret_cast<float *>(slot);
@@ -407,8 +417,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool bad = r.logit_row < 0 || r.logit_row >= n_logit_rows || r.history_begin < 0 ||
                          r.history_len < 0 || static_cast<int64_t>(r.history_begin) + r.history_len > history_size ||
                          r.position < 0 || r.position > int64_t{0xffffffff} || r.top_logprobs < -1 ||
-                         r.top_logprobs > kMaxTopLogprobs;
-        if (bad) {  // the same for every thread: the whole block skips the row
+                         r.top_logprobs > kMaxTopLogprobs || r.bias_begin < 0 || r.bias_len < 0 ||
+                         static_cast<int64_t>(r.bias_begin) + r.bias_len > bias_size;
+        // The bias entries: ids in [0, vocab), ascending and unique (every thread checks a share; all agree).
+        int bad_bias = 0;
+        if (!bad) {
+            for (int64_t j = threadIdx.x; j < r.bias_len; j += kThreads) {
+                const int32_t id = gbias[r.bias_begin + j].id;
+                if (id < 0 || id >= vocab || (j > 0 && gbias[r.bias_begin + j - 1].id >= id)) bad_bias = 1;
+            }
+        }
+        if (__syncthreads_or(bad_bias) != 0 || bad) {  // the same for every thread: the whole block skips the row
             if (threadIdx.x == 0) {
                 o->id = -1;
                 o->has_logprobs = 0;
@@ -417,7 +436,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             continue;
         }
         const float *glogit_row = glogits + static_cast<int64_t>(r.logit_row) * row_stride;
-        const int32_t id = sample_row(glogit_row, n_valid, r, ghistory, vocab, gwork, gkeys, sh, flag);
+        const int32_t id =
+            sample_row(glogit_row, n_valid, r, ghistory, gbias + r.bias_begin, vocab, gwork, gkeys, sh, flag);
         __syncthreads();  // every thread is done with sample_row's shared state
         if (r.top_logprobs >= 0) logprobs_row(glogit_row, n_valid, id, r.top_logprobs, sh, &o->logprobs);
         if (threadIdx.x == 0) {
@@ -442,9 +462,9 @@ int64_t sample_workspace_bytes(int32_t vocab, int64_t slots) {
 
 cudaError_t sample(const float *logits, int64_t n_logit_rows, int64_t row_stride, int32_t n_valid,
                    const SampleRow *rows, int64_t n_rows, const int32_t *history, int64_t history_size,
-                   SampledToken *out, void *workspace, int64_t workspace_bytes, int32_t workspace_vocab,
-                   int32_t *error_flag, cudaStream_t stream) {
-    if (n_rows < 0 || n_logit_rows < 0 || history_size < 0 || n_valid < 1 || row_stride < n_valid ||
+                   const LogitBias *bias, int64_t bias_size, SampledToken *out, void *workspace,
+                   int64_t workspace_bytes, int32_t workspace_vocab, int32_t *error_flag, cudaStream_t stream) {
+    if (n_rows < 0 || n_logit_rows < 0 || history_size < 0 || bias_size < 0 || n_valid < 1 || row_stride < n_valid ||
         workspace_vocab < n_valid) {
         return cudaErrorInvalidValue;
     }
@@ -452,10 +472,11 @@ cudaError_t sample(const float *logits, int64_t n_logit_rows, int64_t row_stride
     const int64_t slot_bytes = sample_workspace_slot_bytes(workspace_vocab);
     const int64_t slots = workspace_bytes / slot_bytes;
     if (logits == nullptr || rows == nullptr || out == nullptr || workspace == nullptr || slots < 1 ||
-        (history == nullptr && history_size > 0)) {
+        (history == nullptr && history_size > 0) || (bias == nullptr && bias_size > 0)) {
         return cudaErrorInvalidValue;
     }
     if (reinterpret_cast<uintptr_t>(rows) % alignof(SampleRow) != 0 ||
+        reinterpret_cast<uintptr_t>(bias) % alignof(LogitBias) != 0 ||
         reinterpret_cast<uintptr_t>(out) % alignof(SampledToken) != 0 ||
         reinterpret_cast<uintptr_t>(workspace) % kSlotAlign != 0) {
         return cudaErrorInvalidValue;
@@ -463,7 +484,7 @@ cudaError_t sample(const float *logits, int64_t n_logit_rows, int64_t row_stride
     const int64_t blocks = n_rows < slots ? n_rows : slots;
     const int64_t grid = blocks < INT32_MAX ? blocks : INT32_MAX;
     sample_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-        logits, n_logit_rows, row_stride, n_valid, rows, n_rows, history, history_size, out,
+        logits, n_logit_rows, row_stride, n_valid, rows, n_rows, history, history_size, bias, bias_size, out,
         static_cast<unsigned char *>(workspace), slot_bytes, work_bytes_for(workspace_vocab), workspace_vocab,
         error_flag);
     return cudaGetLastError();

@@ -28,18 +28,22 @@ int64_t sample_workspace_bytes(int32_t vocab, int64_t slots);
 // n_top entries of top_ids / top_logprobs; the other bytes of out[i] are left untouched, as the CPU leaves them.
 // logits: [n_logit_rows, row_stride] f32 (row_stride >= n_valid: the model's vocabulary, padding included);
 // rows: [n_rows] SampleRow (8-byte aligned); history: [history_size] i32, the tokens the rows' penalty windows
-// index (nullptr when history_size is 0); out: [n_rows] SampledToken (4-byte aligned).
+// index (nullptr when history_size is 0); bias: [bias_size] LogitBias (4-byte aligned), the entries the rows'
+// logit biases index (nullptr when bias_size is 0), added to the row's logits before the penalties with the CPU's
+// float add; out: [n_rows] SampledToken (4-byte aligned).
 // workspace: workspace_bytes >= sample_workspace_slot_bytes(workspace_vocab) bytes (256-byte aligned), made for
 // rows of workspace_vocab >= n_valid ids; its contents need no initial value and are garbage afterwards.
-// Bad rows: a logit_row or history range outside the buffers, a position outside [0, 2^32) or top_logprobs
-// outside [-1, kMaxTopLogprobs] writes id = -1, has_logprobs = 0 and raises the flag (as ops_route.h); a
+// Bad rows: a logit_row, history or bias range outside the buffers, a bias range that is not sorted by unique
+// ids in [0, workspace_vocab), a position outside [0, 2^32) or top_logprobs outside [-1, kMaxTopLogprobs]
+// writes id = -1, has_logprobs = 0 and raises the flag (as ops_route.h); a bias id in [n_valid,
+// workspace_vocab) has no logit and is skipped silently, as on the CPU (which also checks the values); a
 // penalty-window token outside [0, workspace_vocab) is skipped and raises the flag (the CPU aborts on all).
 // Tokens in [n_valid, workspace_vocab) have no logit to penalise and are skipped silently, as on the CPU.
 // Outside the bit-identity contract: a NaN penalised logit, which only a frequency penalty whose product
 // with a count overflows can make (the CPU's std::sort order is then unspecified).
 cudaError_t sample(const float *logits, int64_t n_logit_rows, int64_t row_stride, int32_t n_valid,
                    const SampleRow *rows, int64_t n_rows, const int32_t *history, int64_t history_size,
-                   SampledToken *out, void *workspace, int64_t workspace_bytes, int32_t workspace_vocab,
-                   int32_t *error_flag, cudaStream_t stream);
+                   const LogitBias *bias, int64_t bias_size, SampledToken *out, void *workspace,
+                   int64_t workspace_bytes, int32_t workspace_vocab, int32_t *error_flag, cudaStream_t stream);
 
 }  // namespace memra::cuda
