@@ -38,6 +38,7 @@ struct ServeOptions {
     std::string chat_template_file;
     int max_seqs = 0;        // 0: kServeSeqs of the device
     int64_t ctx_size = 16384;
+    int64_t kv_budget = 0;   // bytes; 0: ctx_size decides
     int64_t step_rows = 0;   // 0: kServeStepRows of the device
     int64_t max_waiting = 1024;
     double queue_timeout_s = 600.0;
@@ -92,6 +93,11 @@ int serve_main(const ServeOptions &opt) {
     eo.step_rows = opt.step_rows > 0 ? opt.step_rows : kServeStepRows[on_gpu];
     auto spec = enable_speculation(eo, cfg, opt.spec_draft, opt.spec_option->count() > 0);
     if (!spec) return fail(spec.error().message);
+    if (opt.kv_budget > 0) {
+        auto tokens = runtime::kv_budget_tokens(cfg, eo, opt.kv_budget);
+        if (!tokens) return fail(fmt::format("--kv-cache-memory: {}", tokens.error().message));
+        eo.ctx_size = *tokens;
+    }
     auto loaded = load_engine(in->dir, cfg, eo, BackendChoice{*device, opt.threads, opt.numerics});
     if (!loaded) return fail(loaded.error().message);
     runtime::Engine &engine = *loaded->engine;
@@ -115,6 +121,9 @@ int serve_main(const ServeOptions &opt) {
     server.ready(scheduler, info, metrics);
 
     const int64_t kv_tokens = int64_t{engine.page_pool(kv::PoolKind::kFull).n_pages()} * kKvPageRows;
+    const auto kv_mib = static_cast<double>(engine.kv_bytes()) / static_cast<double>(int64_t{1} << 20);
+    const std::string kv_size = kv_mib >= 1024.0 ? fmt::format("{:.2f} GiB", kv_mib / 1024.0)
+                                                 : fmt::format("{:.1f} MiB", kv_mib);
     std::fprintf(stderr, "serve: model %s (%s, %s, tp %d), served as \"%s\"\n", in->name.c_str(),
                  device_name(*device), opt.numerics == Numerics::kDevice ? "device numerics" : "exact numerics", opt.tp,
                  name.c_str());
@@ -124,9 +133,9 @@ int serve_main(const ServeOptions &opt) {
     std::fprintf(stderr, "serve: chat template: %s\n",
                  *chat_template ? template_origin.c_str() : "none (chat completions refused)");
     std::fprintf(stderr,
-                 "serve: KV cache: %lld tokens (%s K, %s V); up to %d sequences per step, %lld rows per step; maximum "
-                 "concurrency for %lld tokens per request: %.2fx\n",
-                 static_cast<long long>(kv_tokens), opt.kv_k.c_str(), opt.kv_v.c_str(), eo.max_seqs,
+                 "serve: KV cache: %lld tokens (%s K, %s V, %s); up to %d sequences per step, %lld rows per step; "
+                 "maximum concurrency for %lld tokens per request: %.2fx\n",
+                 static_cast<long long>(kv_tokens), opt.kv_k.c_str(), opt.kv_v.c_str(), kv_size.c_str(), eo.max_seqs,
                  static_cast<long long>(eo.step_rows), static_cast<long long>(info.context),
                  static_cast<double>(kv_tokens) / static_cast<double>(info.context));
     std::fprintf(stderr, "serve: listening on http://%s:%d (OpenAI API under /v1; Ctrl-C stops)\n",
@@ -177,12 +186,19 @@ Command add_serve_command(CLI::App &app) {
         ->envname("MEMRA_MAX_NUM_SEQS")
         ->check(CLI::Range(0, 4096))
         ->capture_default_str();
-    sub->add_option("-c,--ctx-size", opt->ctx_size,
+    CLI::Option *ctx = sub->add_option("-c,--ctx-size", opt->ctx_size,
                     "KV cache size in tokens, all requests together, allocated once at start (one request reaches at "
                     "most this and the model's context length)")
         ->envname("MEMRA_CTX_SIZE")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
         ->capture_default_str();
+    sub->add_option("--kv-cache-memory", opt->kv_budget,
+                    "KV cache size in bytes instead of -c (e.g. 8GiB, 512MiB; both pools, every rank): the sliding "
+                    "pool is sized first, the full-attention pool takes the rest")
+        ->envname("MEMRA_KV_CACHE_MEMORY")
+        ->transform(CLI::AsSizeValue(false))
+        ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
+        ->excludes(ctx);
     sub->add_option("--max-num-batched-tokens,--ubatch-size", opt->step_rows,
                     "Token budget of one engine step (also -ub): decodes first, then prefill chunks (0 = 512 on the "
                     "CPU, 2048 on a GPU)")

@@ -2,6 +2,7 @@
 #include "runtime/engine.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <utility>
 
@@ -100,7 +101,53 @@ SamplingParams draft_params(SamplingParams p) {
     return p;
 }
 
+// Pages of each pool: the full pool holds ctx_size positions plus one partial page per sequence; the sliding pool
+// per sequence its window, a step's rows and an MTP lag of up to a step behind the trunk, plus two pages of slack
+// at the edges (SERVING.md 1.6). blocks: the blocks one sequence may reach.
+std::array<int64_t, 2> pool_pages(const model::KvPoolLayout &pools, const EngineOptions &o, int64_t blocks) {
+    std::array<int64_t, 2> pages = {0, 0};
+    if (!pools.full_layers.empty()) pages[0] = (o.ctx_size + kKvPageRows - 1) / kKvPageRows + o.max_seqs;
+    if (!pools.swa_layers.empty()) {
+        const int64_t live = (pools.window - 1 + 2 * o.step_rows + kKvPageRows - 1) / kKvPageRows + 2;
+        pages[1] = int64_t{o.max_seqs} * std::min(live, blocks);
+    }
+    return pages;
+}
+
 }  // namespace
+
+Result<int64_t> kv_budget_tokens(const model::Step35Config &cfg, const EngineOptions &options, int64_t bytes) {
+    parallel::PlanRequest request;
+    request.tp = options.tp;
+    request.devices_available = options.tp;
+    auto plan = parallel::make_plan(model::plan_shape(cfg), request);
+    if (!plan) return wrap_error(fmt::format("KV budget: tp={}", options.tp), plan.error());
+    const model::KvPoolLayout pools = model::kv_pool_layout(cfg, options.mtp_layers);
+    // Bytes of one page of each pool, every rank together.
+    int64_t page_bytes[2] = {0, 0};
+    for (int r = 0; r < options.tp; ++r) {
+        const parallel::RankPlan *rank_plan = options.tp > 1 ? &plan->ranks[static_cast<size_t>(r)] : nullptr;
+        for (size_t k = 0; k < 2; ++k) {
+            const std::vector<int> &layers = k == 0 ? pools.full_layers : pools.swa_layers;
+            if (layers.empty()) continue;
+            auto layout = kv_page_layout(KvPoolSpec{options.k_format, options.v_format, 1,
+                                                    model::kv_pool_layers(cfg, layers, rank_plan)});
+            if (!layout) return wrap_error("KV budget", layout.error());
+            page_bytes[k] += layout->page_bytes;
+        }
+    }
+    // The sliding pool as the longest context would size it; the full pool gets the rest.
+    const auto blocks = (int64_t{cfg.context_length} + kKvPageRows - 1) / kKvPageRows;
+    const int64_t swa_bytes = pool_pages(pools, options, blocks)[1] * page_bytes[1];
+    const int64_t full_pages = page_bytes[0] > 0 ? (bytes - swa_bytes) / page_bytes[0] : 0;
+    if (page_bytes[0] == 0 || full_pages < options.max_seqs + 1) {
+        return make_error("KV budget of {} bytes: the sliding pool takes {} ({} sequences), a full-pool page {}: at "
+                          "least {} bytes are needed",
+                          bytes, swa_bytes, options.max_seqs, page_bytes[0],
+                          swa_bytes + (options.max_seqs + 1) * page_bytes[0]);
+    }
+    return (full_pages - options.max_seqs) * kKvPageRows;
+}
 
 Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, const model::Step35Config &cfg,
                                                const EngineOptions &options) {
@@ -160,16 +207,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
     }
     const int64_t blocks = model::max_blocks(e->cap_);
 
-    // Pages: the full pool holds ctx_size positions plus one partial page per sequence; the sliding pool per
-    // sequence its window, a step's rows and an MTP lag of up to a step behind the trunk, plus two pages of
-    // slack at the edges (SERVING.md 1.6).
-    const int64_t full_pages =
-        e->pools_.full_layers.empty() ? 0 : (o.ctx_size + kKvPageRows - 1) / kKvPageRows + o.max_seqs;
-    int64_t swa_pages = 0;
-    if (!e->pools_.swa_layers.empty()) {
-        const int64_t live = (e->pools_.window - 1 + 2 * o.step_rows + kKvPageRows - 1) / kKvPageRows + 2;
-        swa_pages = int64_t{o.max_seqs} * std::min(live, blocks);
-    }
+    const auto [full_pages, swa_pages] = pool_pages(e->pools_, o, blocks);
     if (full_pages > INT32_MAX / kKvPageRows || swa_pages > INT32_MAX / kKvPageRows) {
         return make_error("engine: {} full and {} sliding pages of {} rows exceed 2^31 slots", full_pages, swa_pages,
                           kKvPageRows);

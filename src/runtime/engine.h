@@ -375,6 +375,12 @@ private:
     int64_t step_allocations_ = -1;
 };
 
+// The KV positions (the full pool's, all sequences together: an EngineOptions::ctx_size) that a budget of `bytes`
+// for both pools on every rank holds with these options (formats, tp, max_seqs, step_rows, MTP layers; ctx_size is
+// ignored): the sliding pool first, as the model's longest context would size it, the full pool the rest. Refused:
+// a budget that does not hold the sliding pool and a full page per sequence plus one (the message names the sizes).
+Result<int64_t> kv_budget_tokens(const model::Step35Config &cfg, const EngineOptions &options, int64_t bytes);
+
 // Feeds every pending token of one sequence through as many steps as the row budget needs (chunked prefill:
 // logits only on the last chunk) and samples the next token from the last one, which it returns; the
 // sequence's cache then holds every token. Refused: nothing pending; a step's refusal (nothing of that step

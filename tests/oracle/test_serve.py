@@ -440,6 +440,25 @@ def test_speculation_changes_nothing_but_the_speed(server):
     assert rc == 0 and "speculation 3 MTP drafts per decode step" in log, log
 
 
+def test_a_kv_memory_budget_sizes_the_cache():
+    """--kv-cache-memory sizes the KV cache in bytes (the startup line reports tokens and GiB within it); it
+    excludes -c, and a budget too small for the sliding pool is refused with the sizes."""
+    s = Server("--kv-cache-memory", "48MiB")
+    try:
+        line = next(l for l in s.log if "KV cache:" in l)
+        m = re.search(r"KV cache: (\d+) tokens \(bf16 K, bf16 V, ([0-9.]+) MiB\)", line)
+        assert m and int(m.group(1)) > 0 and 40 < float(m.group(2)) <= 48, line
+        assert s.request("GET", "/health")[0] == 200
+    finally:
+        s.stop()
+    both = subprocess.run([memra_exe(), "serve", "-c", "100", "--kv-cache-memory", "1MiB"], capture_output=True,
+                          text=True, timeout=60)
+    assert both.returncode != 0 and "excludes" in both.stderr, both.stderr
+    small = subprocess.run([memra_exe(), "serve", "--port", "0", "--kv-cache-memory", "1KiB"], capture_output=True,
+                           text=True, timeout=120)
+    assert small.returncode != 0 and "--kv-cache-memory: KV budget of 1024 bytes" in small.stderr, small.stderr
+
+
 def test_metrics_follow_the_vllm_names(server):
     m = server.metrics()
     for name in ["memra:num_requests_running", "memra:num_requests_waiting", "memra:kv_cache_usage_perc",

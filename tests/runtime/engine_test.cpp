@@ -747,6 +747,40 @@ TEST_P(EngineTest, PoolsRunOutWithAClearErrorAndSequencesGiveTheirPagesBack) {
     EXPECT_TRUE(e.check_pages().has_value());
 }
 
+TEST_P(EngineTest, AKvBudgetSizesThePoolsWithinIt) {
+    for (const int tp : {1, 2}) {
+        for (const int64_t budget : {int64_t{8} << 20, int64_t{12} << 20}) {
+            EngineOptions o = options();
+            o.tp = tp;
+            o.max_seqs = 3;
+            auto cfg = model::load_step35_config(dir());
+            ASSERT_TRUE(cfg.has_value());
+            auto tokens = kv_budget_tokens(*cfg, o, budget);
+            ASSERT_TRUE(tokens.has_value()) << budget << ": " << tokens.error().message;
+            EXPECT_EQ(*tokens % kKvPageRows, 0);
+            o.ctx_size = *tokens;
+            Loaded l = load(o);
+            ASSERT_TRUE(l.engine);
+            // Within the budget, and one more full page per rank would not fit beside what the budget left.
+            EXPECT_LE(l.engine->kv_bytes(), budget) << "tp " << tp;
+            o.ctx_size = *tokens + kKvPageRows;
+            auto more = kv_budget_tokens(*cfg, o, budget);
+            ASSERT_TRUE(more.has_value());
+            EXPECT_EQ(*more, *tokens);  // ctx_size does not enter
+            Loaded bigger = load(o);
+            ASSERT_TRUE(bigger.engine);
+            EXPECT_GT(bigger.engine->kv_bytes(), l.engine->kv_bytes());
+        }
+        EngineOptions o = options();
+        o.tp = tp;
+        auto cfg = model::load_step35_config(dir());
+        auto small = kv_budget_tokens(*cfg, o, 1000);
+        ASSERT_FALSE(small.has_value());
+        EXPECT_NE(small.error().message.find("KV budget of 1000 bytes: the sliding pool takes"), std::string::npos)
+            << small.error().message;
+    }
+}
+
 TEST_P(EngineTest, CreateRefusesBadOptions) {
     const auto refused = [&](EngineOptions o, const std::string &needle) {
         auto cfg = model::load_step35_config(dir());
