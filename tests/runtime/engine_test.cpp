@@ -266,6 +266,55 @@ TEST_P(EngineTest, DecodeStepCopiesOnceEachWayAndAllocatesNothing) {
     EXPECT_EQ(e.counters(0).backend.d2h_copies, 2);
 }
 
+// The prefix cache: blocks published while a sequence prefills and decodes (steps that allocate nothing), a later
+// sequence sharing its first 150 tokens takes two blocks, and its logits equal a cold engine's bit for bit; a
+// sequence with MTP streams neither takes nor publishes.
+TEST_P(EngineTest, APrefixHitEqualsAColdPrefillAndPublishingAllocatesNothing) {
+    EngineOptions o = options();
+    o.prefix_cache = true;
+    Loaded warm = load(o);
+    Loaded cold = load(options());
+    Engine &e = *warm.engine;
+    e.set_allocation_counter(test::allocation_count);
+    const std::vector<int32_t> prompt = make_tokens(31, 200, 1024);
+    {
+        auto a = new_seq(e, 0, 0.8f, 7);
+        a->tokens = prompt;
+        ASSERT_TRUE(feed(e, *a).has_value());
+        EXPECT_EQ(e.prefix_cache().entries(), 3);
+        for (int i = 0; i < 60; ++i) {  // past position 256: a block published inside a decode step
+            a->tokens.push_back(e.sampled(0).id);
+            ASSERT_TRUE(feed(e, *a).has_value());
+            EXPECT_EQ(e.step_allocations(), 0) << "decode step " << i;
+        }
+        EXPECT_EQ(e.prefix_cache().entries(), 4);
+        auto m = new_seq(e, 1);
+        m->tokens = prompt;
+        EXPECT_EQ(*e.reuse_prefix(*m), 0) << "MTP streams take no cached prefix";
+    }
+    EXPECT_TRUE(e.check_pages().has_value());
+    std::vector<int32_t> tokens(prompt.begin(), prompt.begin() + 150);
+    const std::vector<int32_t> tail = make_tokens(32, 40, 1024);
+    tokens.insert(tokens.end(), tail.begin(), tail.end());
+    auto b = new_seq(e);
+    b->tokens = tokens;
+    auto reused = e.reuse_prefix(*b);
+    ASSERT_TRUE(reused.has_value()) << reused.error().message;
+    EXPECT_EQ(*reused, 128);
+    EXPECT_EQ(b->length(), 128);
+    EXPECT_FALSE(e.reuse_prefix(*b).has_value()) << "a sequence with rows";
+    const std::vector<float> hit = step_all(e, *b, b->pending());
+    auto c = new_seq(*cold.engine);
+    c->tokens = tokens;
+    step_all(*cold.engine, *c, 128, false);  // the same cut: chunking changes no bit either (tested above)
+    const std::vector<float> rest = step_all(*cold.engine, *c, c->pending());
+    const auto vocab = static_cast<size_t>(e.config().vocab_size);
+    ASSERT_EQ(hit.size(), (tokens.size() - 128) * vocab);
+    ASSERT_EQ(rest.size(), hit.size());
+    EXPECT_EQ(std::memcmp(hit.data(), rest.data(), hit.size() * sizeof(float)), 0);
+    EXPECT_TRUE(e.check_pages().has_value());
+}
+
 TEST_P(EngineTest, PartialCommitEqualsTheShorterPrefill) {
     Loaded l = load(options());
     Engine &e = *l.engine;
