@@ -3,6 +3,7 @@
 #include <chrono>
 #include <ctime>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -277,10 +278,19 @@ Result<void> HttpServer::bind() {
     return {};
 }
 
-void HttpServer::run() { http_->listen_after_bind(); }
+void HttpServer::run() {
+    run_started_ = true;  // before the check: stop() either sees this or run() sees stop_requested_
+    if (!stop_requested_) http_->listen_after_bind();
+    run_done_ = true;
+}
 
 void HttpServer::stop() {
-    if (http_) http_->stop();
+    stop_requested_ = true;
+    if (!http_) return;
+    // httplib's stop() does nothing before its loop runs: a run() already past its check is waited for (a failure
+    // right after start-up, e.g. a model that does not load, would otherwise leave the server listening).
+    while (run_started_ && !run_done_ && !http_->is_running()) std::this_thread::yield();
+    http_->stop();
 }
 
 void HttpServer::ready(Scheduler &scheduler, const ModelInfo &model, Metrics &metrics) {

@@ -56,6 +56,7 @@ private:
     int port_ = 0;
     int listen_fd_ = -1;  // the socket bind() listens on (httplib's own backlog of 5 is raised on it)
     std::atomic<Scheduler *> scheduler_{nullptr};
+    std::atomic<bool> run_started_{false}, run_done_{false}, stop_requested_{false};
     ModelInfo model_;
     Metrics *metrics_ = nullptr;
     std::mutex seed_mu_;

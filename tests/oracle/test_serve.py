@@ -443,7 +443,8 @@ def test_speculation_changes_nothing_but_the_speed(server):
 def test_a_kv_memory_budget_sizes_the_cache():
     """--kv-cache-memory sizes the KV cache in bytes (the startup line reports tokens and GiB within it); it
     excludes -c, and a budget too small for the sliding pool is refused with the sizes."""
-    s = Server("--kv-cache-memory", "48MiB")
+    # Four sequences of 512-row steps: a sliding pool small enough for the budget on any device's defaults.
+    s = Server("--kv-cache-memory", "48MiB", "--max-num-seqs", "4", "--max-num-batched-tokens", "512")
     try:
         line = next(l for l in s.log if "KV cache:" in l)
         m = re.search(r"KV cache: (\d+) tokens \(bf16 K, bf16 V, ([0-9.]+) MiB\)", line)
