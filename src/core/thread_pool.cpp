@@ -57,9 +57,12 @@ struct ThreadPool::State {
     std::atomic<bool> stopping{false};
     // The current job, written before generation is bumped (release) and read after it is seen (acquire):
     // ranges [i * chunk, min(n, (i + 1) * chunk)) for i = 0 .. n_threads-1.
+    // Dynamic jobs (parallel_for_dynamic): every thread claims ranges of `chunk` from `next_index` until none is left.
     const FunctionRef<void(int64_t, int64_t)> *fn = nullptr;
     int64_t n = 0;
     int64_t chunk = 0;
+    bool dynamic = false;
+    std::atomic<int64_t> next_index{0};
 
     std::mutex mutex;
     std::condition_variable wake;  // sleeping workers: a new generation or stopping
@@ -67,10 +70,36 @@ struct ThreadPool::State {
     int sleeping_workers = 0;      // guarded by mutex
     bool caller_sleeping = false;  // guarded by mutex
 
-    void run_range(int i) const {
+    void run_range(int i) {
+        if (dynamic) {
+            for (;;) {
+                const int64_t begin = next_index.fetch_add(chunk, std::memory_order_relaxed);
+                if (begin >= n) return;
+                (*fn)(begin, std::min(n, begin + chunk));
+            }
+        }
         const int64_t begin = std::min(n, int64_t{i} * chunk);
         const int64_t end = std::min(n, begin + chunk);
         if (begin < end) (*fn)(begin, end);
+    }
+
+    // Runs the job set up in fn / n / chunk / dynamic on every thread and returns when all have finished it.
+    void run_job() {
+        pending.store(static_cast<int>(workers.size()), std::memory_order_relaxed);
+        generation.fetch_add(1, std::memory_order_acq_rel);
+        {
+            std::lock_guard lock(mutex);
+            if (sleeping_workers > 0) wake.notify_all();
+        }
+        run_range(0);
+        auto finished = [&] { return pending.load(std::memory_order_acquire) == 0; };
+        if (!spin_until(finished)) {
+            std::unique_lock lock(mutex);
+            caller_sleeping = true;
+            done.wait(lock, finished);
+            caller_sleeping = false;
+        }
+        fn = nullptr;
     }
 
     // Returns the next generation after `seen`, or seen when stopping.
@@ -135,21 +164,24 @@ void ThreadPool::parallel_for(int64_t n, FunctionRef<void(int64_t, int64_t)> fn,
     s.fn = &fn;
     s.n = n;
     s.chunk = (n + ranges - 1) / ranges;
-    s.pending.store(static_cast<int>(s.workers.size()), std::memory_order_relaxed);
-    s.generation.fetch_add(1, std::memory_order_acq_rel);
-    {
-        std::lock_guard lock(s.mutex);
-        if (s.sleeping_workers > 0) s.wake.notify_all();
+    s.dynamic = false;
+    s.run_job();
+}
+
+void ThreadPool::parallel_for_dynamic(int64_t n, FunctionRef<void(int64_t, int64_t)> fn, int64_t grain) {
+    if (n <= 0) return;
+    grain = std::max<int64_t>(grain, 1);
+    if (state_->n_threads == 1 || n <= grain) {
+        fn(0, n);
+        return;
     }
-    s.run_range(0);
-    auto finished = [&] { return s.pending.load(std::memory_order_acquire) == 0; };
-    if (!spin_until(finished)) {
-        std::unique_lock lock(s.mutex);
-        s.caller_sleeping = true;
-        s.done.wait(lock, finished);
-        s.caller_sleeping = false;
-    }
-    s.fn = nullptr;
+    State &s = *state_;
+    s.fn = &fn;
+    s.n = n;
+    s.chunk = grain;
+    s.dynamic = true;
+    s.next_index.store(0, std::memory_order_relaxed);
+    s.run_job();
 }
 
 }  // namespace memra

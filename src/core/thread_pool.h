@@ -24,6 +24,10 @@ public:
     // each at least `grain` long except possibly the last) and returns when all are done. The calling
     // thread takes part. Not reentrant: fn must not call parallel_for on the same pool.
     void parallel_for(int64_t n, FunctionRef<void(int64_t begin, int64_t end)> fn, int64_t grain = 1);
+    // The same for work of uneven cost (causal attention, experts of different loads): the threads claim
+    // ranges of `grain` indices in turn until none is left, so which thread runs an index varies from call
+    // to call; only for fn whose result for an index does not depend on the range it came in.
+    void parallel_for_dynamic(int64_t n, FunctionRef<void(int64_t begin, int64_t end)> fn, int64_t grain);
 
 private:
     struct State;

@@ -28,6 +28,9 @@ constexpr int64_t kBlockRows = 128;
 constexpr int64_t kSplitRows = 512;
 constexpr int64_t kKeyChunk = 8;  // keys scored by one call of Ops::score
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Work items (a query's head batch) a thread claims at a time: their costs grow with the query's position, so
+// the threads claim them in turn (parallel_for_dynamic) rather than split them in equal contiguous halves.
+constexpr int64_t kItemGrain = 4;
 
 float round_to_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
@@ -395,14 +398,13 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
         return w;
     };
     const int64_t n_items = n_q * n_kv_heads * batches;
-    const int64_t span = shape.window > 0 ? shape.window : 1024;
     if (shape.blocked) {
         const bool round_keys = layer.k_format == KvFormat::kF32 || layer.k_format == KvFormat::kBf16;
         const int64_t padded_dim = (head_dim + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
         // The loops of the blocked order, over the inner operations of one instruction path (Ops).
         auto blocked = [&](auto ops) {
             using Ops = decltype(ops);
-            detail::parallel_rows(pool, n_items, span * head_dim * 3, [&](int64_t begin, int64_t end) {
+            pool.parallel_for_dynamic(n_items, [&](int64_t begin, int64_t end) {
                 // q rows and kKeyChunk decoded keys or values, zero past head_dim up to padded_dim (Ops::decode
                 // and the copy below write only head_dim values, so the zeros stay).
                 alignas(32) float qbuf[kHeadBatch][kMaxHeadDim];
@@ -500,7 +502,7 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
                         }
                     }
                 }
-            });
+            }, kItemGrain);
         };
 #if MEMRA_X86
         if (product_isa() != ProductIsa::kPortable) {
@@ -511,7 +513,7 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
         blocked(BlockedPortable{});
         return;
     }
-    detail::parallel_rows(pool, n_items, span * head_dim * 3, [&](int64_t begin, int64_t end) {
+    pool.parallel_for_dynamic(n_items, [&](int64_t begin, int64_t end) {
         float kbuf[kMaxHeadDim];
         float vbuf[kMaxHeadDim];
         float scores[kHeadBatch][kScoreCache];
@@ -567,7 +569,7 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
                 }
             }
         }
-    });
+    }, kItemGrain);
 }
 
 PagedLayer pool_layer(const KvPoolSpec &spec, const KvPageLayout &layout, std::byte *base, int layer) {
