@@ -203,7 +203,7 @@ TEST(MatmulDevice, EveryPathEqualsTheDocumentedLoop) {
     struct Shape {
         int64_t n, rows, cols;
     };
-    const Shape shapes[] = {{1, 37, 256}, {3, 9, 100}, {5, 16, 300}, {9, 6, 1280}, {2, 4, 32}, {4, 5, 129}};
+    const Shape shapes[] = {{1, 37, 256}, {3, 9, 100}, {5, 16, 300}, {9, 6, 1280}, {2, 4, 32}, {4, 5, 129}, {2, 24, 300}};
     for (ProductIsa isa : supported_isas()) {
         ASSERT_TRUE(force_product_isa(isa));
         for (const Shape &s : shapes) {

@@ -302,17 +302,23 @@ void run_task(ThreadPool &pool, const Task &task) {
 }
 
 // The fixed balanced tree over m = 1, 2, 4 or 8 values per element: v: [m, n]; out: [n].
+// One loop per m, so that the compiler runs each in vector lanes (the same adds per element).
 void balanced_tree(const float *v, int64_t m, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; ++i) {
-        const auto p = [&](int64_t j) { return v[j * n + i]; };
-        float s;
-        switch (m) {
-            case 1: s = p(0); break;
-            case 2: s = p(0) + p(1); break;
-            case 4: s = (p(0) + p(1)) + (p(2) + p(3)); break;
-            default: s = ((p(0) + p(1)) + (p(2) + p(3))) + ((p(4) + p(5)) + (p(6) + p(7))); break;
-        }
-        out[i] = s;
+    const float *p[8];
+    for (int64_t j = 0; j < m; ++j) p[j] = v + j * n;
+    switch (m) {
+        case 1: std::copy(p[0], p[0] + n, out); return;
+        case 2:
+            for (int64_t i = 0; i < n; ++i) out[i] = p[0][i] + p[1][i];
+            return;
+        case 4:
+            for (int64_t i = 0; i < n; ++i) out[i] = (p[0][i] + p[1][i]) + (p[2][i] + p[3][i]);
+            return;
+        default:
+            for (int64_t i = 0; i < n; ++i) {
+                out[i] = ((p[0][i] + p[1][i]) + (p[2][i] + p[3][i])) + ((p[4][i] + p[5][i]) + (p[6][i] + p[7][i]));
+            }
+            return;
     }
 }
 

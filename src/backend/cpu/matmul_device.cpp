@@ -79,7 +79,7 @@ void weight_group_bf16(const void *row, int64_t k, int64_t n, uint16_t *out) {
 // The portable path: FTZ/DAZ arithmetic emulated (core/device_numerics.h).
 
 struct PortablePath {
-    static constexpr bool kVectorTile = false;
+    static constexpr int vector_rows(int64_t) { return 0; }
     static constexpr int kTileRows = 4;
     static constexpr int kTileTokens = 4;
     using Acc = std::array<float, 16>;
@@ -158,7 +158,7 @@ struct SimdOps {
 };
 
 struct Avx2Path : SimdOps {
-    static constexpr bool kVectorTile = false;
+    static constexpr int vector_rows(int64_t) { return 0; }
     // 2 x 2 accumulators of two registers each: half of AVX2's 16, the rest for the converted operands.
     static constexpr int kTileRows = 4;
     static constexpr int kTileTokens = 1;
@@ -526,12 +526,6 @@ struct Avx512Bf16Path : SimdOps {
     MEMRA_SIMD static void fma(Acc &acc, const Group &x, const Group &w) {
         acc = _mm512_dpbf16_ps(acc, vec_bits<__m512bh>(x), vec_bits<__m512bh>(w));
     }
-    // Lane i of the result: lanes 2i and 2i+1 of a ++ b added (i < 8 from a, i >= 8 from b).
-    MEMRA_SIMD static __m512 pair_sums(__m512 a, __m512 b) {
-        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
-    }
     // The lane tree of matmul.h is a balanced tree of adjacent pairs, so 16 accumulators reduce together in
     // four levels of pair sums (15 of them instead of 16 trees): level 1 leaves the 8 pair sums of each
     // accumulator side by side, two accumulators per vector; each later level halves every accumulator's run;
@@ -539,12 +533,12 @@ struct Avx512Bf16Path : SimdOps {
     MEMRA_SIMD static void reduce(const Acc *acc, int n, float *out) {
         if (n == 16) {
             __m512 l1[8];
-            for (int i = 0; i < 8; ++i) l1[i] = pair_sums(acc[2 * i], acc[2 * i + 1]);
+            for (int i = 0; i < 8; ++i) l1[i] = simd::pair_sums(acc[2 * i], acc[2 * i + 1]);
             __m512 l2[4];
-            for (int i = 0; i < 4; ++i) l2[i] = pair_sums(l1[2 * i], l1[2 * i + 1]);
-            const __m512 l3a = pair_sums(l2[0], l2[1]);
-            const __m512 l3b = pair_sums(l2[2], l2[3]);
-            _mm512_storeu_ps(out, pair_sums(l3a, l3b));
+            for (int i = 0; i < 4; ++i) l2[i] = simd::pair_sums(l1[2 * i], l1[2 * i + 1]);
+            const __m512 l3a = simd::pair_sums(l2[0], l2[1]);
+            const __m512 l3b = simd::pair_sums(l2[2], l2[3]);
+            _mm512_storeu_ps(out, simd::pair_sums(l3a, l3b));
             return;
         }
         for (int a = 0; a < n; ++a) {
@@ -553,17 +547,16 @@ struct Avx512Bf16Path : SimdOps {
             out[a] = lane_sum16(_mm256_load_ps(l), _mm256_load_ps(l + 8));
         }
     }
-    // The full 4 x 4 tile with its epilogue in one vector: the 16 accumulators are kept token-major (lane
-    // 4t + r after the reduction), so the chunk's scale products, the running totals and the stores of each
-    // token's 4 rows are vector operations; the same operations, in the same order, as device_tile's scalar
-    // epilogue (matmul_device_tile.inc), under the same MXCSR modes.
-    static constexpr bool kVectorTile = true;
-    template <DType kDt>
+    // A tile of 16 / kT rows by kT tokens (kT = 4, 2, 1: 16 accumulators) with its epilogue in one vector: the
+    // accumulators are kept token-major (lane kR t + r after the reduction), so the chunk's scale products, the
+    // running totals and the stores of each token's kR rows are vector operations; the same operations, in the
+    // same order, as device_tile's scalar epilogue (matmul_device_tile.inc), under the same MXCSR modes.
+    static constexpr int vector_rows(int64_t tokens) { return tokens == 4 || tokens == 2 || tokens == 1 ? 16 / static_cast<int>(tokens) : 0; }
+    template <DType kDt, int kT>
     MEMRA_SIMD static void vector_tile(const WeightRef &w, bool e4m3, int64_t n, const uint16_t *const *xs,
                                        const float *const *sc, int64_t k0, int64_t seg_len, int64_t n_segs,
                                        int64_t seg_out_stride, float *y, int64_t y_stride) {
-        constexpr int kR = kTileRows;
-        constexpr int kT = kTileTokens;
+        constexpr int kR = 16 / kT;
         static_assert(kR * kT == 16);
         constexpr int64_t elem = kDt == DType::kF8E4M3 ? 1 : 2;
         const int64_t kb = w.k_begin;
@@ -575,24 +568,23 @@ struct Avx512Bf16Path : SimdOps {
             rows[r] = static_cast<const uint8_t *>(w.data) + (n + r) * ld * elem;
             if (e4m3) scale_rows[r] = w.scale_inv + ((w.row_offset + n + r) / w.block_rows) * scale_cols;
         }
-        // Lane 4t + r takes token t's value from xmm lane t: [s0 s0 s0 s0 s1 ...].
-        const __m512i token_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
         for (int64_t seg = 0; seg < n_segs; ++seg, k0 += seg_len, y += seg_out_stride) {
             const int64_t k1 = k0 + seg_len;
             const int64_t x_off = seg * seg_len;
             __m512 total = _mm512_setzero_ps();
             for (int64_t c0 = k0; c0 < k1;) {
                 const int64_t c1 = e4m3 ? std::min(k1, (c0 / kE4m3Group + 1) * kE4m3Group) : k1;
-                Acc acc[kR * kT];  // acc[4t + r]
+                Acc acc[16];  // acc[kR t + r]
                 for (Acc &a : acc) a = zero();
                 for (int64_t g = c0; g < c1; g += kDeviceGroup) {
                     const int64_t len = std::min(kDeviceGroup, c1 - g);
                     Group xg[kT];
                     for (int t = 0; t < kT; ++t) xg[t] = load_x(xs[t] + x_off + (g - k0), len);
                     for (int r = 0; r < kR; ++r) {
+                        // The same place 4 tiles on (rows lie back to back): weights a few KiB ahead of the loads.
                         prefetch(rows[r] + (g - kb + 4 * kR * ld) * elem);
                         const Group wg = load_w<kDt>(rows[r], g - kb, len);
-                        for (int t = 0; t < kT; ++t) fma(acc[4 * t + r], xg[t], wg);
+                        for (int t = 0; t < kT; ++t) fma(acc[kR * t + r], xg[t], wg);
                     }
                 }
                 alignas(64) float sums[16];
@@ -600,22 +592,22 @@ struct Avx512Bf16Path : SimdOps {
                 __m512 chunk = _mm512_load_ps(sums);
                 if (e4m3) {
                     const int64_t ci = c0 / kE4m3Group;
-                    const __m128 xsc = _mm_setr_ps(sc[0][ci], sc[1][ci], sc[2][ci], sc[3][ci]);
-                    const __m128 wsc = _mm_setr_ps(scale_rows[0][ci], scale_rows[1][ci], scale_rows[2][ci],
-                                                   scale_rows[3][ci]);
-                    // (GCC 12's unmasked forms of these intrinsics read an undefined pass-through register.)
-                    const __m512 zeros = _mm512_setzero_ps();
-                    const __m512 scale = _mm512_mul_ps(
-                        _mm512_mask_permutexvar_ps(zeros, 0xffff, token_lanes, _mm512_zextps128_ps512(xsc)),
-                        _mm512_mask_broadcast_f32x4(zeros, 0xffff, wsc));
-                    chunk = _mm512_mul_ps(chunk, scale);
+                    alignas(64) float x_scale[16];
+                    alignas(64) float w_scale[16];
+                    for (int t = 0; t < kT; ++t) {
+                        for (int r = 0; r < kR; ++r) {
+                            x_scale[kR * t + r] = sc[t][ci];
+                            w_scale[kR * t + r] = scale_rows[r][ci];
+                        }
+                    }
+                    chunk = _mm512_mul_ps(chunk, _mm512_mul_ps(_mm512_load_ps(x_scale), _mm512_load_ps(w_scale)));
                 }
                 total = _mm512_add_ps(total, chunk);
                 c0 = c1;
             }
             alignas(64) float out[16];
             _mm512_store_ps(out, total);
-            for (int t = 0; t < kT; ++t) _mm_storeu_ps(y + t * y_stride, _mm_load_ps(out + 4 * t));
+            for (int t = 0; t < kT; ++t) std::memcpy(y + t * y_stride, out + kR * t, sizeof(float) * kR);
         }
     }
 };

@@ -31,6 +31,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Work items (a query's head batch) a thread claims at a time: their costs grow with the query's position, so
 // the threads claim them in turn (parallel_for_dynamic) rather than split them in equal contiguous halves.
 constexpr int64_t kItemGrain = 4;
+// Queries of one sequence that share decoded keys and values in the blocked order (a prefill's neighbouring rows).
+constexpr int64_t kQueryRun = 4;
 
 float round_to_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
@@ -285,6 +287,71 @@ struct BlockedAvx2 {
         for (; i < n; ++i) y[i] = exp_f32(x[i]);
     }
 };
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,avx512f")
+// The dot products and value chains in 16 AVX-512 lanes; the rest as BlockedAvx2. Still no FMA and no MXCSR
+// change: each lane performs its value's scalar operations in the scalar order.
+struct BlockedAvx512 : BlockedAvx2 {
+    // One zmm per key holds all 16 dot lanes; the 8 keys' lane trees (a balanced tree of adjacent pairs) run
+    // together as levels of pair sums: after three levels lanes 2c and 2c + 1 hold key c's sums over lanes 0..7
+    // and 8..15, and a last level adds those two.
+    static void score(const float (*qbuf)[kMaxHeadDim], int64_t nh, const float (*keys)[kMaxHeadDim], int64_t n,
+                      int64_t head_dim, float scale, float (*scores)[kSplitRows], int64_t at) {
+        const int64_t padded = (head_dim + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
+        for (int64_t j = 0; j < nh; ++j) {
+            __m512 a[kKeyChunk];
+#pragma GCC unroll 8
+            for (int c = 0; c < kKeyChunk; ++c) a[c] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < padded; d += kReduceLanes) {
+                const __m512 qv = _mm512_loadu_ps(qbuf[j] + d);
+#pragma GCC unroll 8
+                for (int c = 0; c < kKeyChunk; ++c) {
+                    a[c] = _mm512_add_ps(a[c], _mm512_mul_ps(qv, _mm512_loadu_ps(keys[c] + d)));
+                }
+            }
+            const __m512 l1a = simd::pair_sums(a[0], a[1]);
+            const __m512 l1b = simd::pair_sums(a[2], a[3]);
+            const __m512 l1c = simd::pair_sums(a[4], a[5]);
+            const __m512 l1d = simd::pair_sums(a[6], a[7]);
+            const __m512 l3 = simd::pair_sums(simd::pair_sums(l1a, l1b), simd::pair_sums(l1c, l1d));
+            const __m512 sums = simd::pair_sums(l3, _mm512_setzero_ps());  // lanes 0..7: the keys' sums
+            alignas(64) float tmp[16];
+            _mm512_store_ps(tmp, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+            std::copy(tmp, tmp + n, scores[j] + at);
+        }
+    }
+    // Each head's accumulators 16 at a time, through the n values in order; the 8-lane and scalar tails as
+    // BlockedAvx2 runs them.
+    static void add_values(float (*acc)[kMaxHeadDim], const float (*scores)[kSplitRows], int64_t at, int64_t n,
+                           int64_t nh, const bool *live, const float (*rows)[kMaxHeadDim], int64_t head_dim) {
+        const int64_t wide = head_dim / 16 * 16;
+        for (int64_t j = 0; j < nh; ++j) {
+            if (!live[j]) continue;
+            __m512 pv[kKeyChunk];
+            for (int64_t c = 0; c < n; ++c) pv[c] = _mm512_set1_ps(round_to_bf16(scores[j][at + c]));
+            float *aj = acc[j];
+            for (int64_t d = 0; d < wide; d += 16) {
+                __m512 a = _mm512_loadu_ps(aj + d);
+                if (n == kKeyChunk) {
+#pragma GCC unroll 8
+                    for (int c = 0; c < kKeyChunk; ++c) {
+                        a = _mm512_add_ps(a, _mm512_mul_ps(pv[c], _mm512_loadu_ps(rows[c] + d)));
+                    }
+                } else {
+                    for (int64_t c = 0; c < n; ++c) {
+                        a = _mm512_add_ps(a, _mm512_mul_ps(pv[c], _mm512_loadu_ps(rows[c] + d)));
+                    }
+                }
+                _mm512_storeu_ps(aj + d, a);
+            }
+            for (int64_t d = wide; d < head_dim; ++d) {
+                for (int64_t c = 0; c < n; ++c) aj[d] = aj[d] + round_to_bf16(scores[j][at + c]) * rows[c][d];
+            }
+        }
+    }
+};
 #undef MEMRA_LANES
 #pragma GCC pop_options
 #endif
@@ -401,110 +468,195 @@ void paged_attention(ThreadPool &pool, const AttentionShape &shape, const float 
     if (shape.blocked) {
         const bool round_keys = layer.k_format == KvFormat::kF32 || layer.k_format == KvFormat::kBf16;
         const int64_t padded_dim = (head_dim + kReduceLanes - 1) / kReduceLanes * kReduceLanes;
-        // The loops of the blocked order, over the inner operations of one instruction path (Ops).
+        // The loops of the blocked order, over the inner operations of one instruction path (Ops). Each query
+        // runs its own sequence of operations; a run of up to kQueryRun queries of one sequence whose visible
+        // ranges overlap (a prefill's neighbouring rows) shares the decoded keys and values: every chunk of
+        // positions is decoded once for the run and each query takes the part in its range. Scores are kept at
+        // their offset in the aligned split, so a query's operations see the values and offsets they would see
+        // alone (the score of a key and the value chain over positions do not depend on the chunking).
+        //
+        // Work items: (block of kQueryRun queries, kv head, head batch, member). A block whose queries form such
+        // a run is served whole by its member 0 (the others return at once); otherwise member u serves query u
+        // of the block alone, so batches of single-row sequences keep one item per query.
+        const int64_t n_blocks = (n_q + kQueryRun - 1) / kQueryRun;
+        const int64_t n_blocked_items = n_blocks * n_kv_heads * batches * kQueryRun;
         auto blocked = [&](auto ops) {
             using Ops = decltype(ops);
-            pool.parallel_for_dynamic(n_items, [&](int64_t begin, int64_t end) {
-                // q rows and kKeyChunk decoded keys or values, zero past head_dim up to padded_dim (Ops::decode
-                // and the copy below write only head_dim values, so the zeros stay).
-                alignas(32) float qbuf[kHeadBatch][kMaxHeadDim];
-                alignas(32) float rows[kKeyChunk][kMaxHeadDim] = {};
-                alignas(32) float scores[kHeadBatch][kSplitRows];  // s_p of the split, then e_p by blocks
-                alignas(32) float acc[kHeadBatch][kMaxHeadDim];    // the split's acc; the running ACC lives in out
-                float m[kHeadBatch];
-                float l[kHeadBatch];
-                float m_new[kHeadBatch];
-                float b_sum[kHeadBatch];
-                bool live[kHeadBatch];
-                float run_m[kHeadBatch];
-                float run_l[kHeadBatch];
-                for (auto &qj : qbuf) std::fill(qj + head_dim, qj + padded_dim, 0.0f);
+            pool.parallel_for_dynamic(n_blocked_items, [&](int64_t begin, int64_t end) {
+                // q rows and decoded keys or values, zero past head_dim up to padded_dim (Ops::decode and the copy
+                // below write only head_dim values, so the zeros stay). A query's part of a chunk starts at any of
+                // its rows, and Ops::score reads kKeyChunk rows from there: rows holds twice the chunk.
+                alignas(64) float qbuf[kQueryRun][kHeadBatch][kMaxHeadDim];
+                alignas(64) float rows[2 * kKeyChunk][kMaxHeadDim] = {};
+                alignas(64) float scores[kQueryRun][kHeadBatch][kSplitRows];  // s_p of the split, then e_p
+                alignas(64) float acc[kQueryRun][kHeadBatch][kMaxHeadDim];    // the split's acc (ACC lives in out)
+                float m[kQueryRun][kHeadBatch];
+                float l[kQueryRun][kHeadBatch];
+                float m_new[kQueryRun][kHeadBatch];
+                float b_sum[kQueryRun][kHeadBatch];
+                bool live[kQueryRun][kHeadBatch];
+                bool any_live[kQueryRun];
+                bool started[kQueryRun];
+                float run_m[kQueryRun][kHeadBatch];
+                float run_l[kQueryRun][kHeadBatch];
+                int64_t q_lo[kQueryRun];
+                int64_t q_hi[kQueryRun];
+                for (auto &qu : qbuf) {
+                    for (auto &qj : qu) std::fill(qj + head_dim, qj + padded_dim, 0.0f);
+                }
                 for (int64_t item = begin; item < end; ++item) {
-                    const WorkItem w = work_item(item);
-                    const int64_t i = w.i, g = w.g, h0 = w.h0, nh = w.nh, hi = w.hi, lo = w.lo;
+                    const int64_t member = item % kQueryRun;
+                    const int64_t rest = item / kQueryRun;
+                    const int64_t g = (rest / batches) % n_kv_heads;
+                    const int64_t h0 = g * group + (rest % batches) * kHeadBatch;
+                    const int64_t nh = std::min(kHeadBatch, (g + 1) * group - h0);
+                    const int64_t block0 = rest / (batches * n_kv_heads) * kQueryRun;
+                    const int64_t block1 = std::min(n_q, block0 + kQueryRun);
+                    // The run: the whole block when it is one sequence with overlapping ranges, else one query.
+                    bool whole = true;
+                    int64_t max_lo = 0;
+                    int64_t min_hi = std::numeric_limits<int64_t>::max();
+                    for (int64_t i = block0; i < block1; ++i) {
+                        whole = whole && q_seq[i] == q_seq[block0];
+                        max_lo = std::max(max_lo, visible_lo(q_pos[i]));
+                        min_hi = std::min(min_hi, q_pos[i]);
+                    }
+                    whole = whole && max_lo <= min_hi + 1;
+                    if (whole ? member != 0 : block0 + member >= block1) continue;
+                    const int64_t r0 = whole ? block0 : block0 + member;
+                    const int64_t nq = whole ? block1 - block0 : 1;
+                    const int32_t *bt = block_tables + q_seq[r0] * bt_stride;
+                    const auto page = [&](int64_t p) {
+                        return layer.base + static_cast<int64_t>(bt[p / kKvPageRows]) * layer.page_bytes;
+                    };
                     // Positions [p0, p0 + n) of kv head g's keys or values, decoded into rows[0 .. n).
                     auto decode_rows = [&](KvFormat format, int64_t offset, int64_t row_bytes, int64_t head_bytes,
                                            int64_t p0, int64_t n, bool round) {
                         for (int64_t c = 0; c < n; ++c) {
                             const int64_t p = p0 + c;
-                            Ops::decode(format, w.page(p) + offset + (p % kKvPageRows) * row_bytes + g * head_bytes,
+                            Ops::decode(format, page(p) + offset + (p % kKvPageRows) * row_bytes + g * head_bytes,
                                         head_dim, round, rows[c]);
                         }
                     };
-                    for (int64_t j = 0; j < nh; ++j) {
-                        const float *qv = q + i * q_stride + (h0 + j) * head_dim;
-                        std::copy(qv, qv + head_dim, qbuf[j]);
+                    int64_t lo = std::numeric_limits<int64_t>::max();
+                    int64_t hi = 0;
+                    for (int64_t u = 0; u < nq; ++u) {
+                        q_hi[u] = q_pos[r0 + u];
+                        q_lo[u] = visible_lo(q_hi[u]);
+                        lo = std::min(lo, q_lo[u]);
+                        hi = std::max(hi, q_hi[u]);
+                        started[u] = false;
+                        for (int64_t j = 0; j < nh; ++j) {
+                            const float *qv = q + (r0 + u) * q_stride + (h0 + j) * head_dim;
+                            std::copy(qv, qv + head_dim, qbuf[u][j]);
+                        }
                     }
-                    float *o = out + (i * n_heads + h0) * head_dim;  // heads h0 .. h0 + nh of query i: ACC, then out
+                    // Query u's part of [a, b]: [max(a, lo_u), min(b, hi_u)], empty when first > last.
+                    const auto part = [&](int64_t u, int64_t a, int64_t b_) {
+                        return std::pair{std::max(a, q_lo[u]), std::min(b_, q_hi[u])};
+                    };
                     for (int64_t s0 = lo; s0 <= hi;) {
-                        const int64_t s1 = std::min(hi, (s0 / kSplitRows + 1) * kSplitRows - 1);  // split [s0, s1]
+                        const int64_t base = s0 / kSplitRows * kSplitRows;   // the aligned split's first position
+                        const int64_t s1 = std::min(hi, base + kSplitRows - 1);  // the run's part of the split
                         // The split's scores, each key decoded once.
                         for (int64_t p0 = s0; p0 <= s1; p0 += kKeyChunk) {
                             const int64_t n = std::min(kKeyChunk, s1 - p0 + 1);  // keys [p0, p0 + n)
                             decode_rows(layer.k_format, layer.k_offset, layer.k_row_bytes, k_head_bytes, p0, n,
                                         round_keys);
-                            Ops::score(qbuf, nh, rows, n, head_dim, scale, scores, p0 - s0);
+                            for (int64_t u = 0; u < nq; ++u) {
+                                const auto [c0, c1] = part(u, p0, p0 + n - 1);
+                                if (c0 > c1) continue;
+                                Ops::score(qbuf[u], nh, rows + (c0 - p0), c1 - c0 + 1, head_dim, scale, scores[u],
+                                           c0 - base);
+                            }
                         }
-                        for (int64_t j = 0; j < nh; ++j) {
-                            m[j] = kNegInf;
-                            l[j] = 0.0f;
-                            for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = 0.0f;
+                        for (int64_t u = 0; u < nq; ++u) {
+                            for (int64_t j = 0; j < nh; ++j) {
+                                m[u][j] = kNegInf;
+                                l[u][j] = 0.0f;
+                                for (int64_t d = 0; d < head_dim; ++d) acc[u][j][d] = 0.0f;
+                            }
                         }
                         for (int64_t b0 = s0; b0 <= s1;) {
                             const int64_t b1 = std::min(s1, (b0 / kBlockRows + 1) * kBlockRows - 1);  // block [b0, b1]
-                            bool any_live = false;
-                            for (int64_t j = 0; j < nh; ++j) {
-                                const float bm = Ops::block_max(scores[j] + (b0 - s0), b1 - b0 + 1);
-                                m_new[j] = bm > m[j] ? bm : m[j];
-                                live[j] = m_new[j] != kNegInf;
-                                any_live = any_live || live[j];
+                            for (int64_t u = 0; u < nq; ++u) {
+                                const auto [e0, e1] = part(u, b0, b1);
+                                any_live[u] = false;
+                                if (e0 > e1) continue;
+                                for (int64_t j = 0; j < nh; ++j) {
+                                    const float bm = Ops::block_max(scores[u][j] + (e0 - base), e1 - e0 + 1);
+                                    m_new[u][j] = bm > m[u][j] ? bm : m[u][j];
+                                    live[u][j] = m_new[u][j] != kNegInf;
+                                    any_live[u] = any_live[u] || live[u][j];
+                                }
+                                Ops::exp_sums(scores[u], e0 - base, e1 - e0 + 1, nh, live[u], m_new[u], b_sum[u]);
+                                for (int64_t j = 0; j < nh; ++j) {
+                                    if (!live[u][j]) continue;
+                                    const float alpha = m[u][j] == kNegInf ? 0.0f : exp_f32(m[u][j] - m_new[u][j]);
+                                    l[u][j] = l[u][j] * alpha + b_sum[u][j];
+                                    for (int64_t d = 0; d < head_dim; ++d) acc[u][j][d] = acc[u][j][d] * alpha;
+                                    m[u][j] = m_new[u][j];
+                                }
                             }
-                            Ops::exp_sums(scores, b0 - s0, b1 - b0 + 1, nh, live, m_new, b_sum);
-                            for (int64_t j = 0; j < nh; ++j) {
-                                if (!live[j]) continue;
-                                const float alpha = m[j] == kNegInf ? 0.0f : exp_f32(m[j] - m_new[j]);
-                                l[j] = l[j] * alpha + b_sum[j];
-                                for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = acc[j][d] * alpha;
-                                m[j] = m_new[j];
-                            }
-                            for (int64_t p0 = b0; any_live && p0 <= b1; p0 += kKeyChunk) {
+                            bool values = false;
+                            for (int64_t u = 0; u < nq; ++u) values = values || any_live[u];
+                            for (int64_t p0 = b0; values && p0 <= b1; p0 += kKeyChunk) {
                                 const int64_t n = std::min(kKeyChunk, b1 - p0 + 1);  // values [p0, p0 + n)
                                 decode_rows(layer.v_format, layer.v_offset, layer.v_row_bytes, v_head_bytes, p0, n,
                                             true);
-                                Ops::add_values(acc, scores, p0 - s0, n, nh, live, rows, head_dim);
+                                for (int64_t u = 0; u < nq; ++u) {
+                                    const auto [c0, c1] = part(u, p0, p0 + n - 1);
+                                    if (!any_live[u] || c0 > c1) continue;
+                                    Ops::add_values(acc[u], scores[u], c0 - base, c1 - c0 + 1, nh, live[u],
+                                                    rows + (c0 - p0), head_dim);
+                                }
                             }
                             b0 = b1 + 1;
                         }
-                        // Merge the split into the running state, left to right.
-                        for (int64_t j = 0; j < nh; ++j) {
-                            float *oj = o + j * head_dim;
-                            if (s0 == lo) {
-                                run_m[j] = m[j];
-                                run_l[j] = l[j];
-                                for (int64_t d = 0; d < head_dim; ++d) oj[d] = acc[j][d];
-                                continue;
+                        // Merge each query's part of the split into its running state, left to right.
+                        for (int64_t u = 0; u < nq; ++u) {
+                            const auto [e0, e1] = part(u, s0, s1);
+                            if (e0 > e1) continue;
+                            float *o = out + ((r0 + u) * n_heads + h0) * head_dim;
+                            for (int64_t j = 0; j < nh; ++j) {
+                                float *oj = o + j * head_dim;
+                                if (!started[u]) {
+                                    run_m[u][j] = m[u][j];
+                                    run_l[u][j] = l[u][j];
+                                    for (int64_t d = 0; d < head_dim; ++d) oj[d] = acc[u][j][d];
+                                    continue;
+                                }
+                                const float m_next = m[u][j] > run_m[u][j] ? m[u][j] : run_m[u][j];
+                                const float a = exp_f32(run_m[u][j] - m_next);
+                                const float b = exp_f32(m[u][j] - m_next);
+                                run_l[u][j] = run_l[u][j] * a + l[u][j] * b;
+                                for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * a + acc[u][j][d] * b;
+                                run_m[u][j] = m_next;
                             }
-                            const float m_next = m[j] > run_m[j] ? m[j] : run_m[j];
-                            const float a = exp_f32(run_m[j] - m_next);
-                            const float b = exp_f32(m[j] - m_next);
-                            run_l[j] = run_l[j] * a + l[j] * b;
-                            for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * a + acc[j][d] * b;
-                            run_m[j] = m_next;
+                            started[u] = true;
                         }
                         s0 = s1 + 1;
                     }
-                    for (int64_t j = 0; j < nh; ++j) {
-                        float *oj = o + j * head_dim;
-                        for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] / run_l[j];
-                        if (gate != nullptr) {
-                            const float gv = sigmoid_f32(gate[i * gate_stride + h0 + j]);
-                            for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * gv;
+                    for (int64_t u = 0; u < nq; ++u) {
+                        const int64_t i = r0 + u;
+                        float *o = out + (i * n_heads + h0) * head_dim;
+                        for (int64_t j = 0; j < nh; ++j) {
+                            float *oj = o + j * head_dim;
+                            for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] / run_l[u][j];
+                            if (gate != nullptr) {
+                                const float gv = sigmoid_f32(gate[i * gate_stride + h0 + j]);
+                                for (int64_t d = 0; d < head_dim; ++d) oj[d] = oj[d] * gv;
+                            }
                         }
                     }
                 }
             }, kItemGrain);
         };
 #if MEMRA_X86
+        if (product_isa() == ProductIsa::kAvx512Bf16) {
+            blocked(BlockedAvx512{});
+            return;
+        }
         if (product_isa() != ProductIsa::kPortable) {
             blocked(BlockedAvx2{});
             return;

@@ -1,6 +1,7 @@
 // Router, pair sort, permute and combine on the CPU (see ops_moe.h for the exact orders).
 #include "backend/cpu/ops_moe.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cstring>
@@ -114,14 +115,29 @@ void moe_combine(ThreadPool &pool, const float *h, const float *expert_out, cons
     MEMRA_CHECK(n_tokens >= 0 && top_k >= 1 && d > 0, "moe_combine: bad shape tokens {} top_k {} d {}", n_tokens,
                 top_k, d);
     detail::parallel_rows(pool, n_tokens, d * (top_k + 2), [&](int64_t begin, int64_t end) {
+        // Per element: routed = ((0 + w0 e0) + w1 e1) + ..., in slot order; the slots run outermost over a
+        // piece of the row (out may be h, so the sums wait in `routed`), which the compiler runs in vector lanes.
+        constexpr int64_t kPiece = 256;
+        float routed[kPiece];
         for (int64_t t = begin; t < end; ++t) {
             const float *w = weights + t * top_k;
             const int32_t *rows = src_row + t * top_k;
-            for (int64_t j = 0; j < d; ++j) {
-                float routed = 0.0f;
-                for (int64_t k = 0; k < top_k; ++k) routed = routed + w[k] * expert_out[rows[k] * d + j];
-                const float ffn = shared != nullptr ? routed + shared[t * d + j] : routed;
-                out[t * d + j] = h[t * d + j] + ffn;
+            for (int64_t j0 = 0; j0 < d; j0 += kPiece) {
+                const int64_t len = std::min(kPiece, d - j0);
+                std::fill(routed, routed + len, 0.0f);
+                for (int64_t k = 0; k < top_k; ++k) {
+                    const float wk = w[k];
+                    const float *e = expert_out + rows[k] * d + j0;
+                    for (int64_t j = 0; j < len; ++j) routed[j] = routed[j] + wk * e[j];
+                }
+                const float *hj = h + t * d + j0;
+                float *oj = out + t * d + j0;
+                if (shared != nullptr) {
+                    const float *sj = shared + t * d + j0;
+                    for (int64_t j = 0; j < len; ++j) oj[j] = hj[j] + (routed[j] + sj[j]);
+                } else {
+                    for (int64_t j = 0; j < len; ++j) oj[j] = hj[j] + routed[j];
+                }
             }
         }
     });

@@ -89,6 +89,18 @@ MEMRA_AVX2 __m256 sigmoid_8(__m256 x) {
 #undef MEMRA_AVX2
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,avx512f")
+// Lane i of the result: lanes 2i and 2i+1 of a ++ b added (i < 8 from a, i >= 8 from b). The 16-lane tree of
+// core/math.h is a balanced tree of adjacent pairs, so levels of pair_sums reduce several accumulators' trees at
+// once (for the AVX-512 paths).
+[[gnu::always_inline]] inline __m512 pair_sums(__m512 a, __m512 b) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+#pragma GCC pop_options
+
 }  // namespace memra::cpu::simd
 
 #else
