@@ -22,8 +22,18 @@ tmp=${TMPDIR:-/tmp}/memra-gpu
 mkdir -p "$tmp"
 
 t0=$(date +%s)
+# NCCL: the CUDA toolkit's when it has one, else the nvidia-nccl wheel beside PyTorch (header and libnccl.so.2).
+nccl=()
+if [ ! -e /usr/local/cuda/include/nccl.h ]; then
+    wheel=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null \
+            || python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
+    if [ -n "$wheel" ] && [ -e "$wheel/include/nccl.h" ] && [ -e "$wheel/lib/libnccl.so.2" ]; then
+        nccl=(-DNCCL_INCLUDE_DIR="$wheel/include" -DNCCL_LIBRARY="$wheel/lib/libnccl.so.2")
+    fi
+fi
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMRA_WERROR=ON \
-      -DMEMRA_PYTHON=/bin/false >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+      -DMEMRA_PYTHON=/bin/false "${nccl[@]}" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+grep -E "memra: (CUDA|NCCL)" "$out/configure.log"
 cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
 t1=$(date +%s)
 
@@ -33,8 +43,10 @@ $memra make-tiny "$release" --preset release --force >"$out/make_tiny_release.lo
 t2=$(date +%s)
 
 # Every kernel against its CPU twin, the whole model against the CPU (MEMRA_RELEASE_MODEL adds the release preset).
-MEMRA_RELEASE_MODEL=$release build-gpu/memra_cuda_tests >"$out/cuda_tests.log" 2>&1
+MEMRA_RELEASE_MODEL=$release build-gpu/memra_cuda_tests --gtest_filter='-Nccl*' >"$out/cuda_tests.log" 2>&1
 cuda_rc=$?
+# The NCCL communicator apart, under a timeout (a rank waiting for a missing peer must fail, never hang).
+timeout 180 build-gpu/memra_cuda_tests --gtest_filter='Nccl*' >>"$out/cuda_tests.log" 2>&1 || cuda_rc=1
 gpu_tests=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cuda_tests.log" | tr '\n' ' ')
 build-gpu/memra_cli_tests --gtest_filter='*Device*' >"$out/cli_device_tests.log" 2>&1
 cli_rc=$?
@@ -266,6 +278,9 @@ for name in sorted(rows):
 EOF
 fi
 grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
+echo "| nccl | $(grep -cE '^\[       OK \] Nccl' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \] Nccl' \
+    "$out/cuda_tests.log") failed, $(grep -cE '^\[  SKIPPED \] Nccl' "$out/cuda_tests.log") skipped ($(nvidia-smi -L | wc -l) GPU) |"
+grep -h "measured \] nccl" "$out/cuda_tests.log" | sed 's/^\[ measured \] /| nccl cost | /; s/$/ |/'
 op_rows "$out/op_times_prefill.log" prefill 5
 op_rows "$out/op_times_decode.log" decode 12
 op_rows "$out/op_times_e128.log" e128 12

@@ -190,6 +190,10 @@ public:
     // Sizes the sampling op's workspace for rows of up to vocab_size logits.
     virtual Result<void> prepare_sampling(int32_t vocab_size) = 0;
 
+    // Makes the calling thread one that may issue this backend's work (CUDA: the backend's GPU current); the
+    // engine calls it on each rank's thread before the rank's step.
+    virtual void bind_thread() {}
+
     // ---- Host transfers (counted as host copies). ----
 
     // dst.numel() elements of dst.dtype from host memory src.

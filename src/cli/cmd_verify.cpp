@@ -101,10 +101,13 @@ int run_verify_command(const VerifyCliOptions &opt) {
         BackendChoice ranks = reference;
         ranks.n_threads = std::max(1, reference.n_threads / degree);
         ranks.forcing = forcing.get();
-        return backend_factory(ranks)(rank);
+        return backend_factory(ranks, degree)(rank);
     };
 #ifdef MEMRA_HAVE_CUDA
-    if (*device == Device::kCuda) vo.rank_copy = cuda::cuda_rank_copy;
+    if (*device == Device::kCuda) {
+        vo.rank_copy = cuda::cuda_rank_copy;  // degrees beyond the GPUs: ranks share GPU 0
+        vo.make_comms = nccl_comm_factory();  // degrees the GPUs hold: a GPU per rank, NCCL
+    }
 #endif
     vo.count_allocations = heap_allocations;
     vo.on_line = [](const runtime::VerifyLine &line) {
@@ -119,7 +122,7 @@ int run_verify_command(const VerifyCliOptions &opt) {
                 name.c_str(), tps.c_str(), opt.tokens, opt.decode, opt.batch, opt.kv_k.c_str(),
                 opt.kv_v.c_str(), numerics_name(opt.numerics),
                 *device == Device::kCuda
-                    ? "device cuda (every rank on GPU 0)"
+                    ? "device cuda (a degree with as many GPUs: a GPU per rank over NCCL; else every rank on GPU 0)"
                     : fmt::format("{} thread{} (split over the ranks)", threads, threads == 1 ? "" : "s").c_str());
     std::printf("counts per native step (plan, run, finish), rank 0: backend op launches, host -> backend and backend "
                 "-> host copies (syncs: those made before finish()), collectives; allocs: heap allocations on every "

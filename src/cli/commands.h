@@ -168,7 +168,7 @@ struct LoadedEngine {
 
 // What the engine's ranks run on.
 struct BackendChoice {
-    Device device = Device::kCpu;  // cpu: options.tp CPU ranks; cuda: options.tp ranks sharing GPU 0
+    Device device = Device::kCpu;  // cpu: options.tp CPU ranks; cuda: options.tp ranks, see rank_gpu
     int n_threads = 1;             // CPU threads, split over the ranks (at least one each)
     Numerics numerics = Numerics::kDevice;
     const DraftForcing *forcing = nullptr;  // speculation's drafts replaced (bench --spec-accept)
@@ -183,8 +183,16 @@ Result<LoadedEngine> load_engine(const std::filesystem::path &dir, const model::
 // The same over an open store (a synthetic model): its total bytes are what the GPU check compares.
 Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const model::Step35Config &cfg,
                                  runtime::EngineOptions options, const BackendChoice &backends);
-// A backend factory for rank r of `backends` (verify's native ranks and reference), without upload progress.
-runtime::BackendFactory backend_factory(const BackendChoice &backends);
+// A backend factory for rank r of `tp` ranks on `backends` (verify's native ranks and reference), without upload
+// progress.
+runtime::BackendFactory backend_factory(const BackendChoice &backends, int tp = 1);
+// Where rank `rank` of `tp` CUDA ranks runs: GPU `rank` when the machine has at least tp GPUs and the build has
+// NCCL (ranks_use_nccl), else GPU 0, which the ranks then share, exchanging by device copies.
+int rank_gpu(int tp, int rank);
+bool ranks_use_nccl(int tp);
+// The engine's communicators for CUDA ranks on distinct GPUs: one NCCL group over the backends' GPUs and
+// streams; none (the in-process group) when the ranks share a GPU.
+runtime::CommFactory nccl_comm_factory();
 
 // The chat template of serve and chat: the --chat-template FILE when given, else tokenizer_config.json's (nullopt
 // when neither has one), with the tokenizer's BOS and EOS texts; `origin` says which. Refused: an unreadable file,

@@ -27,6 +27,7 @@
 #ifdef MEMRA_HAVE_CUDA
 #include "backend/cuda/convert.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/nccl_comm.h"
 #endif
 
 namespace memra::cli {
@@ -122,8 +123,9 @@ void add_numerics_option(CLI::App &sub, Numerics &numerics) {
 void add_device_option(CLI::App &sub, DeviceChoice &device) {
     const std::map<std::string, DeviceChoice> names = {{"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}};
     sub.add_option("--device", device,
-                   "where the engine runs: cuda (GPU 0; device numerics; -t is unused) or cpu (default: cuda when "
-                   "this build has CUDA and a GPU is visible, else cpu)")
+                   "where the engine runs: cuda (GPU 0; --tp N on N GPUs over NCCL when the machine has them, else "
+                   "every rank on GPU 0; device numerics; -t is unused) or cpu (default: cuda when this build has CUDA "
+                   "and a GPU is visible, else cpu)")
         ->envname("MEMRA_DEVICE")
         ->transform(CLI::CheckedTransformer(names));
 }
@@ -345,14 +347,47 @@ std::string synthetic_summary(const tools::SyntheticStats &stats) {
                        stats.threads, stats.threads == 1 ? "" : "s", 1e-9 * static_cast<double>(stats.peak_held_bytes));
 }
 
-runtime::BackendFactory backend_factory(const BackendChoice &backends) {
+bool ranks_use_nccl([[maybe_unused]] int tp) {
+#if defined(MEMRA_HAVE_CUDA) && defined(MEMRA_HAVE_NCCL)
+    return tp > 1 && cuda_device_count() >= tp;
+#else
+    return false;
+#endif
+}
+
+int rank_gpu(int tp, int rank) { return ranks_use_nccl(tp) ? rank : 0; }
+
+runtime::CommFactory nccl_comm_factory() {
+    return [](std::span<Backend *const> backends) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
+        std::vector<std::unique_ptr<parallel::Communicator>> none;
+#if defined(MEMRA_HAVE_CUDA) && defined(MEMRA_HAVE_NCCL)
+        std::vector<int> devices;
+        std::vector<cudaStream_t> streams;
+        for (Backend *b : backends) {
+            auto *cb = dynamic_cast<cuda::CudaBackend *>(b);
+            if (cb == nullptr) return none;
+            if (std::find(devices.begin(), devices.end(), cb->device_index()) != devices.end()) return none;
+            devices.push_back(cb->device_index());
+            streams.push_back(cb->stream());
+        }
+        auto group = cuda::NcclGroup::create(devices, streams);
+        if (!group) return tl::unexpected(group.error());
+        return group->release();
+#else
+        (void)backends;
+        return none;
+#endif
+    };
+}
+
+runtime::BackendFactory backend_factory(const BackendChoice &backends, [[maybe_unused]] int tp) {
     const int per_rank = std::max(1, backends.n_threads);
     const Numerics numerics = backends.numerics;
     const DraftForcing *forcing = backends.forcing;
 #ifdef MEMRA_HAVE_CUDA
     if (backends.device == Device::kCuda) {
-        return [numerics, forcing](int) -> Result<std::unique_ptr<Backend>> {
-            auto be = cuda::CudaBackend::create(0, numerics, forcing);
+        return [numerics, forcing, tp](int rank) -> Result<std::unique_ptr<Backend>> {
+            auto be = cuda::CudaBackend::create(rank_gpu(tp, rank), numerics, forcing);
             if (!be) return tl::unexpected(be.error());
             return std::unique_ptr<Backend>(std::move(*be));
         };
@@ -381,10 +416,18 @@ Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const m
     options.make_backend = backend_factory(per_rank);
 #ifdef MEMRA_HAVE_CUDA
     if (backends.device == Device::kCuda) {
-        // Every rank shares GPU 0; together they hold at least the checkpoint's bytes.
+        // Ranks sharing GPU 0 hold at least the checkpoint's bytes there; ranks on their own GPUs (NCCL) at least
+        // a tp-th each (the replicated tensors come on top).
+        const bool nccl = ranks_use_nccl(options.tp);
         auto gpu = cuda::gpu_info(0);
         if (!gpu) return tl::unexpected(gpu.error());
-        const auto weights = static_cast<int64_t>(out.store->total_bytes());
+        const auto weights = static_cast<int64_t>(out.store->total_bytes()) / (nccl ? options.tp : 1);
+        if (options.tp > 1) {
+            std::fprintf(stderr, "cuda: %d ranks %s\n", options.tp,
+                         nccl ? fmt::format("on GPUs 0-{}, exchanging over NCCL", options.tp - 1).c_str()
+                              : "sharing GPU 0, exchanging by device copies");
+        }
+        if (nccl) options.make_comms = nccl_comm_factory();
         if (weights > gpu->free_bytes) {
             return make_error("cuda: the model's weights need {:.1f} GiB but {} has {:.1f} GiB free of {:.1f} GiB; use "
                               "--device cpu or a larger GPU",
@@ -395,9 +438,9 @@ Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const m
         options.rank_copy = cuda::cuda_rank_copy;
         auto progress = std::make_shared<std::function<void(int64_t)>>(upload_progress_printer(weights));
         auto uploaded = std::make_shared<int64_t>(0);
-        options.make_backend = [numerics = backends.numerics, forcing = backends.forcing, progress,
-                                uploaded](int) -> Result<std::unique_ptr<Backend>> {
-            auto be = cuda::CudaBackend::create(0, numerics, forcing);
+        options.make_backend = [numerics = backends.numerics, forcing = backends.forcing, progress, uploaded,
+                                tp = options.tp](int rank) -> Result<std::unique_ptr<Backend>> {
+            auto be = cuda::CudaBackend::create(rank_gpu(tp, rank), numerics, forcing);
             if (!be) return tl::unexpected(be.error());
             (*be)->set_upload_observer([progress, uploaded](int64_t bytes) {
                 *uploaded += bytes;

@@ -235,12 +235,36 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
                           o.max_seqs, kMaxLogitBias);
     }
     const int64_t capacity = table_capacity(e->cap_, blocks, max_sample_rows, max_positions, o.spec_draft);
+    std::vector<std::unique_ptr<Backend>> backends;
+    std::vector<Backend *> backend_ptrs;
     for (int r = 0; r < o.tp; ++r) {
-        auto rk = std::make_unique<Rank>();
         auto backend = o.make_backend(r);
         if (!backend) return wrap_error(fmt::format("rank {} backend", r), backend.error());
         if (!*backend) return make_error("rank {} backend: the factory returned none", r);
-        rk->backend = std::move(*backend);
+        backend_ptrs.push_back(backend->get());
+        backends.push_back(std::move(*backend));
+    }
+    if (o.tp > 1 && o.make_comms) {
+        auto comms = o.make_comms(backend_ptrs);
+        if (!comms) return wrap_error("engine: the ranks' communicators", comms.error());
+        if (!comms->empty() && comms->size() != static_cast<size_t>(o.tp)) {
+            return make_error("engine: the communicator factory made {} communicators for {} ranks", comms->size(),
+                              o.tp);
+        }
+        for (int r = 0; r < static_cast<int>(comms->size()); ++r) {
+            const parallel::Communicator *c = (*comms)[static_cast<size_t>(r)].get();
+            if (c == nullptr || c->rank() != r || c->size() != o.tp) {
+                return make_error("engine: communicator {} is {}, expected rank {} of {}", r,
+                                  c == nullptr ? std::string("missing")
+                                               : fmt::format("rank {} of {}", c->rank(), c->size()),
+                                  r, o.tp);
+            }
+        }
+        e->comms_ = std::move(*comms);
+    }
+    for (int r = 0; r < o.tp; ++r) {
+        auto rk = std::make_unique<Rank>();
+        rk->backend = std::move(backends[static_cast<size_t>(r)]);
         Backend &be = *rk->backend;
         const parallel::RankPlan *rank_plan = o.tp > 1 ? &e->plan_.ranks[static_cast<size_t>(r)] : nullptr;
         auto bound = o.tp > 1 ? model::bind_step35_model(be, store, cfg, e->plan_, r)
@@ -265,7 +289,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
             (full ? rk->full_layout : rk->swa_layout) = std::move(*layout);
         }
         auto fwd = o.tp > 1 ? model::Step35Forward::create(be, *rk->model, e->cap_, rk->kv,
-                                                           model::RankContext{&e->plan_, r, &e->group_->communicator(r)})
+                                                           model::RankContext{&e->plan_, r, &e->comm(r)})
                             : model::Step35Forward::create(be, *rk->model, e->cap_, rk->kv);
         if (!fwd) return wrap_error(fmt::format("rank {} forward", r), fwd.error());
         rk->forward.emplace(std::move(*fwd));
@@ -902,9 +926,14 @@ Result<void> Engine::plan(std::span<const StepItem> items) {
     return {};
 }
 
+parallel::Communicator &Engine::comm(int rank) {
+    return comms_.empty() ? group_->communicator(rank) : *comms_[static_cast<size_t>(rank)];
+}
+
 Result<void> Engine::run_rank(int rank) {
     Rank &rk = *ranks_[static_cast<size_t>(rank)];
     Backend &be = *rk.backend;
+    be.bind_thread();
     const auto sz = static_cast<int64_t>(sizeof(SampleRow));
     const auto out_sz = static_cast<int64_t>(sizeof(SampledToken));
     const TensorView logits = rk.forward->logits(n_logit_rows_);

@@ -45,6 +45,12 @@ namespace memra::runtime {
 // backend implementation, so the caller names it.
 using BackendFactory = std::function<Result<std::unique_ptr<Backend>>(int rank)>;
 
+// Makes the communicators of tp > 1 ranks from their backends (rank order), e.g. an NCCL group over the ranks'
+// GPUs on their streams; none (an empty vector, or no factory): the ranks exchange through the in-process
+// group (EngineOptions::rank_copy).
+using CommFactory = std::function<Result<std::vector<std::unique_ptr<parallel::Communicator>>>(
+    std::span<Backend *const> backends)>;
+
 // The default row budget of a step on the CPU (chunked prefill): scratch is sized by it, never by a prompt.
 inline constexpr int64_t kCpuStepRows = 512;
 
@@ -69,6 +75,9 @@ struct EngineOptions {
     // How tp > 1 ranks exchange their backend buffers (parallel::InProcessGroup::ByteCopy): nullptr for host
     // buffers, cuda::cuda_rank_copy for ranks sharing a GPU.
     parallel::InProcessGroup::ByteCopy rank_copy = nullptr;
+    // tp > 1: the ranks' communicators (e.g. NCCL, one GPU per rank); empty: the in-process group's. The
+    // in-process group's threads drive the ranks either way.
+    CommFactory make_comms;
 };
 
 // Which trunk rows of a step item compute logits.
@@ -307,6 +316,8 @@ private:
     void pack_tables(std::span<const StepItem> items);
     void rollback_all();
     Result<void> run_rank(int rank);
+    // Rank r's communicator: make_comms's, else the in-process group's (tp > 1 only).
+    parallel::Communicator &comm(int rank);
     // step_key_ for the planned step: every host-side value run_rank(0) and its forward depend on, so two
     // steps with equal keys issue the same ops on the same buffers (Backend::run_recorded).
     void build_step_key();
@@ -327,6 +338,7 @@ private:
     kv::SeqKvShape seq_shape_;  // without MTP streams (a sequence's own count is set at create)
     model::ForwardCapacity cap_;
     std::optional<parallel::InProcessGroup> group_;
+    std::vector<std::unique_ptr<parallel::Communicator>> comms_;  // make_comms's; outlive the ranks' forwards
     std::vector<std::unique_ptr<Rank>> ranks_;
     kv::PagePool full_, swa_;
     kv::PrefixCache prefix_;  // empty unless options_.prefix_cache

@@ -951,11 +951,12 @@ void emit(VerifyReport &report, const VerifyOptions &o, VerifyLine line) {
 // An engine for the scenario on tp ranks, every rank's backend from make(rank).
 Result<std::unique_ptr<Engine>> scenario_engine(const io::TensorStore &store, const Step35Config &cfg,
                                                 const Scenario &sc, int tp, BackendFactory make,
-                                                parallel::InProcessGroup::ByteCopy rank_copy) {
+                                                const VerifyOptions &o) {
     EngineOptions e = sc.engine;
     e.tp = tp;
     e.make_backend = std::move(make);
-    e.rank_copy = rank_copy;
+    e.rank_copy = o.rank_copy;
+    e.make_comms = o.make_comms;
     return Engine::create(store, cfg, e);
 }
 
@@ -996,7 +997,7 @@ std::vector<float> logit_rows(const std::vector<float> &all, std::pair<int64_t, 
 
 Result<Reference> run_reference(const io::TensorStore &store, const Step35Config &cfg, const Scenario &sc,
                                 const VerifyOptions &o, VerifyReport &report) {
-    auto made = scenario_engine(store, cfg, sc, 1, [&o](int) { return o.make_reference_backend(); }, o.rank_copy);
+    auto made = scenario_engine(store, cfg, sc, 1, [&o](int) { return o.make_reference_backend(); }, o);
     if (!made) return wrap_error("reference", made.error());
     Engine &engine = **made;
     std::optional<ExpertOracle> oracle;
@@ -1118,8 +1119,7 @@ public:
     std::string run(const io::TensorStore &store) {
         const int tp = tp_;
         auto made = scenario_engine(store, cfg_, sc_, tp_,
-                                    [this, tp](int rank) { return o_.make_rank_backend(tp, rank); },
-                                    o_.rank_copy);
+                                    [this, tp](int rank) { return o_.make_rank_backend(tp, rank); }, o_);
         if (!made) return fail("create", made.error().message);
         e_ = std::move(*made);
         if (o_.count_allocations) e_->set_allocation_counter(o_.count_allocations);

@@ -20,6 +20,7 @@
 #include "io/safetensors.h"
 #include "parallel/comm.h"
 #include "model/step35_config.h"
+#include "runtime/engine.h"
 
 namespace memra::runtime {
 
@@ -45,6 +46,8 @@ struct VerifyOptions {
     RankBackendFactory make_rank_backend;
     // How tp > 1 ranks exchange backend buffers (EngineOptions::rank_copy); nullptr: host memory.
     parallel::InProcessGroup::ByteCopy rank_copy = nullptr;
+    // The communicators of tp > 1 ranks (EngineOptions::make_comms); empty: the in-process group's.
+    CommFactory make_comms;
     // The process's heap allocations so far (a counting operator new), or empty: then allocations are not
     // counted and HOT_PATH_ALLOCS is skipped.
     std::function<int64_t()> count_allocations;

@@ -893,6 +893,103 @@ TEST_P(EngineTest, TensorParallelRanksGiveTheSingleRankBits) {
     }
 }
 
+// A communicator that forwards to one rank of a group the test owns and counts the calls that reach it: what
+// EngineOptions::make_comms hands the engine in place of its in-process group (NCCL's place on GPUs).
+class CountingComm final : public parallel::Communicator {
+public:
+    CountingComm(parallel::Communicator &inner, int *calls) : inner_(inner), calls_(calls) {}
+    int rank() const override { return inner_.rank(); }
+    int size() const override { return inner_.size(); }
+    Result<void> all_gather(std::span<const std::byte> s, std::span<std::byte> r) override {
+        return counted(inner_.all_gather(s, r));
+    }
+    Result<void> broadcast(std::span<std::byte> b, int root) override { return counted(inner_.broadcast(b, root)); }
+    Result<void> barrier() override { return counted(inner_.barrier()); }
+    Result<void> send(std::span<const std::byte> b, int peer) override { return counted(inner_.send(b, peer)); }
+    Result<void> recv(std::span<std::byte> b, int peer) override { return counted(inner_.recv(b, peer)); }
+    Result<void> group_start() override { return counted(inner_.group_start()); }
+    Result<void> group_end() override { return counted(inner_.group_end()); }
+
+private:
+    Result<void> counted(Result<void> r) {
+        ++*calls_;
+        return r;
+    }
+    parallel::Communicator &inner_;
+    int *calls_;
+};
+
+// Communicators from make_comms carry the ranks' traffic (every call goes through them) and give the bits of
+// the engine's own group; a factory that makes the wrong number of communicators, or one of the wrong rank or
+// size, is refused; a factory that makes none leaves the in-process group in place.
+TEST_P(EngineTest, CommunicatorsFromTheFactoryCarryTheRanksTraffic) {
+    const std::vector<int32_t> prompt = make_tokens(12, 30, 1024);
+    const auto prefill_logits = [&](const EngineOptions &o) {
+        Loaded l = load(o);
+        std::vector<float> logits;
+        if (!l.engine) return logits;
+        auto s = new_seq(*l.engine);
+        s->tokens = prompt;
+        StepItem it;
+        it.seq = s.get();
+        it.rows = 30;
+        it.logits = LogitRows::kAll;
+        if (!l.engine->step(std::span(&it, 1))) return logits;
+        return l.engine->rank_logits(1);
+    };
+    EngineOptions o = options();
+    o.tp = 2;
+    const std::vector<float> want = prefill_logits(o);
+    ASSERT_FALSE(want.empty());
+    auto outer = parallel::InProcessGroup::create(2);
+    ASSERT_TRUE(outer.has_value());
+    int calls[2] = {0, 0};
+    o.make_comms = [&](std::span<Backend *const> backends) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
+        std::vector<std::unique_ptr<parallel::Communicator>> comms;
+        for (size_t r = 0; r < backends.size(); ++r) {
+            comms.push_back(std::make_unique<CountingComm>(outer->communicator(static_cast<int>(r)), &calls[r]));
+        }
+        return comms;
+    };
+    EXPECT_EQ(bit_mismatches(prefill_logits(o), want), 0);
+    EXPECT_GT(calls[0], 0);
+    EXPECT_EQ(calls[0], calls[1]);
+
+    const auto refused = [&](const CommFactory &make, const std::string &needle) {
+        EngineOptions bad = options();
+        bad.tp = 2;
+        bad.make_comms = make;
+        auto cfg = model::load_step35_config(dir());
+        auto ckpt = io::Checkpoint::open(dir());
+        ASSERT_TRUE(cfg && ckpt);
+        auto engine = Engine::create(*ckpt, *cfg, bad);
+        ASSERT_FALSE(engine.has_value()) << needle;
+        EXPECT_NE(engine.error().message.find(needle), std::string::npos) << engine.error().message;
+    };
+    refused(
+        [&](std::span<Backend *const>) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
+            std::vector<std::unique_ptr<parallel::Communicator>> one;
+            one.push_back(std::make_unique<CountingComm>(outer->communicator(0), &calls[0]));
+            return one;
+        },
+        "the communicator factory made 1 communicators for 2 ranks");
+    refused(
+        [&](std::span<Backend *const>) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
+            std::vector<std::unique_ptr<parallel::Communicator>> swapped;
+            swapped.push_back(std::make_unique<CountingComm>(outer->communicator(1), &calls[1]));
+            swapped.push_back(std::make_unique<CountingComm>(outer->communicator(0), &calls[0]));
+            return swapped;
+        },
+        "communicator 0 is rank 1 of 2, expected rank 0 of 2");
+    refused([](std::span<Backend *const>) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
+        return make_error("no GPUs for these ranks");
+    }, "the ranks' communicators: no GPUs for these ranks");
+    o.make_comms = [](std::span<Backend *const>) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
+        return std::vector<std::unique_ptr<parallel::Communicator>>{};
+    };
+    EXPECT_EQ(bit_mismatches(prefill_logits(o), want), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, EngineTest, ::testing::Values("bf16", "fp8"));
 
 }  // namespace

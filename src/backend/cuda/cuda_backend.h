@@ -57,6 +57,9 @@ public:
     bool keeps_host_views() const override { return false; }  // uploads copy, then synchronize
     Numerics numerics() const override { return Numerics::kDevice; }
     int device_index() const { return device_; }
+    // The stream every op of this backend is issued on (a communicator of its rank enqueues there too).
+    cudaStream_t stream() const { return stream_; }
+    void bind_thread() override { cudaSetDevice(device_); }
     // Device bytes this backend holds (weights, buffers, pools, workspaces).
     int64_t bytes_allocated() const { return bytes_; }
     // With MEMRA_CUDA_PROFILE=1 in the environment at creation, every op synchronises and its time (from the end of
@@ -161,7 +164,6 @@ private:
     const Vector &vector(VectorId id) const;
     const KvPool &kv_pool(KvPoolId id) const;
     cpu::PagedLayer paged_layer(const KvPool &pool, int layer) const;
-    cudaStream_t stream() const { return stream_; }
 
     int device_;
     cudaStream_t stream_;
