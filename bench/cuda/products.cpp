@@ -163,6 +163,37 @@ void bm_bf16_product(benchmark::State &state) {
     time_and_report(state, launch, static_cast<double>(weight_bytes));
 }
 
+// args: rows (experts), tokens. The MoE router: f32 weights [experts, 4096] times f32 activations in the exact
+// loop (the router stays f32 in device numerics), for E128 (128) and the release (288).
+void bm_f32_router(benchmark::State &state) {
+    if (!gpu_present()) {
+        state.SkipWithError("no CUDA device");
+        return;
+    }
+    constexpr int64_t k = 4096;
+    const int64_t rows = state.range(0);
+    const int64_t tokens = state.range(1);
+    const size_t weight_bytes = static_cast<size_t>(rows * k * 4);
+    const auto w = rotating_weights(weight_bytes);
+    const auto x = random_activations(tokens * k, 7);
+    DeviceBlock y(static_cast<size_t>(tokens * rows * 4), false);
+    cuda::CudaMatrix m;
+    m.dtype = DType::kF32;
+    m.rows = rows;
+    m.cols = k;
+    m.full_rows = rows;
+    m.k_full = k;
+    m.act = cuda::ActRounding::kNone;
+    size_t turn = 0;
+    const auto launch = [&] {
+        m.data = w[turn++ % w.size()]->ptr;
+        const cudaError_t e = cuda::cuda_matmul(m, static_cast<const float *>(x->ptr), tokens,
+                                                static_cast<float *>(y.ptr), nullptr);
+        if (e != cudaSuccess) std::fprintf(stderr, "router: %s\n", cudaGetErrorString(e));
+    };
+    time_and_report(state, launch, static_cast<double>(weight_bytes));
+}
+
 // args: rows, K. The routed experts of one token at batch 1 (K3): 8 FP8 experts [rows, K] with 128x128 scale
 // tiles, one row of x each (W8A8: e4m3 activation groups of 128), as the decode step's grouped product runs them.
 void bm_e4m3_grouped(benchmark::State &state) {
@@ -291,6 +322,8 @@ void product_args(benchmark::internal::Benchmark *b) {
 }
 
 BENCHMARK(bm_bf16_product)->Apply(product_args)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_f32_router)->ArgNames({"experts", "tokens"})->Args({128, 1})->Args({288, 1})->Args({128, 8})
+    ->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K"})->Args({2560, 4096})->Args({4096, 1280})->UseManualTime()
     ->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_decode_attention)->ArgNames({"positions", "heads", "window", "split", "q8q5"})

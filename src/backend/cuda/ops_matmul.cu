@@ -138,9 +138,10 @@ struct ProductParams {
     int64_t n_experts;
     int64_t expert_elems;    // rows * cols
     int64_t expert_scales;   // scale floats per expert
-    // Work items: n_tokens x row_tiles.
+    // Work items: n_tokens x row_tiles, of rows_per_item rows each (product_kernel narrows them, launch_narrow).
     int64_t row_tiles;
     int64_t items;
+    int64_t rows_per_item = 16;
 };
 
 // Bytes per stored weight element.
@@ -189,6 +190,34 @@ __device__ bool grouped_expert(const ProductParams &p, int64_t t, int64_t *exper
 // sums added in K order from +0. gx: the x row (column 0 = k_begin); gw: the held weight row; gs: its scale
 // tile row (fp8).
 template <DType kDt>
+__device__ float exact_chunk(const ProductParams &p, const float *gx, const uint8_t *gw, const float *gs, int64_t c0,
+                             int64_t c1, int64_t ci, int lane, unsigned mask) {
+    float acc = 0.0f;
+    int64_t k = c0 + lane;
+    // Eight elements' loads issued before their adds (the chain itself is serial): the loads of a lane
+    // otherwise wait one after another.
+    for (; k + 7 * kLanes < c1; k += 8 * kLanes) {
+        float xv[8];
+        float wv[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int64_t i = k + j * kLanes - p.k_begin;
+            xv[j] = gx[i];
+            wv[j] = weight_at<kDt>(gw, i);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc = __fadd_rn(acc, __fmul_rn(xv[j], wv[j]));
+    }
+    for (; k < c1; k += kLanes) {
+        const int64_t i = k - p.k_begin;
+        acc = __fadd_rn(acc, __fmul_rn(gx[i], weight_at<kDt>(gw, i)));
+    }
+    float chunk = lane_tree_exact(acc, mask);
+    if constexpr (kDt == DType::kF8E4M3) chunk = __fmul_rn(chunk, gs[ci - p.scale_col0]);
+    return chunk;
+}
+
+template <DType kDt>
 __device__ float dot_exact(const ProductParams &p, const float *gx, const uint8_t *gw, const float *gs,
                            int64_t k0, int64_t k1, int lane, unsigned mask) {
     const int64_t edge = p.block_cols;
@@ -196,17 +225,46 @@ __device__ float dot_exact(const ProductParams &p, const float *gx, const uint8_
     int64_t ci = k0 / edge;
     for (int64_t c0 = k0; c0 < k1; ++ci) {
         const int64_t c1 = min_i64(k1, (ci + 1) * edge);
-        float acc = 0.0f;
-        for (int64_t k = c0 + lane; k < c1; k += kLanes) {
-            const int64_t i = k - p.k_begin;
-            acc = __fadd_rn(acc, __fmul_rn(gx[i], weight_at<kDt>(gw, i)));
-        }
-        float chunk = lane_tree_exact(acc, mask);
-        if constexpr (kDt == DType::kF8E4M3) chunk = __fmul_rn(chunk, gs[ci - p.scale_col0]);
-        total = __fadd_rn(total, chunk);
+        total = __fadd_rn(total, exact_chunk<kDt>(p, gx, gw, gs, c0, c1, ci, lane, mask));
         c0 = c1;
     }
     return total;
+}
+
+// The exact loop with one (token, row) per block (few outputs, long K: the f32 router): the row's chunks are
+// independent until their sums are added in K order, so group g computes chunks g, g + 16, ... (each as
+// dot_exact computes it) into shared memory and thread 0 adds them in chunk order: dot_exact's bits, with the
+// chunks' memory latencies overlapped instead of paid one after another. Dynamic shared memory: n_chunks floats.
+template <DType kDt>
+__global__ void __launch_bounds__(kThreads) exact_chunks_kernel(const ProductParams p, int64_t n_chunks) {
+    extern __shared__ float s_chunk[];
+    const int group = static_cast<int>(threadIdx.x) / kLanes;
+    const int lane = static_cast<int>(threadIdx.x) % kLanes;
+    const unsigned mask = 0xffffu << (threadIdx.x & 16u);
+    const int64_t edge = p.block_cols;
+    const int64_t c_first = p.k0 / edge;
+    for (int64_t item = blockIdx.x; item < p.items; item += gridDim.x) {
+        const int64_t t = item / p.rows;
+        const int64_t n = item % p.rows;
+        const uint8_t *gw = p.data + n * p.ld * kElemBytes<kDt>;
+        const float *gs = nullptr;
+        if constexpr (kDt == DType::kF8E4M3) gs = p.scale + ((p.row_begin + n) / p.block_rows - p.scale_row0) * p.scale_ld;
+        const float *gx = p.x + t * p.x_ld;
+        for (int64_t c = group; c < n_chunks; c += kThreads / kLanes) {
+            const int64_t ci = c_first + c;
+            const int64_t c0 = c == 0 ? p.k0 : ci * edge;
+            const int64_t c1 = min_i64(p.k1, (ci + 1) * edge);
+            const float v = exact_chunk<kDt>(p, gx, gw, gs, c0, c1, ci, lane, mask);
+            if (lane == 0) s_chunk[c] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float total = 0.0f;
+            for (int64_t c = 0; c < n_chunks; ++c) total = __fadd_rn(total, s_chunk[c]);
+            p.y[t * p.y_ld + n] = total;
+        }
+        __syncthreads();  // s_chunk is reused by the block's next item
+    }
 }
 
 // Lane `lane`'s part of the device K loop with bf16 activations (ActRounding::kBf16, BF16 weights) over
@@ -261,7 +319,8 @@ __device__ __forceinline__ float dot_range(const ProductParams &p, const float *
 }
 
 // The products of the exact loop and of the bf16 device loop. No block-level synchronisation: a group that
-// has no row (past the weight's rows, or a grouped row past the experts' rows) simply moves on.
+// has no row (past the weight's rows, or a grouped row past the experts' rows) simply moves on. A block is
+// p.rows_per_item groups of 16 threads (launch_narrow).
 template <DType kDt, bool kBf16Act, Op kOp>
 __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p) {
     const int group = static_cast<int>(threadIdx.x) / kLanes;
@@ -269,7 +328,7 @@ __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p
     const unsigned mask = 0xffffu << (threadIdx.x & 16u);
     for (int64_t item = blockIdx.x; item < p.items; item += gridDim.x) {
         const int64_t t = item / p.row_tiles;
-        const int64_t n = (item % p.row_tiles) * kRowsPerItem + group;
+        const int64_t n = (item % p.row_tiles) * p.rows_per_item + group;
         if (n >= p.rows) continue;
         const uint8_t *gdata = p.data;
         const float *gscale = p.scale;
@@ -891,6 +950,46 @@ cudaError_t launch(void (*kernel)(ProductParams), const ProductParams &p, cudaSt
     return cudaGetLastError();
 }
 
+// product_kernel with items of fewer rows when 16-row items would leave most SMs idle (the f32 router: [experts,
+// d_model] for a few tokens is a handful of blocks): rows per item halve, down to 2 (a warp), until the items
+// give kFillBlocks blocks. Which block computes a row never enters its K loop.
+constexpr int64_t kFillBlocks = 264;
+cudaError_t launch_narrow(void (*kernel)(ProductParams), ProductParams p, cudaStream_t stream) {
+    int64_t rows = kRowsPerItem;
+    while (rows > 2 && p.n_tokens * ceil_div(p.rows, rows) < kFillBlocks) rows /= 2;
+    p.rows_per_item = rows;
+    p.row_tiles = ceil_div(p.rows, rows);
+    p.items = p.n_tokens * p.row_tiles;
+    const int64_t blocks = p.items < kMaxBlocks ? p.items : kMaxBlocks;
+    kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(rows * kLanes), 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+// Whether exact_chunks_kernel takes an exact product: few outputs (at most kFillBlocks x 16: per-row blocks still
+// fill the GPU) over several chunks, whose sums fit the block's shared memory.
+constexpr int64_t kMaxExactChunks = 4096;
+int64_t exact_chunk_count(const ProductParams &p) {
+    return ceil_div(p.k1, p.block_cols) - p.k0 / p.block_cols;
+}
+bool exact_chunks(const ProductParams &p) {
+    const int64_t chunks = exact_chunk_count(p);
+    return p.n_tokens * p.rows <= kFillBlocks * 16 && chunks >= 2 && chunks <= kMaxExactChunks;
+}
+cudaError_t launch_exact_chunks(DType dtype, ProductParams p, cudaStream_t stream) {
+    const int64_t chunks = exact_chunk_count(p);
+    p.items = p.n_tokens * p.rows;
+    const auto blocks = static_cast<unsigned>(p.items < kMaxBlocks ? p.items : kMaxBlocks);
+    const size_t smem = static_cast<size_t>(chunks) * sizeof(float);
+    switch (dtype) {
+        case DType::kF32: exact_chunks_kernel<DType::kF32><<<blocks, kThreads, smem, stream>>>(p, chunks); break;
+        case DType::kBF16: exact_chunks_kernel<DType::kBF16><<<blocks, kThreads, smem, stream>>>(p, chunks); break;
+        case DType::kF16: exact_chunks_kernel<DType::kF16><<<blocks, kThreads, smem, stream>>>(p, chunks); break;
+        case DType::kF8E4M3: exact_chunks_kernel<DType::kF8E4M3><<<blocks, kThreads, smem, stream>>>(p, chunks); break;
+        default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+}
+
 // Whether skinny_bf16_kernel takes a product: bf16 activations and weights, K segments of whole 32-wide groups,
 // 16-byte aligned weight rows and chunk starts (cp.async), 8-byte x pairs, a grid within CUDA's y limit (a
 // grouped product's grid has a row of blocks per row of x).
@@ -975,12 +1074,15 @@ cudaError_t dispatch(DType dtype, ActRounding act, const ProductParams &p, cudaS
             return launch(e4m3_product_kernel<kOp>, p, stream);
         }
     }
-    if (act == ActRounding::kBf16) return launch(product_kernel<DType::kBF16, true, kOp>, p, stream);
+    if (act == ActRounding::kBf16) return launch_narrow(product_kernel<DType::kBF16, true, kOp>, p, stream);
+    if constexpr (kOp == Op::kMatmul) {
+        if (exact_chunks(p)) return launch_exact_chunks(dtype, p, stream);
+    }
     switch (dtype) {
-        case DType::kF32: return launch(product_kernel<DType::kF32, false, kOp>, p, stream);
-        case DType::kBF16: return launch(product_kernel<DType::kBF16, false, kOp>, p, stream);
-        case DType::kF16: return launch(product_kernel<DType::kF16, false, kOp>, p, stream);
-        case DType::kF8E4M3: return launch(product_kernel<DType::kF8E4M3, false, kOp>, p, stream);
+        case DType::kF32: return launch_narrow(product_kernel<DType::kF32, false, kOp>, p, stream);
+        case DType::kBF16: return launch_narrow(product_kernel<DType::kBF16, false, kOp>, p, stream);
+        case DType::kF16: return launch_narrow(product_kernel<DType::kF16, false, kOp>, p, stream);
+        case DType::kF8E4M3: return launch_narrow(product_kernel<DType::kF8E4M3, false, kOp>, p, stream);
         default: return cudaErrorInvalidValue;
     }
 }
