@@ -130,27 +130,24 @@ void time_and_report(benchmark::State &state, const F &launch, double weight_byt
     state.counters["vs_copy"] = (weight_bytes / seconds) / copy_rate;
 }
 
-// args: rows, K, tokens, canonical (0/1).
-void bm_bf16_product(benchmark::State &state) {
+// Times a dense product [rows, k] of `dtype` weights (rotating copies) over `tokens` rows of x.
+void time_product(benchmark::State &state, DType dtype, cuda::ActRounding act, int64_t rows, int64_t k,
+                  int64_t tokens, bool canonical) {
     if (!gpu_present()) {
         state.SkipWithError("no CUDA device");
         return;
     }
-    const int64_t rows = state.range(0);
-    const int64_t k = state.range(1);
-    const int64_t tokens = state.range(2);
-    const bool canonical = state.range(3) != 0;
-    const size_t weight_bytes = static_cast<size_t>(rows * k * 2);
+    const size_t weight_bytes = static_cast<size_t>(rows * k * (dtype == DType::kF32 ? 4 : 2));
     const auto w = rotating_weights(weight_bytes);
     const auto x = random_activations(tokens * k, 3);
     DeviceBlock y(static_cast<size_t>(tokens * rows * 4), false);
     cuda::CudaMatrix m;
-    m.dtype = DType::kBF16;
+    m.dtype = dtype;
     m.rows = rows;
     m.cols = k;
     m.full_rows = rows;
     m.k_full = k;
-    m.act = cuda::ActRounding::kBf16;
+    m.act = act;
     size_t turn = 0;
     const auto launch = [&] {
         m.data = w[turn++ % w.size()]->ptr;
@@ -163,35 +160,16 @@ void bm_bf16_product(benchmark::State &state) {
     time_and_report(state, launch, static_cast<double>(weight_bytes));
 }
 
+// args: rows, K, tokens, canonical (0/1).
+void bm_bf16_product(benchmark::State &state) {
+    time_product(state, DType::kBF16, cuda::ActRounding::kBf16, state.range(0), state.range(1), state.range(2),
+                 state.range(3) != 0);
+}
+
 // args: rows (experts), tokens. The MoE router: f32 weights [experts, 4096] times f32 activations in the exact
 // loop (the router stays f32 in device numerics), for E128 (128) and the release (288).
 void bm_f32_router(benchmark::State &state) {
-    if (!gpu_present()) {
-        state.SkipWithError("no CUDA device");
-        return;
-    }
-    constexpr int64_t k = 4096;
-    const int64_t rows = state.range(0);
-    const int64_t tokens = state.range(1);
-    const size_t weight_bytes = static_cast<size_t>(rows * k * 4);
-    const auto w = rotating_weights(weight_bytes);
-    const auto x = random_activations(tokens * k, 7);
-    DeviceBlock y(static_cast<size_t>(tokens * rows * 4), false);
-    cuda::CudaMatrix m;
-    m.dtype = DType::kF32;
-    m.rows = rows;
-    m.cols = k;
-    m.full_rows = rows;
-    m.k_full = k;
-    m.act = cuda::ActRounding::kNone;
-    size_t turn = 0;
-    const auto launch = [&] {
-        m.data = w[turn++ % w.size()]->ptr;
-        const cudaError_t e = cuda::cuda_matmul(m, static_cast<const float *>(x->ptr), tokens,
-                                                static_cast<float *>(y.ptr), nullptr);
-        if (e != cudaSuccess) std::fprintf(stderr, "router: %s\n", cudaGetErrorString(e));
-    };
-    time_and_report(state, launch, static_cast<double>(weight_bytes));
+    time_product(state, DType::kF32, cuda::ActRounding::kNone, state.range(0), 4096, state.range(1), false);
 }
 
 // args: rows, K. The routed experts of one token at batch 1 (K3): 8 FP8 experts [rows, K] with 128x128 scale
