@@ -279,7 +279,7 @@ EOF
 fi
 grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
 echo "| nccl | $(grep -cE '^\[       OK \] Nccl' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \] Nccl' \
-    "$out/cuda_tests.log") failed, $(grep -cE '^\[  SKIPPED \] Nccl' "$out/cuda_tests.log") skipped ($(nvidia-smi -L | wc -l) GPU) |"
+    "$out/cuda_tests.log") failed, $(grep -cE '^\[  SKIPPED \] Nccl.* ms\)' "$out/cuda_tests.log") skipped ($(nvidia-smi -L | wc -l) GPU) |"
 grep -h "measured \] nccl" "$out/cuda_tests.log" | sed 's/^\[ measured \] /| nccl cost | /; s/$/ |/'
 op_rows "$out/op_times_prefill.log" prefill 5
 op_rows "$out/op_times_decode.log" decode 12
