@@ -421,7 +421,8 @@ Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const m
         const bool nccl = ranks_use_nccl(options.tp);
         auto gpu = cuda::gpu_info(0);
         if (!gpu) return tl::unexpected(gpu.error());
-        const auto weights = static_cast<int64_t>(out.store->total_bytes()) / (nccl ? options.tp : 1);
+        const auto total = static_cast<int64_t>(out.store->total_bytes());
+        const int64_t weights = total / (nccl ? options.tp : 1);  // what GPU 0 must hold at least
         if (options.tp > 1) {
             std::fprintf(stderr, "cuda: %d ranks %s\n", options.tp,
                          nccl ? fmt::format("on GPUs 0-{}, exchanging over NCCL", options.tp - 1).c_str()
@@ -436,7 +437,7 @@ Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const m
                               static_cast<double>(gpu->total_bytes) / (1 << 30));
         }
         options.rank_copy = cuda::cuda_rank_copy;
-        auto progress = std::make_shared<std::function<void(int64_t)>>(upload_progress_printer(weights));
+        auto progress = std::make_shared<std::function<void(int64_t)>>(upload_progress_printer(total));  // every rank's uploads
         auto uploaded = std::make_shared<int64_t>(0);
         options.make_backend = [numerics = backends.numerics, forcing = backends.forcing, progress, uploaded,
                                 tp = options.tp](int rank) -> Result<std::unique_ptr<Backend>> {

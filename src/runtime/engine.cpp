@@ -55,6 +55,9 @@ Result<void> Sequence::set_logit_bias(std::span<const LogitBias> bias) {
 
 struct Engine::Rank {
     std::unique_ptr<Backend> backend;
+    // EngineOptions::make_comms's communicator of this rank (null: the in-process group's): destroyed after the
+    // forward that uses it and before the backend whose stream it enqueues on.
+    std::unique_ptr<parallel::Communicator> comm;
     std::unique_ptr<model::Step35Model> model;  // the forward points into it
     std::optional<model::Step35Forward> forward;
     model::ForwardKv kv;
@@ -237,6 +240,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
     const int64_t capacity = table_capacity(e->cap_, blocks, max_sample_rows, max_positions, o.spec_draft);
     std::vector<std::unique_ptr<Backend>> backends;
     std::vector<Backend *> backend_ptrs;
+    std::vector<std::unique_ptr<parallel::Communicator>> comms_made;
     for (int r = 0; r < o.tp; ++r) {
         auto backend = o.make_backend(r);
         if (!backend) return wrap_error(fmt::format("rank {} backend", r), backend.error());
@@ -260,11 +264,12 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
                                   r, o.tp);
             }
         }
-        e->comms_ = std::move(*comms);
+        comms_made = std::move(*comms);
     }
     for (int r = 0; r < o.tp; ++r) {
         auto rk = std::make_unique<Rank>();
         rk->backend = std::move(backends[static_cast<size_t>(r)]);
+        if (!comms_made.empty()) rk->comm = std::move(comms_made[static_cast<size_t>(r)]);
         Backend &be = *rk->backend;
         const parallel::RankPlan *rank_plan = o.tp > 1 ? &e->plan_.ranks[static_cast<size_t>(r)] : nullptr;
         auto bound = o.tp > 1 ? model::bind_step35_model(be, store, cfg, e->plan_, r)
@@ -289,7 +294,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
             (full ? rk->full_layout : rk->swa_layout) = std::move(*layout);
         }
         auto fwd = o.tp > 1 ? model::Step35Forward::create(be, *rk->model, e->cap_, rk->kv,
-                                                           model::RankContext{&e->plan_, r, &e->comm(r)})
+                                                           model::RankContext{&e->plan_, r,
+                                                                              rk->comm ? rk->comm.get()
+                                                                                       : &e->group_->communicator(r)})
                             : model::Step35Forward::create(be, *rk->model, e->cap_, rk->kv);
         if (!fwd) return wrap_error(fmt::format("rank {} forward", r), fwd.error());
         rk->forward.emplace(std::move(*fwd));
@@ -924,10 +931,6 @@ Result<void> Engine::plan(std::span<const StepItem> items) {
     phase_ = Phase::kPlanned;
     alloc_before_ = before;
     return {};
-}
-
-parallel::Communicator &Engine::comm(int rank) {
-    return comms_.empty() ? group_->communicator(rank) : *comms_[static_cast<size_t>(rank)];
 }
 
 Result<void> Engine::run_rank(int rank) {

@@ -316,8 +316,6 @@ private:
     void pack_tables(std::span<const StepItem> items);
     void rollback_all();
     Result<void> run_rank(int rank);
-    // Rank r's communicator: make_comms's, else the in-process group's (tp > 1 only).
-    parallel::Communicator &comm(int rank);
     // step_key_ for the planned step: every host-side value run_rank(0) and its forward depend on, so two
     // steps with equal keys issue the same ops on the same buffers (Backend::run_recorded).
     void build_step_key();
@@ -338,7 +336,6 @@ private:
     kv::SeqKvShape seq_shape_;  // without MTP streams (a sequence's own count is set at create)
     model::ForwardCapacity cap_;
     std::optional<parallel::InProcessGroup> group_;
-    std::vector<std::unique_ptr<parallel::Communicator>> comms_;  // make_comms's; outlive the ranks' forwards
     std::vector<std::unique_ptr<Rank>> ranks_;
     kv::PagePool full_, swa_;
     kv::PrefixCache prefix_;  // empty unless options_.prefix_cache

@@ -247,11 +247,24 @@ TEST_F(NcclOneRank, RefusedArgumentsAreNamedAndTakeNoPart) {
     EXPECT_TRUE(barrier.has_value()) << barrier.error().message;
 }
 
+// A stream of GPU 0 (made current), destroyed with the test however it ends.
+struct Gpu0Stream {
+    cudaStream_t stream = nullptr;
+    Gpu0Stream() {
+        EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
+        EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    }
+    ~Gpu0Stream() {
+        if (stream != nullptr) cudaStreamDestroy(stream);
+    }
+    Gpu0Stream(const Gpu0Stream &) = delete;
+    Gpu0Stream &operator=(const Gpu0Stream &) = delete;
+};
+
 TEST(NcclComm, CreateRefusesBadArguments) {
     MEMRA_SKIP_WITHOUT_GPU();
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    const Gpu0Stream gpu;
+    const cudaStream_t stream = gpu.stream;
     auto id = NcclId::make();
     ASSERT_TRUE(id.has_value()) << id.error().message;
     auto bad_rank = NcclCommunicator::create(*id, 2, 2, 0, stream);
@@ -273,16 +286,14 @@ TEST(NcclComm, CreateRefusesBadArguments) {
     EXPECT_NE(mismatch.error().message.find("expected one stream per GPU (1), found 2"), std::string::npos)
         << mismatch.error().message;
     EXPECT_FALSE(NcclGroup::create({}, {}).has_value());
-    cudaStreamDestroy(stream);
 }
 
 // NCCL's init of a non-blocking communicator is polled, so a rank whose peer never calls create() gets an
 // error after its timeout (and NCCL's init is aborted) instead of waiting forever.
 TEST(NcclComm, RankWithoutItsPeerFailsAfterTheTimeout) {
     MEMRA_SKIP_WITHOUT_GPU();
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    const Gpu0Stream gpu;
+    const cudaStream_t stream = gpu.stream;
     auto id = NcclId::make();
     ASSERT_TRUE(id.has_value()) << id.error().message;
     const auto start = std::chrono::steady_clock::now();
@@ -292,7 +303,6 @@ TEST(NcclComm, RankWithoutItsPeerFailsAfterTheTimeout) {
     expect_names(tl::unexpected(comm.error()), {"nccl init (rank 0 of 2, GPU 0)", "not initialised after 2000 ms"});
     EXPECT_GE(waited, milliseconds(2000));
     EXPECT_LT(waited, milliseconds(60000)) << "the abort after the timeout took too long";
-    cudaStreamDestroy(stream);
 }
 
 // ---- Two or more GPUs: one rank per GPU ----

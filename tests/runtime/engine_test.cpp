@@ -106,6 +106,16 @@ protected:
         return l;
     }
 
+    // Engine::create refuses o with a message that contains needle.
+    static void expect_refused(const EngineOptions &o, const std::string &needle) {
+        auto cfg = model::load_step35_config(dir());
+        auto ckpt = io::Checkpoint::open(dir());
+        ASSERT_TRUE(cfg && ckpt);
+        auto engine = Engine::create(*ckpt, *cfg, o);
+        ASSERT_FALSE(engine.has_value()) << needle;
+        EXPECT_NE(engine.error().message.find(needle), std::string::npos) << engine.error().message;
+    }
+
     static TinyDirs *dirs_;
 };
 
@@ -831,32 +841,24 @@ TEST_P(EngineTest, AKvBudgetSizesThePoolsWithinIt) {
 }
 
 TEST_P(EngineTest, CreateRefusesBadOptions) {
-    const auto refused = [&](EngineOptions o, const std::string &needle) {
-        auto cfg = model::load_step35_config(dir());
-        auto ckpt = io::Checkpoint::open(dir());
-        ASSERT_TRUE(cfg && ckpt);
-        auto engine = Engine::create(*ckpt, *cfg, o);
-        ASSERT_FALSE(engine.has_value()) << needle;
-        EXPECT_NE(engine.error().message.find(needle), std::string::npos) << engine.error().message;
-    };
     EngineOptions o = options();
     o.max_seqs = 0;
-    refused(o, "expected max_seqs, step_rows, ctx_size >= 1");
+    expect_refused(o, "expected max_seqs, step_rows, ctx_size >= 1");
     o = options();
     o.mtp_layers = 2;
-    refused(o, "2 MTP layers requested, the model has 1");
+    expect_refused(o, "2 MTP layers requested, the model has 1");
     o = options();
     o.sample_vocab = 2000;
-    refused(o, "sample_vocab 2000 outside [0, 1024]");
+    expect_refused(o, "sample_vocab 2000 outside [0, 1024]");
     o = options();
     o.tp = 3;
-    refused(o, "tp=3");
+    expect_refused(o, "tp=3");
     o = options();
     o.make_backend = nullptr;
-    refused(o, "no backend factory");
+    expect_refused(o, "no backend factory");
     o = options();
     o.max_seqs = 1 << 21;  // 2^21 sequences of 1024 positions: sampling history offsets past int32
-    refused(o, "the sampling history of 2097152 sequences of 1024 positions exceeds 2^29 tokens");
+    expect_refused(o, "the sampling history of 2097152 sequences of 1024 positions exceeds 2^29 tokens");
     Loaded l = load(options());
     SequenceOptions so;
     so.mtp_streams = 2;
@@ -955,16 +957,11 @@ TEST_P(EngineTest, CommunicatorsFromTheFactoryCarryTheRanksTraffic) {
     EXPECT_GT(calls[0], 0);
     EXPECT_EQ(calls[0], calls[1]);
 
-    const auto refused = [&](const CommFactory &make, const std::string &needle) {
+    const auto refused = [](const CommFactory &make, const std::string &needle) {
         EngineOptions bad = options();
         bad.tp = 2;
         bad.make_comms = make;
-        auto cfg = model::load_step35_config(dir());
-        auto ckpt = io::Checkpoint::open(dir());
-        ASSERT_TRUE(cfg && ckpt);
-        auto engine = Engine::create(*ckpt, *cfg, bad);
-        ASSERT_FALSE(engine.has_value()) << needle;
-        EXPECT_NE(engine.error().message.find(needle), std::string::npos) << engine.error().message;
+        expect_refused(bad, needle);
     };
     refused(
         [&](std::span<Backend *const>) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
