@@ -26,6 +26,19 @@ inline float from_bits(uint32_t u) {
     return f;
 }
 
+// A dense weight view of test-owned bytes [rows, cols] (fp8: with its scale grid).
+inline WeightRef weight_view(DType dtype, const void *data, int64_t rows, int64_t cols, const float *scale_inv,
+                             ActRounding act = ActRounding::kNone) {
+    WeightRef w;
+    w.dtype = dtype;
+    w.data = data;
+    w.rows = rows;
+    w.cols = cols;
+    w.scale_inv = dtype == DType::kF8E4M3 ? scale_inv : nullptr;
+    w.act = act;
+    return w;
+}
+
 // n floats uniform in [lo, hi), from a fixed seed.
 inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
     std::mt19937 gen(seed);

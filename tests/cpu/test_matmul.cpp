@@ -16,6 +16,7 @@
 #include "backend/cpu/matmul.h"
 #include "core/float_formats.h"
 #include "core/fp8_block.h"
+#include "cpu/ops_test_util.h"
 
 // Counts every allocation in this test executable, so a test can show that the kernels allocate nothing
 // (matmul.h: callers pass all workspaces).
@@ -36,15 +37,7 @@ struct TestWeight {
     std::vector<float> scale;     // [ceil(rows/128), ceil(cols/128)] f32 (fp8 only)
     std::vector<float> elem;      // [rows, cols] f32, exact stored values (unscaled)
 
-    WeightRef ref() const {
-        WeightRef w;
-        w.dtype = dtype;
-        w.data = bytes.data();
-        w.rows = rows;
-        w.cols = cols;
-        w.scale_inv = dtype == DType::kF8E4M3 ? scale.data() : nullptr;
-        return w;
-    }
+    WeightRef ref() const { return test::weight_view(dtype, bytes.data(), rows, cols, scale.data()); }
     float scale_at(int64_t r, int64_t c) const {
         return scale[static_cast<size_t>((r / 128) * ((cols + 127) / 128) + c / 128)];
     }

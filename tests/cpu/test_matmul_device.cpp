@@ -87,13 +87,25 @@ struct Weight {
     std::vector<float> elem;   // exact stored values (unscaled)
     std::vector<float> scale;  // fp8 only
 
-    WeightRef ref(ActRounding act) const {
-        const float *scales = dtype == DType::kF8E4M3 ? scale.data() : nullptr;
-        WeightRef w{.dtype = dtype, .data = bytes.data(), .rows = rows, .cols = cols, .scale_inv = scales};
-        w.act = act;
-        return w;
-    }
+    WeightRef ref(ActRounding act) const { return test::weight_view(dtype, bytes.data(), rows, cols, scale.data(), act); }
 };
+
+// A weight view with its 16-row panels (matmul.h WeightPanels), in storage the test owns; `panels` false: the
+// plain view. The AVX512-BF16 path reads the panels where a view has them, every other path ignores them.
+struct Viewed {
+    std::vector<uint8_t> storage;
+    WeightRef ref;
+};
+Viewed view(const WeightRef &w, bool panels) {
+    Viewed v;
+    v.ref = w;
+    if (!panels) return v;
+    v.storage.resize(static_cast<size_t>(device_panels_bytes(w)) + 64);
+    uint8_t *at = v.storage.data() + (64 - reinterpret_cast<uintptr_t>(v.storage.data()) % 64) % 64;
+    ThreadPool pool(2);
+    v.ref = device_panels_fill(pool, w, at);
+    return v;
+}
 
 // Weights over a few binades; `tiny` puts a share of them (bf16) at or below FLT_MIN.
 Weight make_weight(DType dtype, int64_t rows, int64_t cols, uint32_t seed, bool tiny = false) {
@@ -203,7 +215,8 @@ TEST(MatmulDevice, EveryPathEqualsTheDocumentedLoop) {
     struct Shape {
         int64_t n, rows, cols;
     };
-    const Shape shapes[] = {{1, 37, 256}, {3, 9, 100}, {5, 16, 300}, {9, 6, 1280}, {2, 4, 32}, {4, 5, 129}, {2, 24, 300}};
+    const Shape shapes[] = {{1, 37, 256}, {3, 9, 100}, {5, 16, 300}, {9, 6, 1280},  {2, 4, 32},
+                            {4, 5, 129},  {2, 24, 300}, {7, 48, 130}, {4, 17, 258}};
     for (ProductIsa isa : supported_isas()) {
         ASSERT_TRUE(force_product_isa(isa));
         for (const Shape &s : shapes) {
@@ -212,11 +225,13 @@ TEST(MatmulDevice, EveryPathEqualsTheDocumentedLoop) {
                     const ActRounding act = dt == DType::kBF16 ? ActRounding::kBf16 : ActRounding::kE4m3x128;
                     const Weight w = make_weight(dt, s.rows, s.cols, static_cast<uint32_t>(s.cols + s.rows), tiny);
                     const std::vector<float> x = activations(s.n, s.cols, static_cast<uint32_t>(s.n * 7 + 1), tiny);
-                    EXPECT_EQ(bit_mismatches(run_device(2, x, s.n, w.ref(act)),
-                                             ref_device(x, s.n, w, act, 0, s.cols)),
-                              0)
-                        << product_isa_name(isa) << " " << dtype_name(dt) << " [" << s.n << ", " << s.cols << "] x ["
-                        << s.rows << "] tiny " << tiny;
+                    const std::vector<float> want = ref_device(x, s.n, w, act, 0, s.cols);
+                    for (const bool panels : {false, true}) {
+                        const Viewed v = view(w.ref(act), panels);
+                        EXPECT_EQ(bit_mismatches(run_device(2, x, s.n, v.ref), want), 0)
+                            << product_isa_name(isa) << " " << dtype_name(dt) << " [" << s.n << ", " << s.cols
+                            << "] x [" << s.rows << "] tiny " << tiny << " panels " << v.ref.panels.rows;
+                    }
                 }
             }
         }
@@ -240,9 +255,13 @@ TEST(MatmulDevice, PrefillSizedProductsEqualTheDocumentedLoop) {
             for (const Shape &s : shapes) {
                 const Weight w = make_weight(dt, s.rows, s.cols, static_cast<uint32_t>(s.cols + 3 * s.rows), true);
                 const std::vector<float> x = activations(s.n, s.cols, static_cast<uint32_t>(s.n + 5), true);
-                EXPECT_EQ(bit_mismatches(run_device(1, x, s.n, w.ref(act)), ref_device(x, s.n, w, act, 0, s.cols)), 0)
-                    << product_isa_name(isa) << " " << dtype_name(dt) << " [" << s.n << ", " << s.cols << "] x ["
-                    << s.rows << "]";
+                const std::vector<float> want = ref_device(x, s.n, w, act, 0, s.cols);
+                for (const bool panels : {false, true}) {
+                    const Viewed v = view(w.ref(act), panels);
+                    EXPECT_EQ(bit_mismatches(run_device(1, x, s.n, v.ref), want), 0)
+                        << product_isa_name(isa) << " " << dtype_name(dt) << " [" << s.n << ", " << s.cols << "] x ["
+                        << s.rows << "] panels " << v.ref.panels.rows;
+                }
             }
             if (dt != DType::kBF16) continue;  // row-parallel products are bf16 (e4m3 groups span whole K)
             const Shape &blocks = shapes[0];
@@ -250,14 +269,17 @@ TEST(MatmulDevice, PrefillSizedProductsEqualTheDocumentedLoop) {
             const std::vector<float> x = activations(blocks.n, blocks.cols, 22, true);
             ThreadPool pool(1);
             Scratch scratch(blocks.n * blocks.cols);
-            std::vector<float> part(static_cast<size_t>(8 * blocks.n * blocks.rows));
-            matmul_block_partials(pool, x.data(), blocks.n, w.ref(act), 0, 8, part.data(), &scratch.view);
-            for (int64_t b = 0; b < 8; ++b) {
-                const auto first = part.begin() + b * blocks.n * blocks.rows;
-                EXPECT_EQ(bit_mismatches(std::vector<float>(first, first + blocks.n * blocks.rows),
-                                         ref_device(x, blocks.n, w, act, b * 160, (b + 1) * 160)),
-                          0)
-                    << product_isa_name(isa) << " " << dtype_name(dt) << " block " << b;
+            for (const bool panels : {false, true}) {
+                const Viewed v = view(w.ref(act), panels);
+                std::vector<float> part(static_cast<size_t>(8 * blocks.n * blocks.rows));
+                matmul_block_partials(pool, x.data(), blocks.n, v.ref, 0, 8, part.data(), &scratch.view);
+                for (int64_t b = 0; b < 8; ++b) {
+                    const auto first = part.begin() + b * blocks.n * blocks.rows;
+                    EXPECT_EQ(bit_mismatches(std::vector<float>(first, first + blocks.n * blocks.rows),
+                                             ref_device(x, blocks.n, w, act, b * 160, (b + 1) * 160)),
+                              0)
+                        << product_isa_name(isa) << " " << dtype_name(dt) << " block " << b << " panels " << panels;
+                }
             }
         }
     }
@@ -408,13 +430,62 @@ TEST(MatmulDevice, ThreadsTokensAndTilesDoNotChangeBits) {
     }
 }
 
+// Row-parallel products over TP K windows of a weight, with or without its panels, finished by the tree.
+void check_row_parallel(bool panels);
+
 TEST(MatmulDevice, RowParallelRanksSumToTheWholeProduct) {
+    for (const bool panels : {false, true}) check_row_parallel(panels);
+}
+
+TEST(MatmulDevice, PanelsFollowRowSlicesAndExperts) {
+    // A row slice that starts on a panel keeps the panels from there; one that does not has none.
+    const Weight w = make_weight(DType::kBF16, 48, 64, 3);
+    const Viewed v = view(w.ref(ActRounding::kBf16), true);
+    ASSERT_EQ(v.ref.panels.rows, 48);
+    EXPECT_EQ(weight_row_slice(v.ref, 16, 48).panels.rows, 32);
+    EXPECT_EQ(weight_row_slice(v.ref, 16, 40).panels.rows, 16);
+    EXPECT_EQ(weight_row_slice(v.ref, 8, 48).panels.data, nullptr);
+    EXPECT_EQ(weight_row_slice(v.ref, 32, 40).panels.data, nullptr);
+    // Not a device product, or an odd K: no panels to make.
+    EXPECT_EQ(device_panels_bytes(w.ref(ActRounding::kNone)), 0);
+    EXPECT_EQ(device_panels_bytes(make_weight(DType::kBF16, 16, 65, 3).ref(ActRounding::kBf16)), 0);
+    EXPECT_EQ(device_panels_bytes(make_weight(DType::kBF16, 15, 64, 3).ref(ActRounding::kBf16)), 0);
+    // A bank of 3 fp8 experts: each expert's panels equal those of the expert made alone, also in a window.
+    const Weight bank_w = make_weight(DType::kF8E4M3, 3 * 32, 256, 5);
+    WeightBankRef bank;
+    bank.dtype = DType::kF8E4M3;
+    bank.data = bank_w.bytes.data();
+    bank.n_experts = 3;
+    bank.rows = 32;
+    bank.cols = 256;
+    bank.scale_inv = bank_w.scale.data();
+    bank.act = ActRounding::kE4m3x128;
+    const int64_t bytes = device_panels_bytes(weight_bank_expert(bank, 0));
+    ASSERT_EQ(bytes, 32 * 256);
+    std::vector<uint8_t> storage(static_cast<size_t>(3 * bytes) + 64);
+    uint8_t *at = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
+    ThreadPool pool(2);
+    const WeightBankRef paneled = device_panels_fill(pool, bank, at);
+    const WeightBankRef window = weight_bank_window(paneled, 1, 3);
+    for (int64_t e = 0; e < 3; ++e) {
+        const Viewed alone = view(weight_bank_expert(bank, e), true);
+        const WeightRef from_bank = weight_bank_expert(paneled, e);
+        ASSERT_EQ(from_bank.panels.rows, 32);
+        EXPECT_EQ(std::memcmp(from_bank.panels.data, alone.ref.panels.data, static_cast<size_t>(bytes)), 0) << e;
+        if (e > 0) {
+            EXPECT_EQ(weight_bank_expert(window, e - 1).panels.data, from_bank.panels.data) << e;
+        }
+    }
+}
+
+void check_row_parallel(bool panels) {
     const Weight w = make_weight(DType::kBF16, 24, 1024, 9);
     const int64_t n = 5;
     const std::vector<float> x = activations(n, 1024, 13);
     ThreadPool pool(2);
     Scratch s(n * 1024);
-    const WeightRef whole = w.ref(ActRounding::kBf16);
+    const Viewed viewed = view(w.ref(ActRounding::kBf16), panels);
+    const WeightRef whole = viewed.ref;
     std::vector<float> ws(static_cast<size_t>(matmul_canonical_workspace_floats(n, whole)));
     std::vector<float> y(static_cast<size_t>(n * 24));
     matmul_canonical(pool, x.data(), n, whole, y.data(), ws.data(), &s.view);

@@ -81,6 +81,16 @@ Result<TensorView> CpuBackend::alloc(DType dtype, std::initializer_list<int64_t>
     return v;
 }
 
+Result<void *> CpuBackend::panel_storage(int64_t bytes) {
+    // Only the AVX512-BF16 path reads panels (matmul.h WeightPanels).
+    if (bytes == 0 || !product_isa_supported(ProductIsa::kAvx512Bf16)) return nullptr;
+    std::unique_ptr<std::byte[]> buf(new (std::nothrow) std::byte[static_cast<size_t>(bytes) + 64]);
+    if (!buf) return make_error("out of memory allocating {} bytes of 16-row weight panels", bytes);
+    void *at = buf.get() + (64 - reinterpret_cast<uintptr_t>(buf.get()) % 64) % 64;
+    buffers_.push_back(std::move(buf));
+    return at;
+}
+
 Result<MatrixId> CpuBackend::upload_matrix(const HostMatrix &m) {
     return upload_matrix_window(m, MatrixWindow::whole(m));
 }
@@ -99,6 +109,11 @@ Result<MatrixId> CpuBackend::upload_matrix_window(const HostMatrix &m, const Mat
                                                                                              : ActRounding::kNone;
     if (win.row_begin != 0 || win.row_end != m.rows) w = weight_row_slice(w, win.row_begin, win.row_end);
     if (win.col_begin != 0 || win.col_end != m.cols) w = weight_k_window(w, win.col_begin, win.col_end);
+    if (auto at = panel_storage(device_panels_bytes(w)); !at) {
+        return wrap_error("cpu upload", at.error());
+    } else if (*at != nullptr) {
+        w = device_panels_fill(pool_, w, *at);
+    }
     matrices_.push_back(w);
     return MatrixId{static_cast<int32_t>(matrices_.size() - 1)};
 }
@@ -122,6 +137,11 @@ Result<BankId> CpuBackend::upload_bank_window(const HostBank &b, const BankWindo
     }
     if (win.expert_begin != 0 || win.expert_end != b.n_experts) {
         w = weight_bank_window(w, win.expert_begin, win.expert_end);
+    }
+    if (auto at = panel_storage(w.n_experts * device_panels_bytes(weight_bank_expert(w, 0))); !at) {
+        return wrap_error("cpu upload", at.error());
+    } else if (*at != nullptr) {
+        w = device_panels_fill(pool_, w, *at);
     }
     banks_.push_back(w);
     return BankId{static_cast<int32_t>(banks_.size() - 1)};

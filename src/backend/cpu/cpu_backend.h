@@ -1,7 +1,9 @@
 // CpuBackend: the Backend interface over the CPU reference kernels (backend/cpu/ops*.h, matmul.h) and one
 // owned ThreadPool. Weights are zero-copy views into host memory (the checkpoint's mmap); buffers are host
 // allocations made at prepare time; a TP rank's shard is a window view of the same memory (row stride,
-// absolute K origin), never a copy. Every op call counts one launch, every host transfer one host copy.
+// absolute K origin), never a copy. On a CPU with AVX512-BF16 the weights of device products also get a copy in
+// 16-row panels (matmul.h WeightPanels), the layout that path reads fastest: their memory twice over.
+// Every op call counts one launch, every host transfer one host copy.
 // Not final: a test may derive from it to perturb one op and show a bit gate can fail.
 #pragma once
 
@@ -92,6 +94,9 @@ protected:
 
 private:
     const WeightRef &matrix(MatrixId id) const;
+    // 64-byte aligned storage for `bytes` of weight panels, owned by the backend; nullptr when bytes is 0 or
+    // no product path here reads panels.
+    Result<void *> panel_storage(int64_t bytes);
     const WeightBankRef &bank(BankId id) const;
     const HostVector &host_vector(VectorId id) const;
     struct KvPool {

@@ -347,6 +347,9 @@ WeightRef weight_bank_expert(const WeightBankRef &bank, int64_t expert) {
     w.act = bank.act;
     w.data = static_cast<const uint8_t *>(bank.data) + expert * bank_expert_elems(bank) * weight_elem_size(bank.dtype);
     if (bank.scale_inv != nullptr) w.scale_inv = bank.scale_inv + expert * bank_scale_floats(bank);
+    if (bank.panels != nullptr) {
+        w.panels = device_panels_at(w, static_cast<const uint8_t *>(bank.panels) + expert * device_panels_bytes(w));
+    }
     return w;
 }
 
@@ -356,6 +359,9 @@ WeightBankRef weight_bank_window(const WeightBankRef &bank, int64_t e0, int64_t 
     WeightBankRef s = bank;
     s.data = static_cast<const uint8_t *>(bank.data) + e0 * bank_expert_elems(bank) * weight_elem_size(bank.dtype);
     if (bank.scale_inv != nullptr) s.scale_inv = bank.scale_inv + e0 * bank_scale_floats(bank);
+    if (bank.panels != nullptr) {
+        s.panels = static_cast<const uint8_t *>(bank.panels) + e0 * device_panels_bytes(weight_bank_expert(bank, 0));
+    }
     s.n_experts = e1 - e0;
     s.first_expert = bank.first_expert + e0;
     return s;
@@ -368,6 +374,15 @@ WeightRef weight_row_slice(const WeightRef &w, int64_t r0, int64_t r1) {
     s.data = static_cast<const uint8_t *>(w.data) + r0 * weight_ld(w) * weight_elem_size(w.dtype);
     s.rows = r1 - r0;
     s.row_offset = w.row_offset + r0;
+    // The panels from r0 on, when r0 starts one (a panel is 16 rows of the view it was made from).
+    const int64_t panel_rows = std::min(w.panels.rows - r0, s.rows) / 16 * 16;
+    if (w.panels.data != nullptr && r0 % 16 == 0 && panel_rows > 0) {
+        s.panels.data = static_cast<const uint8_t *>(w.panels.data) +
+                        (r0 / 16) * w.panels.pairs * 32 * weight_elem_size(w.dtype);
+        s.panels.rows = panel_rows;
+    } else {
+        s.panels = WeightPanels{};
+    }
     return s;
 }
 

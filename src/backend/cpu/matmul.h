@@ -55,8 +55,9 @@ inline constexpr int64_t kLanes = 16;
 //   4. kE4m3x128 only: the chunk sum is multiplied by (x_scale[t][c0 / 128] * scale_inv[row block][c0 / 128]).
 //   5. The running sum starts at +0 and each chunk result is added to it in increasing K order.
 //
-// Three instruction paths compute it (product_isa): AVX512-BF16 (vdpbf16ps), AVX2 + FMA (vfmadd231ps with
-// MXCSR FTZ/DAZ) and a portable scalar path that emulates both modes; all give the same bits.
+// Three instruction paths compute it (product_isa): AVX512-BF16 (vdpbf16ps; from 16-row WeightPanels where the
+// weight has them), AVX2 + FMA (vfmadd231ps with MXCSR FTZ/DAZ) and a portable scalar path that emulates both
+// modes; all give the same bits.
 inline constexpr int64_t kDeviceGroup = 32;
 inline constexpr int64_t kE4m3Group = 128;
 
@@ -93,6 +94,18 @@ struct ActScratch {
 // Row-parallel products cut K into this many equal canonical blocks (DETERMINISM.md rule 2).
 inline constexpr int64_t kCanonicalBlocks = 8;
 
+// A copy of a device product's weight in 16-row panels, the layout the AVX512-BF16 path reads fastest (lanes are
+// rows): panel b holds rows [16 b, 16 b + 16) of the view it was made from; in it, K pair p (elements k0 + 2p and
+// k0 + 2p + 1) of all 16 rows lies at element 32 p as [row 0: even, odd | row 1: even, odd | ...], in the
+// weight's dtype (bf16 bits or e4m3 codes). Only the fast path reads it; it never changes what a product
+// computes (device_panels_bytes, device_panels_fill).
+struct WeightPanels {
+    const void *data = nullptr;  // nullptr: no panels
+    int64_t rows = 0;            // rows covered, a multiple of 16 (the weight's rows past them have none)
+    int64_t k0 = 0;              // absolute K position of pair 0 (even)
+    int64_t pairs = 0;           // K pairs per panel
+};
+
 // A non-owning view of a PyTorch linear weight [out, in] (row-major: one row per output feature), or of a
 // window of one: what a tensor-parallel rank holds (parallel/plan). A row window (column-parallel shard:
 // heads, d_ff, vocab rows) moves data and row_offset; a K window (row-parallel shard: whole canonical
@@ -113,6 +126,7 @@ struct WeightRef {
     int64_t k_full = 0;                // K of the whole matrix; 0 means cols (no K window)
     ActRounding act = ActRounding::kNone;  // kBf16 needs bf16 weights; kE4m3x128 fp8 weights with 128-wide
                                            // scale blocks and every K column
+    WeightPanels panels;                   // device products only: an optional copy in 16-row panels
 };
 
 // The row stride and whole-matrix K of w, resolving the 0 defaults.
@@ -136,6 +150,7 @@ struct WeightBankRef {
     int64_t block_cols = kFp8Block;
     int64_t first_expert = 0;  // global index of held expert 0: the grouped ops read offsets[first_expert + e]
     ActRounding act = ActRounding::kNone;  // passed on to each expert's WeightRef
+    const void *panels = nullptr;  // optional: each held expert's WeightPanels, device_panels_bytes apart
 };
 
 // Expert `expert` of a bank as a WeightRef (0 <= expert < n_experts: MEMRA_CHECK).
@@ -153,6 +168,17 @@ WeightRef weight_row_slice(const WeightRef &w, int64_t r0, int64_t r1);
 // sharding. Row-parallel products over the window give the partials / subtree sum of the canonical blocks
 // it covers; column-parallel products refuse it.
 WeightRef weight_k_window(const WeightRef &w, int64_t k0, int64_t k1);
+
+// Bytes of w's 16-row panels (WeightPanels): 0 when w has none to make (not a device product, fewer than 16 rows,
+// an odd K start or width).
+int64_t device_panels_bytes(const WeightRef &w);
+// Writes w's panels into dst (device_panels_bytes(w) bytes, 64-byte aligned) and returns w reading them.
+WeightRef device_panels_fill(ThreadPool &pool, const WeightRef &w, void *dst);
+// The panels w has at `data` (made by device_panels_fill from a view of the same shape), without writing them.
+WeightPanels device_panels_at(const WeightRef &w, const void *data);
+// Each held expert's panels into dst (n_experts * device_panels_bytes(expert 0) bytes, 64-byte aligned); returns
+// the bank reading them. A bank whose experts have no panels comes back unchanged.
+WeightBankRef device_panels_fill(ThreadPool &pool, const WeightBankRef &bank, void *dst);
 
 // Rounds x [n_tokens, K] for a device product into scratch (MEMRA_CHECK capacity): kBf16 codes, or
 // kE4m3x128 codes and scales with groups from column 0. kNone is refused.

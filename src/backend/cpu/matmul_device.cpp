@@ -3,7 +3,9 @@
 // (the same two FMAs per lane on widened values, with MXCSR's FTZ and DAZ set), and a portable scalar path
 // that emulates those modes exactly. The products are exact (bf16 x bf16, e4m3 x e4m3), so an FMA equals the
 // add of the exact product; the SIMD paths run the lane tree and the scale products under the same MXCSR
-// modes, the portable path through the emulated add and multiply. Also the activation rounding.
+// modes, the portable path through the emulated add and multiply. On AVX512-BF16, weights with 16-row panels
+// (WeightPanels, made at upload) run with rows in the lanes, so a chunk's lane tree is vertical adds. Also the
+// activation rounding and the panels' layout.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -509,19 +511,22 @@ struct Avx512Bf16Path : SimdOps {
         if constexpr (kDt == DType::kBF16) {
             return load_x(static_cast<const uint16_t *>(row) + k, n);
         } else {
-            const __m256i bytes = _mm256_maskz_loadu_epi8(tail_mask(n), static_cast<const uint8_t *>(row) + k);
-            const __m512i c = _mm512_cvtepu8_epi16(bytes);
-            const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7f));
-            const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
-            const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3c00));
-            const __m512i sub_lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                     0, 0, 0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0);
-            const __m512i sub = _mm512_permutexvar_epi16(mag, sub_lut);
-            __m512i bits = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), normal, sub);
-            bits = _mm512_mask_blend_epi16(_mm512_cmpeq_epu16_mask(mag, _mm512_set1_epi16(0x7f)), bits,
-                                           _mm512_set1_epi16(0x7fc0));
-            return _mm512_or_si512(bits, sign);
+            return e4m3_to_bf16(_mm256_maskz_loadu_epi8(tail_mask(n), static_cast<const uint8_t *>(row) + k));
         }
+    }
+    // 32 e4m3 codes -> 32 bf16 bit patterns (exact).
+    MEMRA_SIMD static __m512i e4m3_to_bf16(__m256i bytes) {
+        const __m512i c = _mm512_cvtepu8_epi16(bytes);
+        const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7f));
+        const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
+        const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3c00));
+        const __m512i sub_lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 0, 0, 0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0);
+        const __m512i sub = _mm512_permutexvar_epi16(mag, sub_lut);
+        __m512i bits = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), normal, sub);
+        bits = _mm512_mask_blend_epi16(_mm512_cmpeq_epu16_mask(mag, _mm512_set1_epi16(0x7f)), bits,
+                                       _mm512_set1_epi16(0x7fc0));
+        return _mm512_or_si512(bits, sign);
     }
     MEMRA_SIMD static void fma(Acc &acc, const Group &x, const Group &w) {
         acc = _mm512_dpbf16_ps(acc, vec_bits<__m512bh>(x), vec_bits<__m512bh>(w));
@@ -615,6 +620,184 @@ struct Avx512Bf16Path : SimdOps {
 namespace avx512 {
 #include "backend/cpu/matmul_device_tile.inc"
 }  // namespace avx512
+
+// The device K loop over 16-row panels (WeightPanels): lanes are rows, so vdpbf16ps of a panel's pair p with
+// token t's pair p broadcast to every lane computes lane j of the documented loop for 16 rows at once, and the
+// lane tree of a chunk is vertical adds between those vectors (no shuffles): the same operations per row, in
+// the same order, as device_tile. Lane j of a chunk is computed whole (its groups in order) before lane j + 1,
+// and the tree is folded as the lanes arrive, so kT tokens need about 5 kT registers.
+struct PanelTile {
+    const void *panel;  // the 16-row panel
+    int64_t k0;         // absolute K of the panel's pair 0
+    const uint16_t *const *xs;
+    int64_t x_base;     // K position of xs[t][0]
+    int64_t c0, c1;     // the chunk
+
+    template <DType kDt>
+    MEMRA_SIMD __m512i pair(int64_t k) const {  // pair (k, k + 1) of the panel's 16 rows
+        const int64_t p = (k - k0) / 2;
+        if constexpr (kDt == DType::kBF16) {
+            return _mm512_load_si512(static_cast<const uint16_t *>(panel) + p * 32);
+        } else {
+            return Avx512Bf16Path::e4m3_to_bf16(
+                _mm256_load_si256(reinterpret_cast<const __m256i *>(static_cast<const uint8_t *>(panel) + p * 32)));
+        }
+    }
+    // Lane j of the chunk for every token: groups from c0 in order; a pair past the chunk's end is the
+    // zero padding of the documented loop (the same vdpbf16ps with zero operands).
+    template <DType kDt, int kT, int J>
+    MEMRA_SIMD void lane(__m512 *v) const {
+        for (int t = 0; t < kT; ++t) v[t] = _mm512_setzero_ps();
+        for (int64_t k = c0 + 2 * J; k < c1 + 2 * J; k += kDeviceGroup) {
+            if (k < c1) {
+                const __m512bh w = vec_bits<__m512bh>(pair<kDt>(k));
+                for (int t = 0; t < kT; ++t) {
+                    uint32_t xp;
+                    std::memcpy(&xp, xs[t] + (k - x_base), sizeof(xp));
+                    v[t] = _mm512_dpbf16_ps(v[t], w, vec_bits<__m512bh>(_mm512_set1_epi32(static_cast<int>(xp))));
+                }
+            } else {
+                const __m512bh z = vec_bits<__m512bh>(_mm512_setzero_si512());
+                for (int t = 0; t < kT; ++t) v[t] = _mm512_dpbf16_ps(v[t], z, z);
+            }
+        }
+    }
+    // One token's 16 lanes side by side (16 independent chains: the decode case), group by group.
+    template <DType kDt>
+    MEMRA_SIMD void lanes(__m512 *v) const {
+        for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
+        const __m512bh z = vec_bits<__m512bh>(_mm512_setzero_si512());
+        for (int64_t g = c0; g < c1; g += kDeviceGroup) {
+            const bool whole = g + kDeviceGroup <= c1;
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; ++j) {
+                const int64_t k = g + 2 * j;
+                if (whole || k < c1) {
+                    uint32_t xp;
+                    std::memcpy(&xp, xs[0] + (k - x_base), sizeof(xp));
+                    v[j] = _mm512_dpbf16_ps(v[j], vec_bits<__m512bh>(pair<kDt>(k)),
+                                            vec_bits<__m512bh>(_mm512_set1_epi32(static_cast<int>(xp))));
+                } else {
+                    v[j] = _mm512_dpbf16_ps(v[j], z, z);
+                }
+            }
+        }
+    }
+    // The lane tree over lanes [J, J + N): ((l0 + l1) + (l2 + l3)) + ... for every token; one token's lanes
+    // come whole from lanes() (`all`), more tokens' lane by lane.
+    template <DType kDt, int kT, int J, int N>
+    MEMRA_SIMD void tree(__m512 *out, const __m512 *all = nullptr) const {
+        if constexpr (N == 16 && kT == 1) {
+            if (all == nullptr) {
+                __m512 v[16];
+                lanes<kDt>(v);
+                tree<kDt, 1, 0, 16>(out, v);
+                return;
+            }
+        }
+        if constexpr (N == 1) {
+            if (all != nullptr) {
+                out[0] = all[J];
+            } else {
+                lane<kDt, kT, J>(out);
+            }
+        } else {
+            __m512 b[kT];
+            tree<kDt, kT, J, N / 2>(out, all);
+            tree<kDt, kT, J + N / 2, N / 2>(b, all);
+            for (int t = 0; t < kT; ++t) out[t] = _mm512_add_ps(out[t], b[t]);
+        }
+    }
+};
+
+// 16 panel rows from row n (task-relative rows r .. r + 15, y at their first output) by kT tokens, every segment.
+template <DType kDt, int kT>
+MEMRA_SIMD void panel_tile(const Task &task, bool e4m3, int64_t n, const uint16_t *const *xs, const float *const *sc,
+                           float *y) {
+    const WeightRef &w = *task.w;
+    const WeightPanels &pn = w.panels;
+    constexpr int64_t elem = kDt == DType::kF8E4M3 ? 1 : 2;
+    PanelTile tile{static_cast<const uint8_t *>(pn.data) + (n / 16) * pn.pairs * 32 * elem, pn.k0, xs, 0, 0, 0};
+    const int64_t scale_cols = (weight_k_full(w) + w.block_cols - 1) / w.block_cols;
+    int64_t k0 = task.seg_k0;
+    for (int64_t seg = 0; seg < task.n_segs; ++seg, k0 += task.seg_len, y += task.seg_out_stride) {
+        const int64_t k1 = k0 + task.seg_len;
+        tile.x_base = k0 - seg * task.seg_len;  // xs[t] points at the task's first K position
+        __m512 total[kT];
+        for (int t = 0; t < kT; ++t) total[t] = _mm512_setzero_ps();
+        for (int64_t c0 = k0; c0 < k1;) {
+            const int64_t c1 = e4m3 ? std::min(k1, (c0 / kE4m3Group + 1) * kE4m3Group) : k1;
+            tile.c0 = c0;
+            tile.c1 = c1;
+            __m512 chunk[kT];
+            tile.tree<kDt, kT, 0, 16>(chunk);
+            if (e4m3) {
+                const int64_t ci = c0 / kE4m3Group;
+                alignas(64) float ws[16];
+                for (int r = 0; r < 16; ++r) ws[r] = w.scale_inv[((w.row_offset + n + r) / w.block_rows) * scale_cols + ci];
+                const __m512 wsv = _mm512_load_ps(ws);
+                for (int t = 0; t < kT; ++t) {
+                    chunk[t] = _mm512_mul_ps(chunk[t], _mm512_mul_ps(_mm512_set1_ps(sc[t][ci]), wsv));
+                }
+            }
+            for (int t = 0; t < kT; ++t) total[t] = _mm512_add_ps(total[t], chunk[t]);
+            c0 = c1;
+        }
+        for (int t = 0; t < kT; ++t) _mm512_storeu_ps(y + t * task.y_stride, total[t]);
+    }
+}
+
+// Whether a task's chunks all start on an even K inside w's panels (then every pair it reads is a panel pair).
+MEMRA_SIMD bool panels_take(const Task &task) {
+    const WeightPanels &pn = task.w->panels;
+    return pn.data != nullptr && task.seg_k0 % 2 == 0 && task.seg_len % 2 == 0 && task.seg_k0 >= pn.k0 &&
+           task.seg_k0 + task.n_segs * task.seg_len <= pn.k0 + 2 * pn.pairs;
+}
+
+// Rows [rb, rb + 16 m) x tokens [tb, te) of a task whose rows there are whole panels: tokens 4, then 2, then 1 at
+// a time, panel by panel.
+template <DType kDt>
+MEMRA_SIMD void panel_rows(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    const bool e4m3 = task.w->act == ActRounding::kE4m3x128;
+    for (int64_t r = rb; r < re; r += 16) {
+        int64_t tt = 0;
+        for (int64_t t = tb; t < te; t += tt) {
+            tt = te - t >= 4 ? 4 : (te - t >= 2 ? 2 : 1);
+            const uint16_t *xs[4];
+            const float *sc[4] = {};
+            for (int64_t i = 0; i < tt; ++i) {
+                xs[i] = task.xq + (t + i) * task.x_stride;
+                if (e4m3) sc[i] = task.xs + (t + i) * task.xs_stride;
+            }
+            float *y = task.y + t * task.y_stride + r;
+            const int64_t n = task.n0 + r;
+            if (tt == 4) {
+                panel_tile<kDt, 4>(task, e4m3, n, xs, sc, y);
+            } else if (tt == 2) {
+                panel_tile<kDt, 2>(task, e4m3, n, xs, sc, y);
+            } else {
+                panel_tile<kDt, 1>(task, e4m3, n, xs, sc, y);
+            }
+        }
+    }
+}
+
+// Rows [rb, re) x tokens [tb, te) on the AVX512-BF16 path: the panel rows through panel_rows, the rest (rows
+// before the first whole panel, after the last, weights without panels) through the tiles.
+template <DType kDt>
+MEMRA_SIMD void avx512_range(const Task &task, int64_t rb, int64_t re, int64_t tb, int64_t te) {
+    int64_t pb = re;
+    int64_t pe = re;
+    if (panels_take(task)) {
+        // Task rows [pb, pe): whole panels (weight rows n0 + r, aligned to 16) inside [rb, re).
+        pb = std::min(re, (task.n0 + rb + 15) / 16 * 16 - task.n0);
+        pe = std::max(pb, std::min(re, task.w->panels.rows - task.n0));
+        pe = pb + (pe - pb) / 16 * 16;
+    }
+    if (rb < pb) avx512::device_range<Avx512Bf16Path, kDt>(task, rb, pb, tb, te);
+    if (pb < pe) panel_rows<kDt>(task, pb, pe, tb, te);
+    if (pe < re) avx512::device_range<Avx512Bf16Path, kDt>(task, pe, re, tb, te);
+}
 #pragma GCC pop_options
 #undef MEMRA_SIMD
 #endif
@@ -663,9 +846,9 @@ void round_row_portable(const float *x, int64_t k, ActRounding act, uint16_t *co
                                                                                           int64_t rb, int64_t re,
                                                                                           int64_t tb, int64_t te) {
     if (task.w->dtype == DType::kBF16) {
-        avx512::device_range<Avx512Bf16Path, DType::kBF16>(task, rb, re, tb, te);
+        avx512_range<DType::kBF16>(task, rb, re, tb, te);
     } else {
-        avx512::device_range<Avx512Bf16Path, DType::kF8E4M3>(task, rb, re, tb, te);
+        avx512_range<DType::kF8E4M3>(task, rb, re, tb, te);
     }
 }
 
@@ -727,6 +910,65 @@ void run_device_range(const Task &task, int64_t rb, int64_t re, int64_t tb, int6
 }
 
 }  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// 16-row panels (matmul.h WeightPanels).
+
+namespace {
+
+constexpr int64_t kPanelRows = 16;
+
+// w's panels as WeightPanels at `data`: none for a weight the device K loop does not read, fewer than 16 rows, or
+// an odd K start or width.
+WeightPanels panel_shape(const WeightRef &w, const void *data) {
+    const bool device = (w.act == ActRounding::kBf16 && w.dtype == DType::kBF16) ||
+                        (w.act == ActRounding::kE4m3x128 && w.dtype == DType::kF8E4M3);
+    if (!device || w.rows < kPanelRows || w.k_begin % 2 != 0 || w.cols % 2 != 0 || w.cols == 0) return {};
+    return WeightPanels{data, w.rows / kPanelRows * kPanelRows, w.k_begin, w.cols / 2};
+}
+
+}  // namespace
+
+int64_t device_panels_bytes(const WeightRef &w) {
+    const WeightPanels s = panel_shape(w, nullptr);
+    return s.rows * s.pairs * 2 * static_cast<int64_t>(dtype_size(w.dtype));
+}
+
+WeightRef device_panels_fill(ThreadPool &pool, const WeightRef &w, void *dst) {
+    const WeightPanels s = panel_shape(w, dst);
+    if (s.rows == 0) return w;
+    MEMRA_CHECK(reinterpret_cast<uintptr_t>(dst) % 64 == 0, "device panels: the destination is not 64-byte aligned");
+    const int64_t elem = static_cast<int64_t>(dtype_size(w.dtype));
+    const int64_t ld = weight_ld(w) * elem;
+    const auto *src = static_cast<const uint8_t *>(w.data);
+    pool.parallel_for(s.rows / kPanelRows, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+            auto *out = static_cast<uint8_t *>(dst) + b * s.pairs * kPanelRows * 2 * elem;
+            for (int64_t p = 0; p < s.pairs; ++p) {
+                for (int64_t r = 0; r < kPanelRows; ++r, out += 2 * elem) {
+                    std::memcpy(out, src + (b * kPanelRows + r) * ld + 2 * p * elem, static_cast<size_t>(2 * elem));
+                }
+            }
+        }
+    });
+    WeightRef p = w;
+    p.panels = s;
+    return p;
+}
+
+WeightBankRef device_panels_fill(ThreadPool &pool, const WeightBankRef &bank, void *dst) {
+    WeightBankRef plain = bank;
+    plain.panels = nullptr;
+    const int64_t bytes = device_panels_bytes(weight_bank_expert(plain, 0));
+    if (bytes == 0) return plain;
+    for (int64_t e = 0; e < bank.n_experts; ++e) {
+        device_panels_fill(pool, weight_bank_expert(plain, e), static_cast<uint8_t *>(dst) + e * bytes);
+    }
+    plain.panels = dst;
+    return plain;
+}
+
+WeightPanels device_panels_at(const WeightRef &w, const void *data) { return panel_shape(w, data); }
 
 const char *product_isa_name(ProductIsa isa) {
     switch (isa) {
