@@ -1,7 +1,7 @@
 // MoeState (step35_moe.h): the MoE layer's op sequence over the Backend interface, shared by the forward,
 // `memra bench --experts` and the tests. refresh() = router, top-k, pair sort, the own pairs' rows; run() =
-// grouped whole-expert projections of the own pairs, the fixed-capacity exchange of the owners' rows, the
-// shared expert and the slot-order combine.
+// grouped whole-expert projections of the own pairs, the exchange of the owners' rows (fixed capacity or exact
+// counts), the shared expert and the slot-order combine.
 #include "model/step35_moe.h"
 
 #include <algorithm>
@@ -122,6 +122,7 @@ Result<MoeState> MoeState::create(Backend &backend, const Step35Model &model, in
         if (!v) return wrap_error(fmt::format("moe state buffers (capacity {})", capacity), v.error());
         *r.view = *v;
     }
+    s.host_offsets_.resize(static_cast<size_t>(shape.n_experts + 1));
     return s;
 }
 
@@ -244,11 +245,51 @@ Result<void> MoeState::routed_experts(const MoeObserver &observe) {
     be.matmul_grouped(e_gate, w.moe.down, offsets, own);
     seen(MoeStage::kExpertDownOwn, own);
     if (comm_ != nullptr) {
-        if (auto ok = gather_rank_slots(*comm_, tp_, tp_rank_, all, "expert rows", comm_counters_); !ok) return ok;
+        const bool exact = exchange_ == MoeExchange::kExact ||
+                           (exchange_ == MoeExchange::kAuto &&
+                            (be.device() == Device::kCpu || n_ > kFixedExchangeMaxRows));
+        auto ok = exact ? exchange_exact(all)
+                        : gather_rank_slots(*comm_, tp_, tp_rank_, all, "expert rows", comm_counters_);
+        if (!ok) return ok;
     }
     seen(MoeStage::kExpertDown, all);
     const int64_t pairs = n_ * shape_.top_k;
     be.moe_source_rows(mat(ids_, pairs, 1), mat(row_of_pair_, pairs, 1), offsets, tp_, C, mat(src_row_, pairs, 1));
+    return {};
+}
+
+Result<void> MoeState::exchange_exact(TensorView all) {
+    // Owner o holds experts [o E / tp, (o + 1) E / tp) (moe_source_rows), so its row count is the difference of
+    // two offsets, which every rank has: a host-memory backend's buffer is read in place, a device's is copied.
+    const int32_t *offsets = host_offsets_.data();
+    if (backend_->device() == Device::kCpu) {
+        offsets = static_cast<const int32_t *>(offsets_.data);
+    } else {
+        backend_->copy_to_host(mat(offsets_, shape_.n_experts + 1, 1), host_offsets_.data());
+    }
+    const auto count = [&](int o) {
+        const int64_t per = shape_.n_experts / tp_;
+        return int64_t{offsets[(o + 1) * per]} - offsets[o * per];
+    };
+    const size_t row = static_cast<size_t>(shape_.d_model) * sizeof(float);
+    const size_t slot = static_cast<size_t>(own_capacity()) * row;
+    const std::span<std::byte> bytes(static_cast<std::byte *>(all.data), all.n_bytes());
+    const std::span<std::byte> mine = bytes.subspan(static_cast<size_t>(tp_rank_) * slot, static_cast<size_t>(count(tp_rank_)) * row);
+    ++comm_counters_.exchanges;
+    if (auto ok = comm_->group_start(); !ok) return wrap_error("expert rows exchange", ok.error());
+    Result<void> posted;
+    for (int p = 0; p < tp_ && posted; ++p) {
+        if (p == tp_rank_) continue;
+        const size_t theirs = static_cast<size_t>(count(p)) * row;
+        comm_counters_.bytes += static_cast<int64_t>(theirs);
+        // Both sides know both counts, so an empty send and its empty recv are skipped alike.
+        if (!mine.empty()) posted = comm_->send(mine, p);
+        if (posted && theirs > 0) posted = comm_->recv(bytes.subspan(static_cast<size_t>(p) * slot, theirs), p);
+    }
+    // group_end runs even after a refused post, so no peer waits on this rank's half-posted group.
+    auto ended = comm_->group_end();
+    if (!posted) return wrap_error("expert rows exchange", posted.error());
+    if (!ended) return wrap_error("expert rows exchange", ended.error());
     return {};
 }
 

@@ -2,11 +2,11 @@
 // D4, ENGINE.md section 3). create() allocates every backend buffer for a token capacity; refresh() routes new
 // input rows (router product, sigmoid top-k, stable counting sort of the (token, slot) pairs by expert, the
 // rank's own pairs' rows in expert order) and bumps a generation counter; run() projects the own pairs
-// through their whole experts (gate, up, SwiGLU, down) as grouped work, exchanges the owners' rows at a fixed
-// capacity, and adds them in canonical top-k slot order (separate multiply and add) with the shared expert
-// onto the residual, so every rank holds the layer's output with the TP = 1 bits. Neither refresh() nor run()
-// allocates or reads the routing back to the host. The forward keeps one state per distinct MoE shape and
-// refreshes it layer by layer; the bench times one directly.
+// through their whole experts (gate, up, SwiGLU, down) as grouped work, exchanges the owners' rows (MoeExchange)
+// and adds them in canonical top-k slot order (separate multiply and add) with the shared expert onto the
+// residual, so every rank holds the layer's output with the TP = 1 bits. Neither refresh() nor run() allocates;
+// only the exact exchange of a large step on a device backend reads the routing's counts back to the host. The
+// forward keeps one state per distinct MoE shape and refreshes it layer by layer; the bench times one directly.
 #pragma once
 
 #include <cstdint>
@@ -25,14 +25,31 @@ namespace memra::model {
 // Collective calls made since the last reset (a forward's, or one MoE state's).
 struct CommCounters {
     int64_t all_gathers = 0;
-    int64_t bytes = 0;  // receive-buffer bytes: all slots of an all-gather
+    int64_t exchanges = 0;  // grouped send/recv exchanges (the MoE combine's exact counts)
+    int64_t bytes = 0;      // bytes received: all slots of an all-gather, the rows an exchange brings in
 
     CommCounters &operator+=(const CommCounters &o) {
         all_gathers += o.all_gathers;
+        exchanges += o.exchanges;
         bytes += o.bytes;
         return *this;
     }
 };
+
+// How the owners of routed experts exchange their rows at TP > 1 (ENGINE.md section 3). Every rank can compute
+// every owner's row count from the replicated routing; the question is only whether the host knows it without
+// waiting for the backend.
+enum class MoeExchange : uint8_t {
+    // kExact on a host-memory backend (the counts are on the host as soon as the sort ran) and for steps of more
+    // than kFixedExchangeMaxRows rows (prefill: one read of the counts per layer, traffic 1 / tp of the fixed
+    // one's); kFixed for the small steps of a device backend (decode, graph-capturable).
+    kAuto,
+    // One all-gather of every owner's rows at the fixed capacity n * min(top_k, experts held): no host read.
+    kFixed,
+    // One grouped send/recv: each owner sends exactly its rows to every other rank.
+    kExact,
+};
+inline constexpr int64_t kFixedExchangeMaxRows = 64;
 
 // The all-gather of a row-split buffer, counted: all is [tp, m] with row `rank` (this rank's slot) filled;
 // afterwards every rank holds every slot. The error names `what`.
@@ -131,8 +148,8 @@ public:
     Result<void> refresh(int layer, TensorView x, const MoeObserver &observe = {});
 
     // out = residual + (routed + shared) for the rows of the last refresh: each owner computes its own pairs'
-    // experts whole (gate, up, SwiGLU, down: one K order), the owners' compact rows are all-gathered at the
-    // fixed capacity (no host read of the routing), and every rank adds each token's rows in top-k slot order
+    // experts whole (gate, up, SwiGLU, down: one K order), the owners' compact rows are exchanged (MoeExchange:
+    // placed in each owner's slot, whichever way they travel), and every rank adds each token's rows in top-k slot order
     // (rounded multiply, then add), placed by (token, slot) through moe_source_rows, plus the shared expert.
     // Every rank ends with the same bits, equal to TP = 1. residual, out: [n, d_model] f32; out may be
     // residual. Refused: no refresh yet, shapes that do not match the refresh; a communicator failure (the
@@ -152,10 +169,14 @@ public:
 
     const CommCounters &comm_counters() const { return comm_counters_; }
     void reset_comm_counters() { comm_counters_ = {}; }
+    // The exchange run() uses from now on (kAuto unless set; tests force each one). Every rank must use the same.
+    void set_exchange(MoeExchange e) { exchange_ = e; }
 
 private:
     MoeState() = default;
     Result<void> routed_experts(const MoeObserver &observe);
+    // Sends this rank's rows to every other rank and receives theirs into their slots, exact counts.
+    Result<void> exchange_exact(TensorView all);
     int64_t own_capacity() const;  // own rows of the last refresh
 
     Backend *backend_ = nullptr;
@@ -168,6 +189,8 @@ private:
     int tp_ = 1;
     int tp_rank_ = 0;
     CommCounters comm_counters_;
+    MoeExchange exchange_ = MoeExchange::kAuto;
+    std::vector<int32_t> host_offsets_;  // [n_experts + 1]: the counts' host copy (device backends)
 
     // The last refresh.
     uint64_t generation_ = 0;

@@ -1184,9 +1184,10 @@ private:
                 s.d2h = d2h;
                 s.syncs = c.d2h_before_finish - taps;
                 s.all_gathers = c.comm.all_gathers;
+                s.exchanges = c.comm.exchanges;
                 s.comm_bytes = c.comm.bytes;
             } else if (c.backend.launches != s.launches || c.backend.h2d_copies != s.h2d ||
-                       c.comm.all_gathers != s.all_gathers) {
+                       c.comm.all_gathers != s.all_gathers || c.comm.exchanges != s.exchanges) {
                 // (Only rank 0 copies results back: the ranks' backend -> host copies differ by design.)
                 s.ranks_differ = true;
             }
@@ -1759,8 +1760,8 @@ std::string format_verify_line(const VerifyLine &line) {
     for (const Comparison &c : line.comparisons) out += fmt::format(" {} {}/{}", c.what, c.mismatches, c.compared);
     if (line.has_counts) {
         const StepCounts &s = line.counts;
-        out += fmt::format(" | launches {} h2d {} d2h {} syncs {} all_gathers {} allocs {}", s.launches, s.h2d,
-                           s.d2h, s.syncs, s.all_gathers,
+        out += fmt::format(" | launches {} h2d {} d2h {} syncs {} all_gathers {} exchanges {} allocs {}", s.launches,
+                           s.h2d, s.d2h, s.syncs, s.all_gathers, s.exchanges,
                            s.allocations < 0 ? std::string("n/a") : fmt::format("{}", s.allocations));
         if (s.ranks_differ) out += " (ranks differ)";
     }

@@ -83,7 +83,8 @@ struct StepCounts {
     int64_t d2h = 0;          // backend -> host copies (the sampled ids; the logits when returned)
     int64_t syncs = 0;        // of those, made before finish() (each a wait for the backend): want 0
     int64_t all_gathers = 0;
-    int64_t comm_bytes = 0;     // receive-buffer bytes of the collectives
+    int64_t exchanges = 0;      // grouped send/recv exchanges (the MoE combine's exact counts)
+    int64_t comm_bytes = 0;     // bytes received by the collectives and exchanges
     int64_t allocations = -1;  // heap allocations from plan() to finish()'s return, every thread; -1: not counted
     bool ranks_differ = false;  // some rank's launches / copies / collectives differ from rank 0's
 };

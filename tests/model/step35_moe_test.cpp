@@ -3,7 +3,8 @@
 // the routing equals an independent host router and stable counting sort, the output equals a per-expert
 // oracle (one plain product per pair on the full weights, combined in top-k slot order with a separate
 // multiply and add) bit for bit, TP = 2 / 4 / 8 ranks (experts whole on their owners) give the TP = 1 bits on
-// every rank after a fixed-capacity exchange, and refresh / run allocate nothing and read nothing back.
+// every rank after the fixed-capacity and the exact-count exchanges, and refresh / run allocate nothing and
+// read nothing back.
 
 #include <cmath>
 #include <cstring>
@@ -610,43 +611,61 @@ TEST_P(MoeRanksMatrixTest, EveryRankHoldsTheSingleRankBits) {
         ASSERT_TRUE(o.has_value());
         outs.push_back(*o);
     }
-    for (size_t step = 0; step < steps.size(); ++step) {
-        const auto [layer, rows] = steps[step];
-        std::vector<CommCounters> counters(static_cast<size_t>(c.tp));
-        auto ran = rs.group->run([&, layer = layer, rows = rows](int r, parallel::Communicator &) -> Result<void> {
-            const auto ur = static_cast<size_t>(r);
-            MoeState &s = rs.states[ur];
-            s.reset_comm_counters();
-            if (auto ok = s.refresh(layer, first_rows(xs[ur], rows)); !ok) return ok;
-            if (auto ok = s.run(first_rows(res[ur], rows), first_rows(outs[ur], rows)); !ok) return ok;
-            counters[ur] = s.comm_counters();
-            return {};
-        });
-        ASSERT_TRUE(ran.has_value()) << name << ": " << ran.error().message;
-        MoeRouting routing0;
-        rs.states[0].read_routing(routing0);
-        const int per_owner = 16 / c.tp;
-        int owners_with_pairs = 0;
-        for (int o = 0; o < c.tp; ++o) {
-            owners_with_pairs += routing0.offsets[static_cast<size_t>((o + 1) * per_owner)] >
-                                         routing0.offsets[static_cast<size_t>(o * per_owner)]
-                                     ? 1
-                                     : 0;
+    // kAuto on a host-memory backend is the exact exchange; the fixed one is what a device backend's decode uses.
+    for (const MoeExchange exchange : {MoeExchange::kAuto, MoeExchange::kFixed}) {
+        for (size_t step = 0; step < steps.size(); ++step) {
+            const auto [layer, rows] = steps[step];
+            std::vector<CommCounters> counters(static_cast<size_t>(c.tp));
+            auto ran = rs.group->run([&, layer = layer, rows = rows](int r, parallel::Communicator &) -> Result<void> {
+                const auto ur = static_cast<size_t>(r);
+                MoeState &s = rs.states[ur];
+                s.reset_comm_counters();
+                s.set_exchange(exchange);
+                if (auto ok = s.refresh(layer, first_rows(xs[ur], rows)); !ok) return ok;
+                if (auto ok = s.run(first_rows(res[ur], rows), first_rows(outs[ur], rows)); !ok) return ok;
+                counters[ur] = s.comm_counters();
+                return {};
+            });
+            ASSERT_TRUE(ran.has_value()) << name << ": " << ran.error().message;
+            MoeRouting routing0;
+            rs.states[0].read_routing(routing0);
+            const int per_owner = 16 / c.tp;
+            int owners_with_pairs = 0;
+            for (int o = 0; o < c.tp; ++o) {
+                owners_with_pairs += routing0.offsets[static_cast<size_t>((o + 1) * per_owner)] >
+                                             routing0.offsets[static_cast<size_t>(o * per_owner)]
+                                         ? 1
+                                         : 0;
+            }
+            const auto owned = [&](int o) {
+                return routing0.offsets[static_cast<size_t>((o + 1) * per_owner)] -
+                       routing0.offsets[static_cast<size_t>(o * per_owner)];
+            };
+            for (int r = 0; r < c.tp; ++r) {
+                const auto ur = static_cast<size_t>(r);
+                const std::vector<float> got = download(*rs.backends[ur], first_rows(outs[ur], rows));
+                EXPECT_EQ(0, bit_mismatches(want[step], got)) << name << " layer " << layer << " rank " << r;
+                MoeRouting routing;
+                rs.states[ur].read_routing(routing);
+                EXPECT_TRUE(same_routing(routing0, routing)) << name << " rank " << r;
+                const CommCounters &cc = counters[ur];
+                if (exchange == MoeExchange::kFixed) {
+                    // One all-gather of every owner's compact rows at the fixed capacity rows * min(top_k, experts
+                    // per owner): no host read of the routing decides its size.
+                    EXPECT_EQ(cc.all_gathers, 1) << name;
+                    EXPECT_EQ(cc.exchanges, 0) << name;
+                    EXPECT_EQ(cc.bytes, c.tp * rows * std::min(8, per_owner) * d * 4) << name;
+                } else {
+                    // Exact counts: the rank receives each other owner's rows, nothing more.
+                    int64_t others = 0;
+                    for (int o = 0; o < c.tp; ++o) others += o == r ? 0 : owned(o);
+                    EXPECT_EQ(cc.all_gathers, 0) << name;
+                    EXPECT_EQ(cc.exchanges, 1) << name;
+                    EXPECT_EQ(cc.bytes, others * d * 4) << name << " rank " << r;
+                }
+            }
+            EXPECT_GT(owners_with_pairs, 1) << name << ": the routing should reach several owners";
         }
-        for (int r = 0; r < c.tp; ++r) {
-            const auto ur = static_cast<size_t>(r);
-            const std::vector<float> got = download(*rs.backends[ur], first_rows(outs[ur], rows));
-            EXPECT_EQ(0, bit_mismatches(want[step], got)) << name << " layer " << layer << " rank " << r;
-            MoeRouting routing;
-            rs.states[ur].read_routing(routing);
-            EXPECT_TRUE(same_routing(routing0, routing)) << name << " rank " << r;
-            // One all-gather of every owner's compact rows at the fixed capacity rows * min(top_k, experts per
-            // owner): no host read of the routing decides its size.
-            const CommCounters &cc = counters[ur];
-            EXPECT_EQ(cc.all_gathers, 1) << name;
-            EXPECT_EQ(cc.bytes, c.tp * rows * std::min(8, per_owner) * d * 4) << name;
-        }
-        EXPECT_GT(owners_with_pairs, 1) << name << ": the routing should reach several owners";
     }
 }
 
