@@ -177,6 +177,15 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
     if (o.sample_vocab < 0 || o.sample_vocab > cfg.vocab_size) {
         return make_error("engine: sample_vocab {} outside [0, {}]", o.sample_vocab, cfg.vocab_size);
     }
+    const bool one_rank_here = o.process_rank >= 0;
+    if (o.process_rank < -1 || o.process_rank >= o.tp || (one_rank_here && (o.tp < 2 || !o.make_comms))) {
+        return make_error("engine: process rank {} of tp={}, expected -1 (every rank here) or 0 .. {} with tp > 1 and "
+                          "a communicator factory that reaches the other processes",
+                          o.process_rank, o.tp, o.tp - 1);
+    }
+    const int rank_begin = one_rank_here ? o.process_rank : 0;
+    const int rank_end = one_rank_here ? o.process_rank + 1 : o.tp;
+    const auto n_local = static_cast<size_t>(rank_end - rank_begin);
     parallel::PlanRequest request;
     request.tp = o.tp;
     request.devices_available = o.tp;  // in-process ranks: one per requested rank
@@ -221,7 +230,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
         e->prefix_ = kv::PrefixCache(e->seq_shape_, static_cast<int32_t>(full_pages), static_cast<int32_t>(swa_pages));
     }
 
-    if (o.tp > 1) {
+    if (o.tp > 1 && !one_rank_here) {
         auto group = parallel::InProcessGroup::create(o.tp, o.rank_copy);
         if (!group) return wrap_error("engine", group.error());
         e->group_.emplace(std::move(*group));
@@ -241,7 +250,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
     std::vector<std::unique_ptr<Backend>> backends;
     std::vector<Backend *> backend_ptrs;
     std::vector<std::unique_ptr<parallel::Communicator>> comms_made;
-    for (int r = 0; r < o.tp; ++r) {
+    for (int r = rank_begin; r < rank_end; ++r) {
         auto backend = o.make_backend(r);
         if (!backend) return wrap_error(fmt::format("rank {} backend", r), backend.error());
         if (!*backend) return make_error("rank {} backend: the factory returned none", r);
@@ -251,12 +260,12 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
     if (o.tp > 1 && o.make_comms) {
         auto comms = o.make_comms(backend_ptrs);
         if (!comms) return wrap_error("engine: the ranks' communicators", comms.error());
-        if (!comms->empty() && comms->size() != static_cast<size_t>(o.tp)) {
+        if ((!comms->empty() || one_rank_here) && comms->size() != n_local) {
             return make_error("engine: the communicator factory made {} communicators for {} ranks", comms->size(),
-                              o.tp);
+                              n_local);
         }
-        for (int r = 0; r < static_cast<int>(comms->size()); ++r) {
-            const parallel::Communicator *c = (*comms)[static_cast<size_t>(r)].get();
+        for (int r = rank_begin; r < rank_begin + static_cast<int>(comms->size()); ++r) {
+            const parallel::Communicator *c = (*comms)[static_cast<size_t>(r - rank_begin)].get();
             if (c == nullptr || c->rank() != r || c->size() != o.tp) {
                 return make_error("engine: communicator {} is {}, expected rank {} of {}", r,
                                   c == nullptr ? std::string("missing")
@@ -266,10 +275,11 @@ Result<std::unique_ptr<Engine>> Engine::create(const io::TensorStore &store, con
         }
         comms_made = std::move(*comms);
     }
-    for (int r = 0; r < o.tp; ++r) {
+    e->first_rank_ = rank_begin;
+    for (int r = rank_begin; r < rank_end; ++r) {
         auto rk = std::make_unique<Rank>();
-        rk->backend = std::move(backends[static_cast<size_t>(r)]);
-        if (!comms_made.empty()) rk->comm = std::move(comms_made[static_cast<size_t>(r)]);
+        rk->backend = std::move(backends[static_cast<size_t>(r - rank_begin)]);
+        if (!comms_made.empty()) rk->comm = std::move(comms_made[static_cast<size_t>(r - rank_begin)]);
         Backend &be = *rk->backend;
         const parallel::RankPlan *rank_plan = o.tp > 1 ? &e->plan_.ranks[static_cast<size_t>(r)] : nullptr;
         auto bound = o.tp > 1 ? model::bind_step35_model(be, store, cfg, e->plan_, r)
@@ -933,8 +943,16 @@ Result<void> Engine::plan(std::span<const StepItem> items) {
     return {};
 }
 
+Engine::Rank &Engine::local(int rank) const {
+    const int first = first_rank_;
+    const int end = first_rank_ + static_cast<int>(ranks_.size());
+    MEMRA_CHECK(rank >= first && rank < end, "engine: rank {} is not run by this process (it runs ranks {} .. {})",
+                rank, first, end - 1);
+    return *ranks_[static_cast<size_t>(rank - first)];
+}
+
 Result<void> Engine::run_rank(int rank) {
-    Rank &rk = *ranks_[static_cast<size_t>(rank)];
+    Rank &rk = local(rank);
     Backend &be = *rk.backend;
     be.bind_thread();
     const auto sz = static_cast<int64_t>(sizeof(SampleRow));
@@ -1004,12 +1022,12 @@ void Engine::run() {
     Result<void> ok;
     if (group_) {
         ok = group_->run([this](int r, parallel::Communicator &) { return run_rank(r); });
-    } else if (!ranks_.front()->forward->tapped()) {
+    } else if (options_.tp == 1 && !ranks_.front()->forward->tapped()) {
         // One rank, no tap: the step may be recorded and replayed (CUDA graphs).
         build_step_key();
         ok = ranks_.front()->backend->run_recorded(step_key_, [this] { return run_rank(0); });
     } else {
-        ok = run_rank(0);
+        ok = run_rank(first_rank_);  // one rank, tapped; or this process's rank of a multi-process launch
     }
     if (!ok) run_error_ = ok.error().message;
     for (const std::unique_ptr<Rank> &rk : ranks_) rk->d2h_at_run_end = rk->backend->counters().d2h_copies;
@@ -1232,12 +1250,12 @@ int64_t Engine::kv_bytes() const {
     return n;
 }
 
-Backend &Engine::backend(int rank) { return *ranks_.at(static_cast<size_t>(rank))->backend; }
+Backend &Engine::backend(int rank) { return *local(rank).backend; }
 
-model::Step35Forward &Engine::forward(int rank) { return *ranks_.at(static_cast<size_t>(rank))->forward; }
+model::Step35Forward &Engine::forward(int rank) { return *local(rank).forward; }
 
 std::vector<float> Engine::rank_logits(int rank) const {
-    const Rank &rk = *ranks_.at(static_cast<size_t>(rank));
+    const Rank &rk = local(rank);
     std::vector<float> out(static_cast<size_t>(n_logit_rows_ * cfg_.vocab_size));
     if (!out.empty()) rk.backend->copy_to_host(rk.forward->logits(n_logit_rows_), out.data());
     return out;
@@ -1249,7 +1267,7 @@ Result<void> Engine::kv_row(int rank, const Sequence &seq, int layer, int64_t po
         pools_.pool_layer[static_cast<size_t>(layer)] < 0) {
         return make_error("kv_row: layer {} keeps no KV rows in this engine", layer);
     }
-    const Rank &rk = *ranks_.at(static_cast<size_t>(rank));
+    const Rank &rk = local(rank);
     const bool swa = pools_.in_swa[static_cast<size_t>(layer)];
     const kv::PoolKind kind = swa ? kv::PoolKind::kSwa : kv::PoolKind::kFull;
     const int stream = cfg_.layers[static_cast<size_t>(layer)].is_mtp ? 1 + layer - cfg_.n_layers : 0;
@@ -1303,7 +1321,7 @@ Result<void> Engine::check_pages() const {
 }
 
 StepCounters Engine::counters(int rank) const {
-    const Rank &rk = *ranks_.at(static_cast<size_t>(rank));
+    const Rank &rk = local(rank);
     return StepCounters{rk.backend->counters(), rk.forward->comm_counters(), rk.d2h_at_run_end - rk.d2h_at_plan};
 }
 

@@ -78,6 +78,12 @@ struct EngineOptions {
     // tp > 1: the ranks' communicators (e.g. NCCL, one GPU per rank); empty: the in-process group's. The
     // in-process group's threads drive the ranks either way.
     CommFactory make_comms;
+    // The one rank this process runs when each rank is a process of its own (a multi-process launch: mpirun);
+    // -1 (the default): this process runs every rank. With a rank here (tp > 1), make_comms gets this rank's
+    // backend alone and returns its communicator (rank process_rank of tp), which reaches the other processes;
+    // every process plans the same steps (the host state is replicated, as every rank samples the same tokens),
+    // and the inspection methods take only this rank.
+    int process_rank = -1;
 };
 
 // Which trunk rows of a step item compute logits.
@@ -270,13 +276,15 @@ public:
     const model::Step35Config &config() const { return cfg_; }
     const EngineOptions &options() const { return options_; }
     int tp() const { return options_.tp; }
+    // The ranks this process runs: [first, first + count) — every rank, or the one of a multi-process launch.
+    std::pair<int, int> local_ranks() const { return {first_rank_, static_cast<int>(ranks_.size())}; }
     int64_t max_positions() const { return seq_shape_.max_positions; }
     const parallel::ParallelPlan &plan_of_ranks() const { return plan_; }
     const model::KvPoolLayout &pool_layout() const { return pools_; }
     const kv::PagePool &page_pool(kv::PoolKind kind) const;
-    int64_t kv_bytes() const;  // both pools on every rank
+    int64_t kv_bytes() const;  // both pools on every rank this process runs
 
-    // ---- Inspection (verification and tests; never on the hot path) ----
+    // ---- Inspection (verification and tests; never on the hot path): ranks this process runs ----
 
     Backend &backend(int rank);
     model::Step35Forward &forward(int rank);
@@ -316,6 +324,8 @@ private:
     void pack_tables(std::span<const StepItem> items);
     void rollback_all();
     Result<void> run_rank(int rank);
+    // Rank `rank`'s state (MEMRA_CHECK: a rank this process runs).
+    Rank &local(int rank) const;
     // step_key_ for the planned step: every host-side value run_rank(0) and its forward depend on, so two
     // steps with equal keys issue the same ops on the same buffers (Backend::run_recorded).
     void build_step_key();
@@ -336,7 +346,8 @@ private:
     kv::SeqKvShape seq_shape_;  // without MTP streams (a sequence's own count is set at create)
     model::ForwardCapacity cap_;
     std::optional<parallel::InProcessGroup> group_;
-    std::vector<std::unique_ptr<Rank>> ranks_;
+    std::vector<std::unique_ptr<Rank>> ranks_;  // the ranks this process runs, from first_rank_ on
+    int first_rank_ = 0;
     kv::PagePool full_, swa_;
     kv::PrefixCache prefix_;  // empty unless options_.prefix_cache
     std::vector<Sequence *> live_;  // every sequence not yet destroyed

@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -985,6 +987,94 @@ TEST_P(EngineTest, CommunicatorsFromTheFactoryCarryTheRanksTraffic) {
         return std::vector<std::unique_ptr<parallel::Communicator>>{};
     };
     EXPECT_EQ(bit_mismatches(prefill_logits(o), want), 0);
+}
+
+// A multi-process launch in one test process: an engine per rank, each running only its process_rank with a
+// communicator of a group the test owns, each driven by its own thread as a process would drive it. Every engine
+// plans the same steps; rank r's logits and sampled tokens equal those of the engine that runs every rank.
+TEST_P(EngineTest, ProcessRankEnginesEqualTheInProcessRanks) {
+    constexpr int kTp = 2;
+    const std::vector<int32_t> prompt = make_tokens(14, 30, 1024);
+    // Prefill with every row's logits, then 6 greedy decode steps: the logits of rank `rank` and the tokens.
+    struct Trace {
+        std::vector<float> logits;
+        std::vector<int32_t> tokens;
+    };
+    const auto drive = [&](Engine &e, int rank, Trace &out) {
+        auto s = new_seq(e);
+        if (!s) return;
+        s->tokens = prompt;
+        StepItem it;
+        it.seq = s.get();
+        it.rows = static_cast<int64_t>(prompt.size());
+        it.logits = LogitRows::kAll;
+        it.sample = true;
+        auto ok = e.step(std::span(&it, 1));
+        ASSERT_TRUE(ok.has_value()) << ok.error().message;
+        out.logits = e.rank_logits(rank);
+        for (int i = 0; i < 6; ++i) {
+            s->tokens.push_back(e.sampled(0).id);
+            out.tokens.push_back(e.sampled(0).id);
+            it.rows = 1;
+            it.logits = LogitRows::kLast;
+            ok = e.step(std::span(&it, 1));
+            ASSERT_TRUE(ok.has_value()) << ok.error().message;
+        }
+    };
+    EngineOptions o = options();
+    o.tp = kTp;
+    Trace want[kTp];
+    {
+        Loaded l = load(o);
+        ASSERT_TRUE(l.engine);
+        EXPECT_EQ(l.engine->local_ranks(), std::make_pair(0, kTp));
+        for (int r = 0; r < kTp; ++r) drive(*l.engine, r, want[r]);
+    }
+    auto outer = parallel::InProcessGroup::create(kTp);
+    ASSERT_TRUE(outer.has_value());
+    int calls[kTp] = {};
+    Loaded engines[kTp];
+    for (int r = 0; r < kTp; ++r) {
+        EngineOptions pr = o;
+        pr.process_rank = r;
+        pr.make_comms = [&, r](std::span<Backend *const> backends)
+            -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
+            EXPECT_EQ(backends.size(), 1u);
+            std::vector<std::unique_ptr<parallel::Communicator>> comms;
+            comms.push_back(std::make_unique<CountingComm>(outer->communicator(r), &calls[r]));
+            return comms;
+        };
+        engines[r] = load(pr);
+        ASSERT_TRUE(engines[r].engine);
+        EXPECT_EQ(engines[r].engine->local_ranks(), std::make_pair(r, 1));
+    }
+    Trace got[kTp];
+    {
+        std::vector<std::thread> processes;
+        for (int r = 0; r < kTp; ++r) processes.emplace_back([&, r] { drive(*engines[r].engine, r, got[r]); });
+        for (std::thread &t : processes) t.join();
+    }
+    for (int r = 0; r < kTp; ++r) {
+        EXPECT_EQ(bit_mismatches(got[r].logits, want[r].logits), 0) << "rank " << r;
+        EXPECT_EQ(got[r].tokens, want[0].tokens) << "rank " << r;
+        EXPECT_GT(calls[r], 0) << "rank " << r;
+    }
+    EXPECT_EQ(calls[0], calls[1]);
+
+    // Refused: a rank outside tp, a process rank at tp = 1, no factory, a factory that makes no communicator.
+    EngineOptions bad = o;
+    bad.process_rank = kTp;
+    expect_refused(bad, "process rank 2 of tp=2");
+    bad = options();
+    bad.process_rank = 0;
+    expect_refused(bad, "process rank 0 of tp=1");
+    bad = o;
+    bad.process_rank = 1;
+    expect_refused(bad, "a communicator factory that reaches the other processes");
+    bad.make_comms = [](std::span<Backend *const>) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
+        return std::vector<std::unique_ptr<parallel::Communicator>>{};
+    };
+    expect_refused(bad, "the communicator factory made 0 communicators for 1 ranks");
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, EngineTest, ::testing::Values("bf16", "fp8"));
