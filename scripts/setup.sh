@@ -19,6 +19,7 @@ install_debian_packages() {
         build-essential cmake ninja-build clang libclang-rt-14-dev python3-venv
         libgtest-dev libgmock-dev libbenchmark-dev
         nlohmann-json3-dev libcli11-dev libfmt-dev libexpected-dev libpcre2-dev libutf8proc-dev libcpp-httplib-dev
+        openmpi-bin libopenmpi-dev  # mpirun: one tensor-parallel rank per process (run, bench, perplexity)
         iproute2  # ss: the server tests read the listening socket's backlog
         python3.11-doc  # the default model's corpus (tools/train/corpus.py): its held-out split for the tests
     )
