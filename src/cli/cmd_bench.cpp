@@ -476,6 +476,9 @@ Json experts_json(const BenchFacts &f, const BenchOptions &opt, const ExpertsRes
 // Times refresh + run of one MoE layer's state, warm-ups first, on every rank together (between two barriers,
 // so a sample is the slowest rank's time); after each run every rank checksums its own output.
 int run_experts_bench(const BenchOptions &opt) {
+    if (process_launch().size > 1) {
+        return report_error("--experts runs its ranks as threads of one process (--tp); run it without mpirun");
+    }
     // The model: a checkpoint directory (its config first, the shards once the request is checked) or a
     // synthetic one (generated as it is bound).
     auto in = load_model_inputs(opt.model_dir, opt.synthetic, opt.threads, opt.kv_k, opt.kv_v);

@@ -32,6 +32,7 @@ struct RunOptions {
     int64_t ctx_size = 4096;
     int64_t step_rows = runtime::kCpuStepRows;
     int threads = 1;
+    int tp = 1;
     Numerics numerics = Numerics::kDevice;
     DeviceChoice device = DeviceChoice::kAuto;
     bool ignore_eos = false;
@@ -98,6 +99,7 @@ int run_generate(const RunOptions &opt) {
     };
 
     runtime::EngineOptions eo;
+    eo.tp = opt.tp;
     eo.k_format = in->k_format;
     eo.v_format = in->v_format;
     eo.ctx_size = context;
@@ -187,6 +189,7 @@ Command add_run_command(CLI::App &app) {
     add_kv_format_options(*sub, opt->kv_k, opt->kv_v);
     add_engine_size_options(*sub, opt->ctx_size, opt->step_rows);
     add_threads_option(*sub, opt->threads);
+    add_tp_option(*sub, opt->tp);
     add_numerics_option(*sub, opt->numerics);
     add_device_option(*sub, opt->device);
     sub->add_flag("--ignore-eos", opt->ignore_eos, "Keep generating past end-of-sequence tokens")

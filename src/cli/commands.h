@@ -186,13 +186,35 @@ Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const m
 // A backend factory for rank r of `tp` ranks on `backends` (verify's native ranks and reference), without upload
 // progress.
 runtime::BackendFactory backend_factory(const BackendChoice &backends, int tp = 1);
-// Where rank `rank` of `tp` CUDA ranks runs: GPU `rank` when the machine has at least tp GPUs and the build has
-// NCCL (ranks_use_nccl), else GPU 0, which the ranks then share, exchanging by device copies.
+// Where rank `rank` of `tp` CUDA ranks runs: under a multi-process launch the process's GPU (its local rank);
+// else GPU `rank` when the machine has at least tp GPUs and the build has NCCL (ranks_use_nccl), else GPU 0,
+// which the ranks then share, exchanging by device copies.
 int rank_gpu(int tp, int rank);
 bool ranks_use_nccl(int tp);
 // The engine's communicators for CUDA ranks on distinct GPUs: one NCCL group over the backends' GPUs and
 // streams; none (the in-process group) when the ranks share a GPU.
 runtime::CommFactory nccl_comm_factory();
+
+// A multi-process launch (launch.cpp): under Open MPI's mpirun each process runs one tensor-parallel rank of run,
+// bench or perplexity (--tp = the process count); MPI carries the CPU ranks' traffic and, on GPUs, rank 0's NCCL
+// id (the ranks then talk over NCCL, a process per GPU of its host).
+struct ProcessLaunch {
+    int rank = 0;        // this process's rank in the job
+    int size = 1;        // processes in the job (1: started alone)
+    int local_rank = 0;  // among the job's processes on this host: its GPU
+    int local_size = 1;
+};
+// This process's launch ({0, 1, 0, 1} unless start_launch found mpirun).
+const ProcessLaunch &process_launch();
+// main(), before the command: joins the MPI job when mpirun started this process; a rank past 0 writes nothing to
+// stdout. Refused: several processes for a command other than run, bench, perplexity; a build without MPI.
+Result<void> start_launch(const std::string &command);
+// main(), after the command: leaves the MPI job (a failed rank of several aborts it, so no peer waits on it);
+// returns exit_code.
+int end_launch(int exit_code);
+// load_engine: under a launch of several processes, this process's rank (options.process_rank) and the
+// communicator that reaches the others. Refused: --tp other than the process count.
+Result<void> apply_launch(runtime::EngineOptions &options, Device device);
 
 // The chat template of serve and chat: the --chat-template FILE when given, else tokenizer_config.json's (nullopt
 // when neither has one), with the tokenizer's BOS and EOS texts; `origin` says which. Refused: an unreadable file,

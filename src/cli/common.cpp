@@ -169,8 +169,9 @@ void add_kv_format_options(CLI::App &sub, std::string &kv_k, std::string &kv_v) 
 
 void add_tp_option(CLI::App &sub, int &tp) {
     sub.add_option("--tp,--tensor-parallel-size", tp,
-                   "CPU ranks (threads of one process) as `memra plan` splits the model; -t is divided among them; "
-                   "routed experts are whole, each computed by its owner rank")
+                   "Tensor-parallel ranks as `memra plan` splits the model (routed experts whole, each computed by its "
+                   "owner rank): threads of one process, -t divided among them (on cuda: a GPU each over NCCL when "
+                   "there are enough, else sharing GPU 0); under mpirun one rank per process, --tp = the process count")
         ->envname("MEMRA_TP")
         ->check(positive_int_validator())
         ->capture_default_str();
@@ -355,7 +356,10 @@ bool ranks_use_nccl([[maybe_unused]] int tp) {
 #endif
 }
 
-int rank_gpu(int tp, int rank) { return ranks_use_nccl(tp) ? rank : 0; }
+int rank_gpu(int tp, int rank) {
+    if (process_launch().size > 1) return process_launch().local_rank;
+    return ranks_use_nccl(tp) ? rank : 0;
+}
 
 runtime::CommFactory nccl_comm_factory() {
     return [](std::span<Backend *const> backends) -> Result<std::vector<std::unique_ptr<parallel::Communicator>>> {
@@ -411,24 +415,30 @@ Result<LoadedEngine> load_engine(const std::filesystem::path &dir, const model::
 Result<LoadedEngine> load_engine(std::unique_ptr<io::TensorStore> store, const model::Step35Config &cfg,
                                  runtime::EngineOptions options, const BackendChoice &backends) {
     LoadedEngine out{std::move(store), nullptr};
+    if (auto ok = apply_launch(options, backends.device); !ok) return tl::unexpected(ok.error());
+    const bool process_rank = options.process_rank >= 0;  // one rank per process (mpirun)
     BackendChoice per_rank = backends;
-    per_rank.n_threads = std::max(1, backends.n_threads / std::max(1, options.tp));
+    per_rank.n_threads = std::max(1, backends.n_threads / (process_rank ? 1 : std::max(1, options.tp)));
     options.make_backend = backend_factory(per_rank);
 #ifdef MEMRA_HAVE_CUDA
     if (backends.device == Device::kCuda) {
         // Ranks sharing GPU 0 hold at least the checkpoint's bytes there; ranks on their own GPUs (NCCL) at least
         // a tp-th each (the replicated tensors come on top).
-        const bool nccl = ranks_use_nccl(options.tp);
-        auto gpu = cuda::gpu_info(0);
+        const bool nccl = process_rank || ranks_use_nccl(options.tp);
+        const int first_gpu = rank_gpu(options.tp, std::max(0, options.process_rank));
+        auto gpu = cuda::gpu_info(first_gpu);
         if (!gpu) return tl::unexpected(gpu.error());
         const auto total = static_cast<int64_t>(out.store->total_bytes());
-        const int64_t weights = total / (nccl ? options.tp : 1);  // what GPU 0 must hold at least
-        if (options.tp > 1) {
+        const int64_t weights = total / (nccl ? options.tp : 1);  // what the first rank's GPU must hold at least
+        if (process_rank) {
+            std::fprintf(stderr, "cuda: rank %d of %d (a process each) on GPU %d, exchanging over NCCL\n",
+                         options.process_rank, options.tp, first_gpu);
+        } else if (options.tp > 1) {
             std::fprintf(stderr, "cuda: %d ranks %s\n", options.tp,
                          nccl ? fmt::format("on GPUs 0-{}, exchanging over NCCL", options.tp - 1).c_str()
                               : "sharing GPU 0, exchanging by device copies");
         }
-        if (nccl) options.make_comms = nccl_comm_factory();
+        if (nccl && !process_rank) options.make_comms = nccl_comm_factory();
         if (weights > gpu->free_bytes) {
             return make_error("cuda: the model's weights need {:.1f} GiB but {} has {:.1f} GiB free of {:.1f} GiB; use "
                               "--device cpu or a larger GPU",

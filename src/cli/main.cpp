@@ -44,9 +44,14 @@ int main(int argc, char **argv) {
         return e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success) ? code : kExitUsage;
     }
     for (const Command &command : commands) {
+        if (!command.sub->parsed()) continue;
+        // Under mpirun: join the job first (one tensor-parallel rank per process).
+        if (auto launched = start_launch(command.sub->get_name()); !launched) {
+            return end_launch(report_error(launched.error().message));
+        }
         // An exception escaping the action (bad_alloc on a huge input, above all) becomes one error line
         // and exit code 1 instead of std::terminate's abort.
-        if (command.sub->parsed()) return run_guarded(command.sub->get_name(), command.run);
+        return end_launch(run_guarded(command.sub->get_name(), command.run));
     }
     app.exit(CLI::RequiredError::Subcommand(1));  // "A subcommand is required" and the --help hint
     return kExitUsage;

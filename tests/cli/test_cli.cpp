@@ -19,6 +19,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -59,7 +60,11 @@ using EnvVars = std::vector<std::pair<std::string, std::string>>;
 std::vector<std::string> child_environment(const EnvVars &extra) {
     std::vector<std::string> env;
     for (char **e = environ; e != nullptr && *e != nullptr; ++e) {
-        if (std::strncmp(*e, "MEMRA_", 6) != 0) env.emplace_back(*e);
+        const std::string_view var(*e);
+        const bool replaced = std::any_of(extra.begin(), extra.end(), [&](const auto &kv) {
+            return var.size() > kv.first.size() && var.starts_with(kv.first) && var[kv.first.size()] == '=';
+        });
+        if (std::strncmp(*e, "MEMRA_", 6) != 0 && !replaced) env.emplace_back(*e);
     }
     bool device_given = false;
     for (const auto &[key, value] : extra) {
@@ -77,10 +82,10 @@ std::vector<char *> c_strings(std::vector<std::string> &strings) {
     return out;
 }
 
-// Runs MEMRA_EXE with args; stdin is /dev/null, stdout and stderr are pipes (so not terminals).
-RunResult run_memra(const std::vector<std::string> &args, const EnvVars &env = {}) {
+// Runs program `exe` with args; stdin is /dev/null, stdout and stderr are pipes (so not terminals).
+RunResult run_program(const std::string &exe, const std::vector<std::string> &args, const EnvVars &env) {
     RunResult result;
-    std::vector<std::string> argv_strings = {MEMRA_EXE};
+    std::vector<std::string> argv_strings = {exe};
     argv_strings.insert(argv_strings.end(), args.begin(), args.end());
     std::vector<std::string> env_strings = child_environment(env);
     std::vector<char *> argv = c_strings(argv_strings);
@@ -98,14 +103,14 @@ RunResult run_memra(const std::vector<std::string> &args, const EnvVars &env = {
     posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
     posix_spawn_file_actions_adddup2(&actions, err_pipe[1], STDERR_FILENO);
     pid_t pid = 0;
-    const int spawn_rc = posix_spawn(&pid, MEMRA_EXE, &actions, nullptr, argv.data(), envp.data());
+    const int spawn_rc = posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     close(out_pipe[1]);
     close(err_pipe[1]);
     if (spawn_rc != 0) {
         close(out_pipe[0]);
         close(err_pipe[0]);
-        ADD_FAILURE() << "posix_spawn " << MEMRA_EXE << ": " << std::strerror(spawn_rc);
+        ADD_FAILURE() << "posix_spawn " << exe << ": " << std::strerror(spawn_rc);
         return result;
     }
 
@@ -143,7 +148,7 @@ RunResult run_memra(const std::vector<std::string> &args, const EnvVars &env = {
     }
     if (timed_out || open_fds > 0) {
         kill(pid, SIGKILL);
-        ADD_FAILURE() << "memra did not finish within " << kTimeoutSeconds << " s; killed";
+        ADD_FAILURE() << exe << " did not finish within " << kTimeoutSeconds << " s; killed";
     }
     for (const pollfd &p : fds) {
         if (p.fd >= 0) close(p.fd);
@@ -157,6 +162,11 @@ RunResult run_memra(const std::vector<std::string> &args, const EnvVars &env = {
         result.exit_code = 128 + WTERMSIG(status);
     }
     return result;
+}
+
+// Runs MEMRA_EXE with args (run_program).
+RunResult run_memra(const std::vector<std::string> &args, const EnvVars &env = {}) {
+    return run_program(MEMRA_EXE, args, env);
 }
 
 // For failure messages: what the process printed.
@@ -955,6 +965,56 @@ TEST_F(CliTest, RunGreedyIsIndependentOfThreadsAndKvFlagSpellings) {
     ASSERT_EQ(f32.exit_code, 0) << describe(f32);
     EXPECT_EQ(generated_tokens(f32.err), 16) << describe(f32);
 }
+
+#ifdef MEMRA_MPIEXEC
+// Runs `mpirun -np N memra ARGS` (CI runs as root: Open MPI refuses that unless told it is meant).
+RunResult run_mpi(int n, const std::vector<std::string> &args) {
+    std::vector<std::string> a = {"-np", std::to_string(n), "--oversubscribe", MEMRA_EXE};
+    a.insert(a.end(), args.begin(), args.end());
+    // Open MPI never frees what MPI_Init allocates: a sanitizer build's leak check skips its libraries' leaks.
+    const std::string lsan = fmt::format("suppressions={}/tests/parallel/mpi_lsan.supp:print_suppressions=0",
+                                         MEMRA_SOURCE_DIR);
+    return run_program(MEMRA_MPIEXEC, a,
+                       {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                        {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                        {"OMPI_MCA_btl_vader_single_copy_mechanism", "none"},
+                        {"ASAN_OPTIONS", "detect_leaks=1:fast_unwind_on_malloc=0"},
+                        {"LSAN_OPTIONS", lsan}});
+}
+
+// A multi-process launch: mpirun starts one process per rank, each running one rank over MPI; the text is the
+// in-process ranks' and TP 1's, written once (rank 0). --tp must be the process count; commands that run their
+// ranks as threads are refused under several processes.
+TEST_F(CliTest, MpirunRanksEqualTheInProcessRanks) {
+    const std::vector<std::string> base = {"run", "-p", "Hello world", "-n", "16", "--ignore-eos", "--temp", "0"};
+    const auto with = [&](std::vector<std::string> extra) {
+        std::vector<std::string> a = base;
+        a.insert(a.end(), extra.begin(), extra.end());
+        return a;
+    };
+    const RunResult one = run_memra(with({"-t", "1"}));
+    const RunResult threads = run_memra(with({"--tp", "2", "-t", "2"}));
+    const RunResult processes = run_mpi(2, with({"--tp", "2", "-t", "1"}));
+    ASSERT_EQ(one.exit_code, 0) << describe(one);
+    ASSERT_EQ(threads.exit_code, 0) << describe(threads);
+    ASSERT_EQ(processes.exit_code, 0) << describe(processes);
+    EXPECT_EQ(generated_tokens(one.err), 16) << describe(one);
+    EXPECT_EQ(threads.out, one.out);
+    EXPECT_EQ(processes.out, one.out) << describe(processes);
+
+    const RunResult bench = run_mpi(2, {"bench", "-p", "16", "-n", "4", "-r", "1", "--tp", "2", "-t", "1", "-o", "json"});
+    ASSERT_EQ(bench.exit_code, 0) << describe(bench);
+    EXPECT_EQ(count_of(bench.out, "\"test\": \"pp16\""), 1u) << describe(bench);  // rank 0's report only
+
+    const RunResult wrong_tp = run_mpi(2, with({"--tp", "1"}));
+    EXPECT_NE(wrong_tp.exit_code, 0);
+    EXPECT_TRUE(contains(wrong_tp.err, "mpirun started 2 processes: --tp must be 2 (one rank per process), found 1"))
+        << describe(wrong_tp);
+    const RunResult verify = run_mpi(2, {"verify", "--tp", "2"});
+    EXPECT_NE(verify.exit_code, 0);
+    EXPECT_TRUE(contains(verify.err, "`memra verify` runs its ranks as threads of one process")) << describe(verify);
+}
+#endif
 
 // --device cuda: on a GPU the greedy text is the CPU's (the CUDA backend computes the CPU's device numerics bit for
 // bit); without one (or without CUDA in the build) a clear refusal. Exact numerics are refused on the GPU.
