@@ -3,8 +3,9 @@
 # it): builds with CUDA for sm_90a, runs the GPU tests (every kernel against its CPU twin, the whole model on the
 # GPU against the CPU), `memra run` / `verify` / `bench --device cuda` on the embedded default model and on the
 # release-width preset (generated here) and on Step-3.5-E128 (built in memory), the product and decode-attention
-# benchmarks beside PyTorch (bench/cuda, bench/cuda_peers.py), E7 through Nsight Compute, and prints a short table
-# last. Logs go to $OUT (or ./gpu-out).
+# benchmarks beside PyTorch (bench/cuda, bench/cuda_peers.py), E7 through Nsight Compute, memra's all-gather beside
+# NCCL's all-reduce, and on a machine of several GPUs `verify --tp` over NCCL and decode per TP degree; prints a
+# short table last. Logs go to $OUT (or ./gpu-out).
 #   device run:  bash scripts/gpu.sh            (carry: [".deps"])
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
 #   MEMRA_GPU_E128=0 leaves out the Step-3.5-E128 runs.
@@ -50,7 +51,13 @@ timeout 180 build-gpu/memra_cuda_tests --gtest_filter='Nccl*' >>"$out/cuda_tests
 gpu_tests=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cuda_tests.log" | tr '\n' ' ')
 build-gpu/memra_cli_tests --gtest_filter='*Device*' >"$out/cli_device_tests.log" 2>&1
 cli_rc=$?
+# memra's all-gather against NCCL's all-reduce of the same bytes, on 1, 2, 4, 8 GPUs as the machine has them.
+timeout 120 build-gpu/memra_bench_cuda_collectives >"$out/collectives.md" 2>"$out/collectives.log"
 t3=$(date +%s)
+# With several GPUs: the gates over NCCL (a GPU per rank) and decode per TP degree at batch 1, 8, 64.
+gpus=$(nvidia-smi -L | wc -l)
+multi_tps=()
+for tp in 2 4 8; do [ "$tp" -le "$gpus" ] && multi_tps+=("$tp"); done
 
 # Generation: the GPU's greedy text must be the CPU's.
 prompt="Once upon a time"
@@ -86,6 +93,17 @@ if [ "${MEMRA_GPU_QUICK:-0}" != 1 ]; then
     # K1: the products at decode shapes against a copy of the same bytes, and PyTorch (cuBLAS) on the same shapes.
     build-gpu/memra_bench_cuda_products --benchmark_format=json >"$out/bench_cuda_products.json" 2>"$out/bench_cuda_products.log"
     python3 bench/cuda_peers.py >"$out/bench_cuda_peers.jsonl" 2>"$out/bench_cuda_peers.log"
+fi
+if [ ${#multi_tps[@]} -gt 0 ]; then
+    tps=$(IFS=,; echo "1,${multi_tps[*]}")
+    timeout 600 $memra verify "$release" --device cuda --tp "$tps" >"$out/verify_nccl.log" 2>&1
+    echo "verify nccl rc $?" >>"$out/verify_nccl.log"
+    for tp in 1 "${multi_tps[@]}"; do
+        for b in 1 8 64; do
+            $memra bench "$release" --device cuda --tp "$tp" -p 0 -n 32 -r 2 --parallel "$b" -o json \
+                >"$out/bench_tp${tp}_b$b.json" 2>>"$out/bench_tp.log"
+        done
+    done
 fi
 # Serving on the GPU: the openai client's suite (tests/oracle/test_serve.py, from wheels carried in .deps/wheels)
 # against `memra serve --device cuda` on the default model, then the load test on the release-width preset.
@@ -278,6 +296,11 @@ for name in sorted(rows):
 EOF
 fi
 grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
+grep -E '^\| [0-9]' "$out/collectives.md" | awk -F'|' '{printf "| collectives %s ranks, %s per rank | memra all_gather %s us (NCCL %s us); NCCL all_reduce of %s %s us; gather/reduce %s |\n", $2, $3, $4, $5, $6, $7, $8}'
+if [ ${#multi_tps[@]} -gt 0 ]; then
+    echo "| verify over NCCL (tp $tps) | $(tail -2 "$out/verify_nccl.log" | tr '\n' ' ') |"
+    for f in "$out"/bench_tp*_b*.json; do bench_rows "$f" | sed "s/| bench /| $(basename "$f" .json) /"; done
+fi
 echo "| nccl | $(grep -cE '^\[       OK \] Nccl' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \] Nccl' \
     "$out/cuda_tests.log") failed, $(grep -cE '^\[  SKIPPED \] Nccl.* ms\)' "$out/cuda_tests.log") skipped ($(nvidia-smi -L | wc -l) GPU) |"
 grep -h "measured \] nccl" "$out/cuda_tests.log" | sed 's/^\[ measured \] /| nccl cost | /; s/$/ |/'
