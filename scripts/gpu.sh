@@ -94,6 +94,12 @@ if [ "${MEMRA_GPU_QUICK:-0}" != 1 ]; then
     # K1: the products at decode shapes against a copy of the same bytes, and PyTorch (cuBLAS) on the same shapes.
     build-gpu/memra_bench_cuda_products --benchmark_format=json >"$out/bench_cuda_products.json" 2>"$out/bench_cuda_products.log"
     python3 bench/cuda_peers.py >"$out/bench_cuda_peers.jsonl" 2>"$out/bench_cuda_peers.log"
+    # The tensor-core bf16 product at batch 1 under Nsight Compute: where its time goes (throughputs, warp stalls,
+    # occupancy).
+    timeout 120 ncu --kernel-name regex:mma_bf16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
+        build-gpu/memra_bench_cuda_products --benchmark_filter='bm_bf16_product/rows:11264/K:4096/tokens:1/' \
+        >"$out/ncu_bf16_product.txt" 2>&1
 fi
 if [ ${#multi_tps[@]} -gt 0 ]; then
     tps=$(IFS=,; echo "1,${multi_tps[*]}")
@@ -260,6 +266,8 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
     if b["name"].startswith("bm_add_rms_norm"):
         print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")
 EOF
+grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp" \
+    "$out/ncu_bf16_product.txt" 2>/dev/null | awk '{$1=$1; print "| ncu bf16 [11264, 4096] x1 | " $0 " |"}'
 echo "| bench rc | $bench_rc $bench64_rc, e128 $e128_rc ($((t5 - t4)) s) |"
 echo "| serve tests (rc $serve_rc) | $(tail -1 "$out/serve_tests.log" 2>/dev/null) |"
 echo "| serve release (stop rc $serve_stop_rc) | $(grep -E 'KV cache|stopped' "$out/serve_release.log" | tr '\n' ' ' | cut -c1-300) |"
