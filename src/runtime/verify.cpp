@@ -728,6 +728,18 @@ public:
         return o;
     }
 
+    // Whether the banks' products have bf16 activations (BF16 experts in device numerics): on the GPU those run
+    // on the tensor cores, whose sums are not the host's scalar products.
+    bool bf16_products() const { return numerics_ == Numerics::kDevice && gate_.dtype == DType::kBF16; }
+    // From now on the pairs' products run on `be` (the layer's banks uploaded to it), one pair per call.
+    Result<void> use_backend(Backend &be) {
+        auto dev = BackendProducts::create(be, gate_, up_, down_, g_.n_experts, d_);
+        if (!dev) return tl::unexpected(dev.error());
+        dev_ = *dev;
+        return {};
+    }
+    bool on_backend() const { return dev_.has_value(); }
+
     // From the reference taps of one step: every pair through its expert, then the host combine.
     Result<OracleStep> run(const TapCapture &ref) const {
         for (Tap t : {Tap::kFfnNorm, Tap::kExpertIds, Tap::kExpertWeights, Tap::kResidual, Tap::kSharedOut}) {
@@ -766,8 +778,16 @@ public:
             const int64_t e = ids[static_cast<size_t>(p)];
             const int64_t row = s.row_of_pair[static_cast<size_t>(p)];
             for (int64_t j = 0; j < d_; ++j) x[static_cast<size_t>(j)] = std::bit_cast<float>(a[(p / s.k) * d_ + j]);
-            oracle_product(gate_, numerics_, e, x.data(), gv.data());
-            oracle_product(up_, numerics_, e, x.data(), uv.data());
+            if (dev_) dev_->select(e, g_.n_experts);
+            const auto product = [&](const OracleBank &b, BankId id, const float *in, float *out) {
+                if (dev_) {
+                    dev_->product(id, in, b.cols, out, b.rows);
+                } else {
+                    oracle_product(b, numerics_, e, in, out);
+                }
+            };
+            product(gate_, dev_ ? dev_->gate : BankId{}, x.data(), gv.data());
+            product(up_, dev_ ? dev_->up : BankId{}, x.data(), uv.data());
             for (int64_t j = 0; j < de; ++j) {
                 const auto i = static_cast<size_t>(j);
                 av[i] = oracle_swiglu(gv[i], uv[i], g_.clamp_routed);
@@ -775,7 +795,7 @@ public:
                 s.up[static_cast<size_t>(row * de + j)] = std::bit_cast<uint32_t>(uv[i]);
                 s.act[static_cast<size_t>(row * de + j)] = std::bit_cast<uint32_t>(av[i]);
             }
-            oracle_product(down_, numerics_, e, av.data(), dv.data());
+            product(down_, dev_ ? dev_->down : BankId{}, av.data(), dv.data());
             for (int64_t j = 0; j < d_; ++j) {
                 s.down[static_cast<size_t>(row * d_ + j)] = std::bit_cast<uint32_t>(dv[static_cast<size_t>(j)]);
             }
@@ -804,15 +824,67 @@ public:
         return s;
     }
 
-    // Whether the banks' products have bf16 activations (BF16 experts in device numerics): on the GPU those run
-    // on the tensor cores, whose sums are not the host's scalar products.
-    bool bf16_products() const { return numerics_ == Numerics::kDevice && gate_.dtype == DType::kBF16; }
-
 private:
+    // The pairs' products on a backend: the layer's banks uploaded whole, one pair at a time through
+    // matmul_grouped with offsets that give the pair's expert its one row.
+    struct BackendProducts {
+        Backend *be = nullptr;
+        BankId gate, up, down;
+        TensorView in, out, offsets;  // [1, max cols], [1, max rows] f32; [n_experts + 1] i32
+
+        static Result<BackendProducts> create(Backend &be, const OracleBank &g, const OracleBank &u,
+                                              const OracleBank &d, int64_t n_experts, int64_t d_model) {
+            BackendProducts p;
+            p.be = &be;
+            be.bind_thread();
+            BankId *ids[] = {&p.gate, &p.up, &p.down};
+            const OracleBank *banks[] = {&g, &u, &d};
+            for (int i = 0; i < 3; ++i) {
+                const OracleBank &b = *banks[i];
+                auto id = be.upload_bank(HostBank{.dtype = b.dtype,
+                                                  .data = b.data,
+                                                  .n_experts = n_experts,
+                                                  .rows = b.rows,
+                                                  .cols = b.cols,
+                                                  .scale_inv = b.scale_inv,
+                                                  .block_rows = b.block_rows,
+                                                  .block_cols = b.block_cols});
+                if (!id) return wrap_error("oracle: uploading an expert bank", id.error());
+                *ids[i] = *id;
+            }
+            const int64_t width = std::max(d_model, g.rows);
+            auto in = be.alloc(DType::kF32, {1, width});
+            auto out = be.alloc(DType::kF32, {1, width});
+            auto off = be.alloc(DType::kI32, {n_experts + 1});
+            if (!in || !out || !off) return make_error("oracle: backend buffers for the expert products");
+            p.in = *in;
+            p.out = *out;
+            p.offsets = *off;
+            return p;
+        }
+        // The offsets that route the one row to expert e.
+        void select(int64_t e, int64_t n_experts) const {
+            std::vector<int32_t> off(static_cast<size_t>(n_experts + 1));
+            for (int64_t j = 0; j <= n_experts; ++j) off[static_cast<size_t>(j)] = j > e ? 1 : 0;
+            be->copy_from_host(off.data(), offsets);
+        }
+        // y[0, rows) = the selected expert of bank b applied to x[0, cols).
+        void product(BankId b, const float *x, int64_t cols, float *y, int64_t rows) const {
+            TensorView xv = in;
+            xv.shape = {1, cols};
+            TensorView yv = out;
+            yv.shape = {1, rows};
+            be->copy_from_host(x, xv);
+            be->matmul_grouped(xv, b, offsets, yv);
+            be->copy_to_host(yv, y);
+        }
+    };
+
     LayerGeometry g_;
     int64_t d_ = 0;
     Numerics numerics_ = Numerics::kExact;
     OracleBank gate_, up_, down_;
+    std::optional<BackendProducts> dev_;
 };
 
 // The owner-compact rows of a tapped expert stage against the oracle's sorted rows: the capture holds, for
@@ -1006,19 +1078,16 @@ Result<Reference> run_reference(const io::TensorStore &store, const Step35Config
     Engine &engine = **made;
     std::optional<ExpertOracle> oracle;
     if (sc.layer_moe) {
-        auto built = ExpertOracle::create(store, cfg, sc.layer, engine.backend(0).numerics());
+        Backend &be = engine.backend(0);
+        auto built = ExpertOracle::create(store, cfg, sc.layer, be.numerics());
         if (!built) return tl::unexpected(built.error());
-        if (engine.backend(0).device() == Device::kCuda && built->bf16_products()) {
-            // Not bits: the ranks' experts are held to the reference's layer output and logits instead, and
-            // tests/cuda holds the GPU's grouped rows to each row alone (bits) and to the CPU (a tolerance).
-            VerifyLine line;
-            line.reference = true;
-            line.stage = fmt::format("L{} oracle", sc.layer);
-            line.note = "per-expert host oracle not run: bf16 experts run on the GPU's tensor cores";
-            emit(report, o, std::move(line));
-        } else {
-            oracle.emplace(std::move(*built));
+        const bool on_backend =
+            o.oracle_products == OracleProducts::kBackend ||
+            (o.oracle_products == OracleProducts::kAuto && be.device() == Device::kCuda && built->bf16_products());
+        if (on_backend) {
+            if (auto ok = built->use_backend(be); !ok) return tl::unexpected(ok.error());
         }
+        oracle.emplace(std::move(*built));
     }
     SequenceOptions so;
     so.sampling = scenario_sampling();
@@ -1057,7 +1126,10 @@ Result<Reference> run_reference(const io::TensorStore &store, const Step35Config
                 line.reference = true;
                 line.stage = fmt::format("L{} {}", sc.layer, a.stage);
                 line.comparisons = {c.experts, c.combine};
-                line.note = fmt::format("oracle: {} pairs as host scalar products from the checkpoint", os->pairs);
+                line.note = oracle->on_backend()
+                                ? fmt::format("oracle: {} pairs, one at a time on the reference backend", os->pairs)
+                                : fmt::format("oracle: {} pairs as host scalar products from the checkpoint",
+                                              os->pairs);
                 emit(report, o, std::move(line));
                 rs.oracle = std::move(*os);
             }

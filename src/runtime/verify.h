@@ -32,6 +32,12 @@ using RankBackendFactory = std::function<Result<std::unique_ptr<Backend>>(int tp
 
 struct VerifyLine;
 
+// Where the per-expert oracle computes its products: on the host (scalar products in the reference's numerics,
+// code the backends do not share) or on the reference backend, one pair per call (the bits a backend must match
+// when its products are not the host's). kAuto: the backend for bf16 experts on the GPU (tensor cores), else the
+// host.
+enum class OracleProducts { kAuto, kBackend };
+
 struct VerifyOptions {
     std::vector<int> tp = {1, 2, 4, 8};  // native degrees, in this order (routed experts expert-parallel)
     int prefill_tokens = 40;             // prompt length (>= 2); longer than the sliding window by default
@@ -57,6 +63,7 @@ struct VerifyOptions {
     // the SPECULATION gate then also forces exactly 0 .. K accepted drafts per step. Null: the MTP layers' own
     // drafts only.
     DraftForcing *forcing = nullptr;
+    OracleProducts oracle_products = OracleProducts::kAuto;
 };
 
 enum class GateStatus { kPass, kFail, kSkip };

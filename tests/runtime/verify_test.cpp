@@ -292,6 +292,31 @@ TEST_F(VerifyTest, AGroupedProductOffTheOracleFails) {
     EXPECT_TRUE(report->any_fail());
 }
 
+// The oracle's products on the reference backend (what `verify --device cuda` does for bf16 experts, whose tensor-core
+// sums are not the host's): on the CPU the per-pair products equal the grouped rows, so every gate passes and the
+// reference line says where the oracle ran; a grouped product that depends on the rows beside it still fails.
+TEST_F(VerifyTest, TheOracleOnTheReferenceBackendHoldsTheGroupedRowsToPairsAlone) {
+    VerifyOptions o = short_options({1, 2});
+    o.oracle_products = OracleProducts::kBackend;
+    auto report = verify("bf16", o);
+    ASSERT_TRUE(report.has_value()) << report.error().message;
+    EXPECT_FALSE(report->any_fail());
+    EXPECT_EQ(gate(*report, "EXPERTS_GROUPED").status, GateStatus::kPass);
+    const auto noted = std::find_if(report->lines.begin(), report->lines.end(), [](const VerifyLine &l) {
+        return l.reference && l.note.find("one at a time on the reference backend") != std::string::npos;
+    });
+    EXPECT_NE(noted, report->lines.end());
+
+    o.tp = {1};
+    o.make_reference_backend = []() -> Result<std::unique_ptr<Backend>> {
+        return std::unique_ptr<Backend>(std::make_unique<FlippedGroupedBackend>(1, Numerics::kDevice));
+    };
+    auto flipped = verify("bf16", o);
+    ASSERT_TRUE(flipped.has_value()) << flipped.error().message;
+    EXPECT_GT(mismatches_of(*flipped, 1, "EXPERTS_GROUPED", true), 0);
+    EXPECT_EQ(gate(*flipped, "EXPERTS_GROUPED").status, GateStatus::kFail);
+}
+
 TEST_F(VerifyTest, ARankOpThatAllocatesFailsTheHotPathGate) {
     VerifyOptions o = short_options({2});
     o.make_rank_backend = [](int, int) -> Result<std::unique_ptr<Backend>> {
