@@ -733,7 +733,7 @@ public:
     bool bf16_products() const { return numerics_ == Numerics::kDevice && gate_.dtype == DType::kBF16; }
     // From now on the pairs' products run on `be` (the layer's banks uploaded to it), one pair per call.
     Result<void> use_backend(Backend &be) {
-        auto dev = BackendProducts::create(be, gate_, up_, down_, g_.n_experts, d_);
+        auto dev = BackendProducts::create(be, banks(), g_.n_experts, d_);
         if (!dev) return tl::unexpected(dev.error());
         dev_ = *dev;
         return {};
@@ -779,15 +779,16 @@ public:
             const int64_t row = s.row_of_pair[static_cast<size_t>(p)];
             for (int64_t j = 0; j < d_; ++j) x[static_cast<size_t>(j)] = std::bit_cast<float>(a[(p / s.k) * d_ + j]);
             if (dev_) dev_->select(e, g_.n_experts);
-            const auto product = [&](const OracleBank &b, BankId id, const float *in, float *out) {
+            const auto product = [&](int bank, const float *in, float *out) {  // 0 gate, 1 up, 2 down
+                const OracleBank &b = *banks()[bank];
                 if (dev_) {
-                    dev_->product(id, in, b.cols, out, b.rows);
+                    dev_->product(dev_->ids[bank], in, b.cols, out, b.rows);
                 } else {
                     oracle_product(b, numerics_, e, in, out);
                 }
             };
-            product(gate_, dev_ ? dev_->gate : BankId{}, x.data(), gv.data());
-            product(up_, dev_ ? dev_->up : BankId{}, x.data(), uv.data());
+            product(0, x.data(), gv.data());
+            product(1, x.data(), uv.data());
             for (int64_t j = 0; j < de; ++j) {
                 const auto i = static_cast<size_t>(j);
                 av[i] = oracle_swiglu(gv[i], uv[i], g_.clamp_routed);
@@ -795,7 +796,7 @@ public:
                 s.up[static_cast<size_t>(row * de + j)] = std::bit_cast<uint32_t>(uv[i]);
                 s.act[static_cast<size_t>(row * de + j)] = std::bit_cast<uint32_t>(av[i]);
             }
-            product(down_, dev_ ? dev_->down : BankId{}, av.data(), dv.data());
+            product(2, av.data(), dv.data());
             for (int64_t j = 0; j < d_; ++j) {
                 s.down[static_cast<size_t>(row * d_ + j)] = std::bit_cast<uint32_t>(dv[static_cast<size_t>(j)]);
             }
@@ -829,17 +830,15 @@ private:
     // matmul_grouped with offsets that give the pair's expert its one row.
     struct BackendProducts {
         Backend *be = nullptr;
-        BankId gate, up, down;
+        std::array<BankId, 3> ids;    // gate, up, down
         TensorView in, out, offsets;  // [1, max cols], [1, max rows] f32; [n_experts + 1] i32
 
-        static Result<BackendProducts> create(Backend &be, const OracleBank &g, const OracleBank &u,
-                                              const OracleBank &d, int64_t n_experts, int64_t d_model) {
+        static Result<BackendProducts> create(Backend &be, const std::array<const OracleBank *, 3> &banks,
+                                              int64_t n_experts, int64_t d_model) {
             BackendProducts p;
             p.be = &be;
             be.bind_thread();
-            BankId *ids[] = {&p.gate, &p.up, &p.down};
-            const OracleBank *banks[] = {&g, &u, &d};
-            for (int i = 0; i < 3; ++i) {
+            for (size_t i = 0; i < banks.size(); ++i) {
                 const OracleBank &b = *banks[i];
                 auto id = be.upload_bank(HostBank{.dtype = b.dtype,
                                                   .data = b.data,
@@ -850,9 +849,9 @@ private:
                                                   .block_rows = b.block_rows,
                                                   .block_cols = b.block_cols});
                 if (!id) return wrap_error("oracle: uploading an expert bank", id.error());
-                *ids[i] = *id;
+                p.ids[i] = *id;
             }
-            const int64_t width = std::max(d_model, g.rows);
+            const int64_t width = std::max(d_model, banks[0]->rows);  // d_expert: the gate's rows
             auto in = be.alloc(DType::kF32, {1, width});
             auto out = be.alloc(DType::kF32, {1, width});
             auto off = be.alloc(DType::kI32, {n_experts + 1});
@@ -879,6 +878,8 @@ private:
             be->copy_to_host(yv, y);
         }
     };
+
+    std::array<const OracleBank *, 3> banks() const { return {&gate_, &up_, &down_}; }
 
     LayerGeometry g_;
     int64_t d_ = 0;
