@@ -1,15 +1,16 @@
 // CUDA products (ops_matmul.h). Products with bf16 activations (BF16 weights) run on the tensor cores in the
-// GPU's canonical order (mma_bf16_kernel below), held to a measured tolerance against the CPU. Every other
-// product runs the CPU's K loop (backend/cpu/matmul.h) on CUDA cores, one 16-thread group per output element with
-// thread j as lane j, so every element is formed by exactly the CPU's sequence of fp32 operations: the exact loop
-// with IEEE operations and gradual underflow (the host's default mode), the e4m3 device loop with the FTZ/DAZ
-// operations written out below, which reproduce core/device_numerics.cpp bit for bit (this file is not built with
-// -ftz=true, and every operation is an explicit _rn intrinsic, so nothing is contracted or flushed behind our
-// back). E4m3 products whose rows suit 16-byte copies take the skinny kernel (a cp.async weight pipeline; the same
+// GPU's canonical order (stream_bf16_kernel for decode, mma_bf16_kernel beyond 8 tokens), held to a measured
+// tolerance against the CPU. Every other product runs the CPU's K loop (backend/cpu/matmul.h) on CUDA cores, one
+// 16-thread group per output element with thread j as lane j, so every element is formed by exactly the CPU's
+// sequence of fp32 operations: the exact loop with IEEE operations and gradual underflow (the host's default
+// mode), the e4m3 device loop with the FTZ/DAZ operations written out below, which reproduce
+// core/device_numerics.cpp bit for bit (this file is not built with -ftz=true, and every operation is an explicit
+// _rn intrinsic, so nothing is contracted or flushed behind our back). E4m3 products whose rows suit 16-byte copies take the skinny kernel (a cp.async weight pipeline; the same
 // chains on the hardware's FTZ operations, rerun exactly where a result is tiny), the rest product_kernel /
 // e4m3_product_kernel. The uploads are host code, in the header.
 #include "backend/cuda/ops_matmul.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cfloat>
 #include <cstdint>
@@ -144,10 +145,12 @@ struct ProductParams {
     int64_t row_tiles;
     int64_t items;
     int64_t rows_per_item = 16;
-    // mma_bf16_kernel: whether every 8-element group of a segment may be read as one 16-byte weight load and two
-    // 16-byte x loads (aligned rows and segment starts).
-    bool vec_w = false;
-    bool vec_x = false;
+    // The bf16 products: whether every 8-element group of a segment may be read as one 16-byte weight load and two
+    // 16-byte x loads (aligned rows and segment starts, whole groups).
+    bool vec = false;
+    // stream_bf16_kernel: tokens per block (B columns) and chunks per fold.
+    int64_t tile_tokens = 8;
+    int64_t phase_chunks = 8;
 };
 
 // Bytes per stored weight element.
@@ -342,10 +345,11 @@ __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p
 //  - canonical blocks: the block sums by the canonical tree ((b0+b1)+(b2+b3))+((b4+b5)+(b6+b7)).
 // An output's bits depend on its W row, its x row and K only (an MMA's rows and columns are independent, and
 // CUDA.md 7 measured that the column a token sits in does not change its bits), so tile shapes may follow the
-// token count. A block is kMmaWarps warps: kRT 16-row tiles by kKW warps splitting each tile's chunks
-// (chunk c to warp c % kKW); per round every warp computes one chunk into shared memory and the block folds
-// the round's partials in K order. Weights load straight into the A fragments a round ahead (8-token tiles:
-// their x too); x rows are read as f32 and rounded to bf16 (RNE) on the way in.
+// token count. Products of up to 8 tokens take stream_bf16_kernel (below); wider ones mma_bf16_kernel: a block
+// is kMmaWarps warps, kRT 16-row tiles by kKW warps splitting each tile's chunks (chunk c to warp c % kKW); per
+// round every warp computes one chunk into shared memory and the block folds the round's partials in K order.
+// Weights load straight into the A fragments a round ahead; x rows are read as f32 at the start of the round and
+// rounded to bf16 (RNE) on the way in.
 
 constexpr int kMmaChunk = 128;              // K per chunk partial
 constexpr int kMmaSpan = 32;                // K per pair of k16 steps
@@ -378,10 +382,11 @@ __device__ __forceinline__ float4 ld_nc_f4(const void *ptr) {
     return r;
 }
 
-// Held elements [i, i + 8) of a bf16 weight row, those at or past `end` as +0: one 16-byte load where `vec`
-// (16-byte aligned rows and segment starts) and the 8 are whole.
-__device__ __forceinline__ uint4 load_w8(const uint8_t *row, int64_t i, int64_t end, bool vec) {
-    if (vec && i + 8 <= end) return ld_nc_u4(row + i * 2);
+// Held elements [i, i + 8) of a bf16 weight row, those at or past `end` as +0; kVec: one 16-byte load (ProductParams
+// vec: the 8 are whole and aligned).
+template <bool kVec>
+__device__ __forceinline__ uint4 load_w8(const uint8_t *row, int64_t i, int64_t end) {
+    if constexpr (kVec) return ld_nc_u4(row + i * 2);
     const auto *h = reinterpret_cast<const uint16_t *>(row);
     uint32_t w[4];
 #pragma unroll
@@ -393,9 +398,10 @@ __device__ __forceinline__ uint4 load_w8(const uint8_t *row, int64_t i, int64_t 
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Elements [i, i + 8) of an f32 x row, those at or past `end` as +0.
-__device__ __forceinline__ void load_x8(const float *row, int64_t i, int64_t end, bool vec, float (&v)[8]) {
-    if (vec && i + 8 <= end) {
+// Elements [i, i + 8) of an f32 x row, those at or past `end` as +0; kVec: two 16-byte loads (as load_w8).
+template <bool kVec>
+__device__ __forceinline__ void load_x8(const float *row, int64_t i, int64_t end, float (&v)[8]) {
+    if constexpr (kVec) {
         const float4 a = ld_nc_f4(row + i);
         const float4 b = ld_nc_f4(row + i + 4);
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
@@ -449,6 +455,48 @@ __device__ bool grouped_run(const ProductParams &p, int64_t t0, int cols, int64_
     return true;
 }
 
+// A bf16 product block's tokens [t_lo, t_hi) of token tile blockIdx.y (cols wide) and their weight rows (grouped:
+// the tile's blockIdx.z-th run and its expert); false where the block has no tokens (every thread alike).
+template <Op kOp>
+__device__ __forceinline__ bool block_tokens(const ProductParams &p, int cols, int64_t *t_lo, int64_t *t_hi,
+                                             const uint8_t **wdata) {
+    const int64_t t0 = static_cast<int64_t>(blockIdx.y) * cols;
+    *t_lo = t0;
+    *t_hi = min_i64(t0 + cols, p.n_tokens);
+    *wdata = p.data;
+    if constexpr (kOp == Op::kGrouped) {
+        int64_t e = 0;
+        if (!grouped_run(p, t0, cols, &e, t_lo, t_hi)) return false;
+        *wdata += e * p.expert_elems * 2;
+    }
+    return true;
+}
+
+// The fold of a finished segment's sum `run` (segment seg of n_segs) into the output so far, `out`: canonical
+// blocks meet the pending sums of their left siblings (the canonical tree as a binary counter over the finished
+// blocks, level by level), the last one giving the output; a whole-K product's output is its one segment.
+template <Op kOp>
+__device__ __forceinline__ float fold_segment(float run, int seg, int n_segs, float (&level)[4], float out) {
+    if constexpr (kOp == Op::kCanonical) {
+        float carry = run;
+        bool pending = true;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            if (pending) {
+                if ((seg >> l) & 1) {
+                    carry = __fadd_rn(level[l], carry);
+                } else {
+                    level[l] = carry;
+                    pending = false;
+                }
+            }
+        }
+        return seg == n_segs - 1 ? carry : out;
+    } else {
+        return run;
+    }
+}
+
 template <int kNT, int kKW, Op kOp>
 __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams p) {
     constexpr int kRT = kMmaWarps / kKW;         // 16-row tiles per block
@@ -466,14 +514,10 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
     const int rt = warp / kKW;
     const int kw = warp % kKW;
     const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kCols;
-    int64_t t_lo = t0;
-    int64_t t_hi = min_i64(t0 + kCols, p.n_tokens);
-    const uint8_t *wdata = p.data;  // [rows, ld] bf16: the matrix, or the run's expert
-    if constexpr (kOp == Op::kGrouped) {
-        int64_t e = 0;
-        if (!grouped_run(p, t0, kCols, &e, &t_lo, &t_hi)) return;  // the whole block alike
-        wdata += e * p.expert_elems * 2;
-    }
+    int64_t t_lo = 0;
+    int64_t t_hi = 0;
+    const uint8_t *wdata = nullptr;  // [rows, ld] bf16: the matrix, or the run's expert
+    if (!block_tokens<kOp>(p, kCols, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
     const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
     const int n_segs = kOp == Op::kCanonical ? static_cast<int>(p.n_blocks) : 1;
     const int per_seg = static_cast<int>((seg_len + kMmaChunk - 1) / kMmaChunk);
@@ -492,8 +536,10 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
 #pragma unroll
         for (int s = 0; s < kMmaSpans; ++s) {
             const int64_t i = ch.begin - p.k_begin + s * kMmaSpan + 8 * q;
-            a[s][0] = has_a && c < n_chunks && i < end ? load_w8(wa, i, end, p.vec_w) : make_uint4(0, 0, 0, 0);
-            a[s][1] = has_b && c < n_chunks && i < end ? load_w8(wb, i, end, p.vec_w) : make_uint4(0, 0, 0, 0);
+            const bool in = has_a && c < n_chunks && i < end;
+            const bool in_b = has_b && c < n_chunks && i < end;
+            a[s][0] = in ? (p.vec ? load_w8<true>(wa, i, end) : load_w8<false>(wa, i, end)) : make_uint4(0, 0, 0, 0);
+            a[s][1] = in_b ? (p.vec ? load_w8<true>(wb, i, end) : load_w8<false>(wb, i, end)) : make_uint4(0, 0, 0, 0);
         }
     };
 
@@ -530,7 +576,11 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
             for (int s = 0; s < kMmaSpans; ++s) {
                 const int64_t i = ch.begin - p.k_begin + s * kMmaSpan + 8 * q;
                 if (live && i < end) {
-                    load_x8(row, i, end, p.vec_x, xr[j][s]);
+                    if (p.vec) {
+                        load_x8<true>(row, i, end, xr[j][s]);
+                    } else {
+                        load_x8<false>(row, i, end, xr[j][s]);
+                    }
                 } else {
 #pragma unroll
                     for (int e = 0; e < 8; ++e) xr[j][s][e] = 0.0f;
@@ -538,39 +588,24 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
             }
         }
     };
-    // One token tile's x is fetched a round ahead with the weights (8 tokens: 32 registers); wider tiles fetch
-    // theirs at the start of the round.
-    constexpr bool kAheadX = kNT == 1;
+    // The weights are fetched a round ahead; x at the start of the round.
     uint4 a_cur[kMmaSpans][2];
     uint4 a_next[kMmaSpans][2];
-    float x_next[kNT][kMmaSpans][8];
+    float x_now[kNT][kMmaSpans][8];
     load_a(kw, a_cur);
-    if constexpr (kAheadX) load_x(kw, x_next);
     for (int r = 0; r < rounds; ++r) {
         const int c = r * kKW + kw;
         const int buf = r & 1;
         uint4 xb[kNT][kMmaSpans];
-        if constexpr (kAheadX) {
-#pragma unroll
-            for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-                for (int s = 0; s < kMmaSpans; ++s) xb[j][s] = pack_x8(x_next[j][s]);
-            }
-        }
-        if (r + 1 < rounds) {
-            load_a(c + kKW, a_next);
-            if constexpr (kAheadX) load_x(c + kKW, x_next);
-        }
+        if (r + 1 < rounds) load_a(c + kKW, a_next);
         if (c < n_chunks) {
             const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c);
             const int spans = static_cast<int>((ch.end - ch.begin + kMmaSpan - 1) / kMmaSpan);
-            if constexpr (!kAheadX) {
-                load_x(c, x_next);
+            load_x(c, x_now);
 #pragma unroll
-                for (int j = 0; j < kNT; ++j) {
+            for (int j = 0; j < kNT; ++j) {
 #pragma unroll
-                    for (int s = 0; s < kMmaSpans; ++s) xb[j][s] = pack_x8(x_next[j][s]);
-                }
+                for (int s = 0; s < kMmaSpans; ++s) xb[j][s] = pack_x8(x_now[j][s]);
             }
             float acc[kNT][4];
 #pragma unroll
@@ -606,28 +641,7 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
                 const int j = cc - seg * per_seg;
                 const float v = s_part[buf][o_rt * kKW + w][within];
                 run[i] = __fadd_rn(j == 0 ? 0.0f : run[i], v);
-                if (j == per_seg - 1) {  // the segment is whole
-                    if constexpr (kOp == Op::kCanonical) {
-                        // The canonical tree as a binary counter over the finished blocks: block `seg` meets the
-                        // pending sums of its left siblings, level by level.
-                        float carry = run[i];
-                        bool pending = true;
-#pragma unroll
-                        for (int l = 0; l < 4; ++l) {
-                            if (pending) {
-                                if ((seg >> l) & 1) {
-                                    carry = __fadd_rn(level[i][l], carry);
-                                } else {
-                                    level[i][l] = carry;
-                                    pending = false;
-                                }
-                            }
-                        }
-                        if (seg == n_segs - 1) out[i] = carry;
-                    } else {
-                        out[i] = run[i];
-                    }
-                }
+                if (j == per_seg - 1) out[i] = fold_segment<kOp>(run[i], seg, n_segs, level[i], out[i]);
             }
         });
 #pragma unroll
@@ -641,6 +655,235 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
         const int64_t n = (static_cast<int64_t>(blockIdx.x) * kRT + o_rt) * 16 + within % 16;
         if (t >= t_lo && t < t_hi && n < p.rows) p.y[t * p.y_ld + n] = out[i];
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Products of up to 8 tokens (decode) stream the weights at the HBM limit in the same canonical order: a
+// persistent block stages its tokens' x once, as bf16, in shared memory (padded per segment to whole chunks, the
+// padding +0), then walks 16-row tiles. kw warps split a tile's chunks (chunk c to warp c % kw), each warp
+// keeping kDepth chunks of weights in flight in registers, across tiles, and writing each chunk partial to shared
+// memory; the block folds them in K order (and the canonical tree) exactly as mma_bf16_kernel does, a phase of
+// chunks at a time (all of a tile's chunks where their partials fit). The B operand's column of a token is its
+// place among the block's tokens (bits do not depend on it, CUDA.md 7).
+
+constexpr int kStreamDepth = 2;      // chunks of weights a warp has in flight
+constexpr int kStreamPadElems = 32;  // bf16 pad per staged x row: 64 bytes, conflict-free B fragment loads
+constexpr int kStreamStage = 4;      // 8-element x groups a thread loads at once while staging
+
+// Warps per row tile for a product of n_chunks chunks per tile: the largest power of two up to 8 that has a
+// chunk for every warp.
+__host__ __device__ constexpr int stream_tile_warps(int n_chunks) {
+    return n_chunks >= 8 ? 8 : n_chunks >= 4 ? 4 : n_chunks >= 2 ? 2 : 1;
+}
+
+// The staged layout of a product: its chunks and the bf16 elements per staged token row (segments padded to
+// whole chunks, then kStreamPadElems).
+struct StreamShape {
+    int64_t seg_len;
+    int n_segs;
+    int per_seg;
+    int n_chunks;
+    int tile_warps;
+    int tiles;  // row tiles a block works on at once
+    int64_t x_stride;
+};
+__host__ __device__ inline StreamShape stream_shape(const ProductParams &p, bool canonical) {
+    StreamShape s;
+    s.seg_len = canonical ? p.block_size : p.k1 - p.k0;
+    s.n_segs = canonical ? static_cast<int>(p.n_blocks) : 1;
+    s.per_seg = static_cast<int>((s.seg_len + kMmaChunk - 1) / kMmaChunk);
+    s.n_chunks = s.n_segs * s.per_seg;
+    s.tile_warps = stream_tile_warps(s.n_chunks);
+    s.tiles = kMmaWarps / s.tile_warps;
+    s.x_stride = static_cast<int64_t>(s.n_chunks) * kMmaChunk + kStreamPadElems;
+    return s;
+}
+
+// Dynamic shared memory of stream_bf16_kernel: `tokens` staged x rows and a phase's chunk partials
+// ([phase][tiles][tokens][16] f32).
+__host__ __device__ inline int64_t stream_smem_bytes(const StreamShape &s, int64_t tokens, int64_t phase) {
+    return tokens * s.x_stride * 2 + phase * s.tiles * tokens * 16 * 4;
+}
+
+// mma_chunk for a stream_bf16_kernel product: a whole-K product has one segment.
+template <Op kOp>
+__device__ __forceinline__ MmaChunk stream_chunk(const ProductParams &p, const StreamShape &sh, int c) {
+    if constexpr (kOp == Op::kCanonical) return mma_chunk(p, sh.seg_len, sh.per_seg, c);
+    MmaChunk ch;
+    ch.seg = 0;
+    ch.j = c;
+    ch.begin = p.k0 + static_cast<int64_t>(c) * kMmaChunk;
+    ch.end = min_i64(ch.begin + kMmaChunk, p.k1);
+    return ch;
+}
+
+template <Op kOp, bool kVec>
+__global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductParams p) {
+    constexpr int kDepth = kStreamDepth;
+    extern __shared__ __align__(16) uint8_t stream_smem[];
+    const StreamShape sh = stream_shape(p, kOp == Op::kCanonical);
+    const int tokens = static_cast<int>(p.tile_tokens);  // B columns of a block
+    const int phase = static_cast<int>(p.phase_chunks);  // chunks per fold, a multiple of tile_warps
+    auto *s_x = reinterpret_cast<uint16_t *>(stream_smem);                             // [tokens][x_stride]
+    auto *s_part = reinterpret_cast<float *>(stream_smem + tokens * sh.x_stride * 2);  // [phase][tile][token][16]
+
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int g = lane / 4;
+    const int q = lane % 4;
+    const int rt = warp / sh.tile_warps;
+    const int kw = warp % sh.tile_warps;
+
+    int64_t t_lo = 0;
+    int64_t t_hi = 0;
+    const uint8_t *wdata = nullptr;  // [rows, ld] bf16: the matrix, or the run's expert
+    if (!block_tokens<kOp>(p, tokens, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
+    const int live = static_cast<int>(t_hi - t_lo);
+
+    // Tile group i of the block covers row tiles (blockIdx.x + i gridDim.x) tiles + 0 .. tiles - 1; per group
+    // this warp takes its m chunks kw + tile_warps j, j < m, in order.
+    const int64_t row_tiles = (p.rows + 15) / 16;
+    const int64_t n_groups = (row_tiles + sh.tiles - 1) / sh.tiles;
+    const int64_t my_groups = blockIdx.x < n_groups ? (n_groups - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const int m = (sh.n_chunks - kw + sh.tile_warps - 1) / sh.tile_warps;
+    const int64_t group_rows = static_cast<int64_t>(gridDim.x) * sh.tiles * 16;  // rows between groups
+
+    // The weight loads run kDepth steps ahead: step (li, lj) is chunk kw + tile_warps lj of group li.
+    int64_t li = 0;
+    int lj = 0;
+    const auto load_next = [&](uint4 (&a)[kMmaSpans][2]) {
+        const bool any = li < my_groups;
+        const MmaChunk ch = stream_chunk<kOp>(p, sh, any ? kw + sh.tile_warps * lj : 0);
+        const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * sh.tiles + rt) * 16 + li * group_rows;
+        const bool has_a = any && row0 + g < p.rows;
+        const bool has_b = any && row0 + g + 8 < p.rows;
+        const uint8_t *wa = wdata + (has_a ? row0 + g : 0) * p.ld * 2;
+        const uint8_t *wb = wdata + (has_b ? row0 + g + 8 : 0) * p.ld * 2;
+        const int64_t end = ch.end - p.k_begin;
+#pragma unroll
+        for (int s = 0; s < kMmaSpans; ++s) {
+            // (vec: an 8-element group is in the chunk or past it)
+            const int64_t i = ch.begin - p.k_begin + s * kMmaSpan + 8 * q;
+            a[s][0] = has_a && i < end ? load_w8<kVec>(wa, i, end) : make_uint4(0, 0, 0, 0);
+            a[s][1] = has_b && i < end ? load_w8<kVec>(wb, i, end) : make_uint4(0, 0, 0, 0);
+        }
+        if (++lj == m) {
+            lj = 0;
+            ++li;
+        }
+    };
+    uint4 a[kDepth][kMmaSpans][2];
+    load_next(a[0]);  // the rest after staging, whose loads share the registers
+
+    // Stage x: token row t_lo + r as bf16 (RNE), segment by segment, each padded to whole chunks with +0;
+    // kStreamStage groups of 8 per thread in flight.
+    {
+        const int64_t seg_groups = static_cast<int64_t>(sh.per_seg) * (kMmaChunk / 8);
+        const int64_t row_groups = sh.n_segs * seg_groups;
+        const int64_t groups = live * row_groups;
+        for (int64_t v0 = threadIdx.x; v0 < groups; v0 += kThreads * kStreamStage) {
+            float xv[kStreamStage][8];
+#pragma unroll
+            for (int st = 0; st < kStreamStage; ++st) {
+                const int64_t v = v0 + st * kThreads;
+                const int64_t r = v / row_groups;
+                const int64_t seg = (v - r * row_groups) / seg_groups;
+                const int64_t off = (v - r * row_groups - seg * seg_groups) * 8;  // within the padded segment
+                const int64_t s0 = p.k0 + seg * sh.seg_len - p.k_begin;
+                if (v < groups && off < sh.seg_len) {
+                    load_x8<kVec>(p.x + (t_lo + r) * p.x_ld, s0 + off, s0 + min_i64(off + 8, sh.seg_len), xv[st]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) xv[st][e] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int st = 0; st < kStreamStage; ++st) {
+                const int64_t v = v0 + st * kThreads;
+                if (v >= groups) break;
+                const int64_t r = v / row_groups;
+                *reinterpret_cast<uint4 *>(s_x + r * sh.x_stride + (v - r * row_groups) * 8) = pack_x8(xv[st]);
+            }
+        }
+    }
+#pragma unroll
+    for (int d = 1; d < kDepth; ++d) load_next(a[d]);
+    __syncthreads();
+
+    // This thread's fold state across the phases of a tile (several phases only when the tile's partials do
+    // not fit: then a block has one row tile and at most 8 x 16 outputs, one per thread).
+    float run = 0.0f;
+    float level[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float out = 0.0f;
+    const int outs = sh.tiles * tokens * 16;
+    const int n_phases = (sh.n_chunks + phase - 1) / phase;
+    const int per_phase = phase / sh.tile_warps;  // a warp's steps per full phase
+
+    const uint16_t *xg = s_x + g * sh.x_stride + 8 * q;  // this thread's B column (token t_lo + g)
+    const auto step = [&](int c, int c0, uint4 (&ac)[kMmaSpans][2]) {
+        const MmaChunk ch = stream_chunk<kOp>(p, sh, c);
+        const int spans = static_cast<int>((ch.end - ch.begin + kMmaSpan - 1) / kMmaSpan);
+        const uint16_t *xc = xg + static_cast<int64_t>(c) * kMmaChunk;  // chunks are staged in order
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < kMmaSpans; ++s) {
+            if (s < spans) {
+                const uint4 xb =
+                    g < live ? *reinterpret_cast<const uint4 *>(xc + s * kMmaSpan) : make_uint4(0, 0, 0, 0);
+                mma_bf16(acc, ac[s][0].x, ac[s][1].x, ac[s][0].y, ac[s][1].y, xb.x, xb.y);
+                mma_bf16(acc, ac[s][0].z, ac[s][1].z, ac[s][0].w, ac[s][1].w, xb.z, xb.w);
+            }
+        }
+        float *part = s_part + ((c - c0) * sh.tiles + rt) * tokens * 16;
+        const int col = 2 * q;
+        if (col < live) {
+            part[col * 16 + g] = acc[0];
+            part[col * 16 + g + 8] = acc[2];
+        }
+        if (col + 1 < live) {
+            part[(col + 1) * 16 + g] = acc[1];
+            part[(col + 1) * 16 + g + 8] = acc[3];
+        }
+        load_next(ac);  // (issued before the steps, the loads would wait on the registers they read)
+    };
+
+    int u = 0;  // steps taken, mod kDepth: the buffer of the next one
+    for (int64_t i = 0; i < my_groups; ++i) {
+        const int64_t row_base = (static_cast<int64_t>(blockIdx.x) * sh.tiles) * 16 + i * group_rows;
+        for (int ph = 0; ph < n_phases; ++ph) {
+            const int c0 = ph * phase;
+            const int j_end = min(m, (ph + 1) * per_phase);
+            for (int j = ph * per_phase; j < j_end; ++j) {
+#pragma unroll
+                for (int d = 0; d < kDepth; ++d) {
+                    if (u == d) step(kw + sh.tile_warps * j, c0, a[d]);
+                }
+                u = u + 1 == kDepth ? 0 : u + 1;
+            }
+            __syncthreads();  // the phase's partials are whole
+            const int c1 = min(sh.n_chunks, c0 + phase);
+            for (int o = static_cast<int>(threadIdx.x); o < outs; o += kThreads) {
+                const int o_rt = o / (tokens * 16);
+                const int col = (o / 16) % tokens;
+                const int r = o % 16;
+                const int64_t n = row_base + o_rt * 16 + r;
+                if (col >= live || n >= p.rows) continue;
+                if (c0 == 0) {
+                    run = out = 0.0f;
+                    level[0] = level[1] = level[2] = level[3] = 0.0f;
+                }
+                for (int c = c0; c < c1; ++c) {
+                    const int seg = c / sh.per_seg;
+                    const int j = c - seg * sh.per_seg;
+                    const float v = s_part[(((c - c0) * sh.tiles + o_rt) * tokens + col) * 16 + r];
+                    run = __fadd_rn(j == 0 ? 0.0f : run, v);
+                    if (j == sh.per_seg - 1) out = fold_segment<kOp>(run, seg, sh.n_segs, level, out);
+                }
+                if (c1 == sh.n_chunks) p.y[(t_lo + col) * p.y_ld + n] = out;
+            }
+            __syncthreads();  // the partials were read before the next phase writes them
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1083,18 +1326,85 @@ cudaError_t launch_mma_tokens(const ProductParams &p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// A bf16 product on the tensor cores. Tile shapes follow the token count (never an output's bits): up to 8
-// tokens, 16-row tiles with 8 warps over K (small products still fill the GPU); up to 16, two tiles of 4; more,
-// 32-token tiles.
+// What stream_bf16_kernel may use on the current device (read once per device): its SMs and the shared memory
+// a block may opt in to.
+struct StreamDevice {
+    int64_t sms = 0;
+    int64_t block_smem = 0;
+    int64_t sm_smem = 0;
+};
+constexpr int64_t kSmemReserve = 1024;  // shared memory the runtime keeps per block
+cudaError_t stream_device(StreamDevice *d) {
+    constexpr int kFields = 3;
+    static std::atomic<int64_t> cache[64][kFields];  // per device, as StreamDevice (0: not read yet)
+    int device = 0;
+    if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+    if (device < 64 && cache[device][0].load() != 0) {
+        *d = {cache[device][0].load(), cache[device][1].load(), cache[device][2].load()};
+        return cudaSuccess;
+    }
+    const cudaDeviceAttr attrs[kFields] = {cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                           cudaDevAttrMaxSharedMemoryPerMultiprocessor};
+    int v[kFields] = {};
+    for (int i = 0; i < kFields; ++i) {
+        if (cudaError_t e = cudaDeviceGetAttribute(&v[i], attrs[i], device); e != cudaSuccess) return e;
+    }
+    *d = {v[0], v[1], v[2]};
+    if (device < 64) {
+        for (int i = kFields - 1; i >= 0; --i) cache[device][i].store(v[i]);  // field 0 last: the "read" mark
+    }
+    return cudaSuccess;
+}
+
+// Launches stream_bf16_kernel (up to 8 tokens) with as many tokens per block as its shared memory holds beside a
+// phase of tile_warps chunks, then phases as long as fit (a tile's chunks at most), in a grid of persistent
+// blocks that fills the SMs once; cudaErrorNotSupported where not even one token's x fits.
+template <Op kOp>
+cudaError_t launch_stream(ProductParams p, cudaStream_t stream) {
+    const auto kernel = p.vec ? stream_bf16_kernel<kOp, true> : stream_bf16_kernel<kOp, false>;
+    StreamDevice dev;
+    if (cudaError_t e = stream_device(&dev); e != cudaSuccess) return e;
+    const StreamShape sh = stream_shape(p, kOp == Op::kCanonical);
+    int64_t tokens = p.n_tokens;
+    while (tokens > 0 && stream_smem_bytes(sh, tokens, sh.tile_warps) > dev.block_smem) --tokens;
+    if (tokens == 0) return cudaErrorNotSupported;
+    const int64_t all = ceil_div(sh.n_chunks, sh.tile_warps) * sh.tile_warps;
+    int64_t phase = sh.tile_warps;
+    while (phase < all && stream_smem_bytes(sh, tokens, phase + sh.tile_warps) <= dev.block_smem) {
+        phase += sh.tile_warps;
+    }
+    const int64_t smem = stream_smem_bytes(sh, tokens, phase);
+    static std::atomic<uint64_t> raised[2] = {0, 0};
+    if (cudaError_t e = raise_smem_limit(kernel, static_cast<size_t>(dev.block_smem), raised[p.vec]);
+        e != cudaSuccess) {
+        return e;
+    }
+    // Blocks per SM: two (__launch_bounds__) where the shared memory allows.
+    const int64_t per_sm = 2 * (smem + kSmemReserve) <= dev.sm_smem ? 2 : 1;
+    p.tile_tokens = tokens;
+    p.phase_chunks = phase;
+    const int64_t token_tiles = ceil_div(p.n_tokens, tokens);
+    const int64_t runs = kOp == Op::kGrouped ? tokens : 1;
+    const int64_t groups = ceil_div(ceil_div(p.rows, 16), sh.tiles);
+    const int64_t gx = std::clamp<int64_t>(ceil_div(dev.sms * per_sm, token_tiles * runs), 1, groups);
+    const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(token_tiles), static_cast<unsigned>(runs));
+    kernel<<<grid, kThreads, static_cast<size_t>(smem), stream>>>(p);
+    return cudaGetLastError();
+}
+
+// A bf16 product on the tensor cores. Kernels and tile shapes follow the token count (never an output's bits): up
+// to 8 tokens, stream_bf16_kernel (where one token's x fits a block's shared memory); up to 16, mma_bf16_kernel's
+// two tiles of 4 warps; more, its 32-token tiles.
 template <Op kOp>
 cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
     const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
     const int64_t seg0 = p.k0 - p.k_begin;
-    p.vec_w = reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.ld % 8 == 0 && seg0 % 8 == 0 && seg_len % 8 == 0 &&
-              p.expert_elems % 8 == 0;
-    p.vec_x = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_ld % 4 == 0 && seg0 % 4 == 0 && seg_len % 4 == 0;
+    p.vec = reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.ld % 8 == 0 && seg0 % 8 == 0 && seg_len % 8 == 0 &&
+            p.expert_elems % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_ld % 4 == 0;
     if (ceil_div(p.n_tokens, 8) > 65535 || ceil_div(p.rows, 16) > INT32_MAX) return cudaErrorInvalidValue;
-    if (p.n_tokens <= 8) return launch_mma_tokens<1, 8, kOp>(p, stream);
+    if (p.n_tokens <= 8) {
+        if (const cudaError_t e = launch_stream<kOp>(p, stream); e != cudaErrorNotSupported) return e;
+    }
     if (p.n_tokens <= 16) return launch_mma_tokens<2, 4, kOp>(p, stream);
     return launch_mma_tokens<4, 4, kOp>(p, stream);
 }
