@@ -784,40 +784,43 @@ TEST(CudaMatmulBatch, RowBitsDoNotDependOnTheBatch) {
     }
 }
 
-// The decode products' shapes that take the other paths of their kernel (ops_matmul.cu stream_bf16_kernel): many
-// row tiles per block (4500 rows), and x too long for one block's shared memory (K 14336: 8 tokens take two
-// token tiles, the partials several phases). 8 tokens against each alone, bit for bit; the grouped rows against
-// the matrix's (the same weights as expert 0); and the CPU within the tensor-core bound.
-TEST(CudaMatmulBatch, DecodeShapesKeepTheirBitsAcrossTilesAndPhases) {
+// The shapes that take the other paths of the decode and prefill kernels (ops_matmul.cu stream_bf16_kernel,
+// tile_bf16_kernel): many row tiles (4500 rows: several per stream block), and x too long for one block's shared
+// memory (K 14336: 8 tokens take two token tiles, the partials several phases), at 8 tokens (decode) and 40
+// (tiled). Each token against the token alone, bit for bit; the grouped rows against the matrix's (the same
+// weights as expert 0); and the CPU within the tensor-core bound.
+TEST(CudaMatmulBatch, DecodeAndTiledShapesKeepTheirBits) {
     MEMRA_SKIP_WITHOUT_GPU();
-    constexpr int64_t kTokens = 8;
     for (const auto &[rows, cols] : {std::pair<int64_t, int64_t>{4500, 256}, {40, 14336}}) {
         const Weights w = make_weights(DType::kBF16, 1, rows, cols, 91);
-        const Floats x = activations(kTokens, cols, 92);
-        const auto row_of = [&](int64_t t) { return Floats(x.begin() + t * cols, x.begin() + (t + 1) * cols); };
         GpuMatrix gm;
         ASSERT_NO_FATAL_FAILURE(gpu_upload(w.matrix(), MatrixWindow::whole(w.matrix()), &gm));
         GpuBank gb;
         ASSERT_NO_FATAL_FAILURE(gpu_upload(w.bank(), BankWindow::whole(w.bank()), &gb));
-        for (const Product kind : {Product::kMatmul, Product::kCanonical}) {
-            const std::string what = describe(w, kTokens) + (kind == Product::kCanonical ? " canonical" : "");
-            Floats all;
-            ASSERT_NO_FATAL_FAILURE(gpu_product(gm.w, kind, x, kTokens, &all));
-            for (int64_t t = 0; t < kTokens; ++t) {
-                Floats one;
-                ASSERT_NO_FATAL_FAILURE(gpu_product(gm.w, kind, row_of(t), 1, &one));
-                EXPECT_SAME_BITS(Floats(all.begin() + t * rows, all.begin() + (t + 1) * rows), one,
-                                 what + " token " + std::to_string(t) + " vs alone");
-            }
-            Floats want;
-            ASSERT_NO_FATAL_FAILURE(cpu_product(w.matrix(), MatrixWindow::whole(w.matrix()), kind, x, kTokens, &want));
-            EXPECT_CLOSE_TO_CPU(all, want, window_bounds(w, MatrixWindow::whole(w.matrix()), x, kTokens),
-                                what + " vs the CPU");
-            if (kind == Product::kMatmul) {
-                Floats grouped;
-                ASSERT_NO_FATAL_FAILURE(gpu_grouped(gb.w, {0, static_cast<int32_t>(kTokens)}, x, kTokens,
-                                                    Floats(sz(kTokens * rows), 0.0f), &grouped));
-                EXPECT_SAME_BITS(grouped, all, what + " grouped vs the matrix");
+        for (const int64_t tokens : {int64_t{8}, int64_t{40}}) {
+            const Floats x = activations(tokens, cols, 92);
+            const auto row_of = [&](int64_t t) { return Floats(x.begin() + t * cols, x.begin() + (t + 1) * cols); };
+            for (const Product kind : {Product::kMatmul, Product::kCanonical}) {
+                const std::string what = describe(w, tokens) + (kind == Product::kCanonical ? " canonical" : "");
+                Floats all;
+                ASSERT_NO_FATAL_FAILURE(gpu_product(gm.w, kind, x, tokens, &all));
+                for (int64_t t = 0; t < tokens; ++t) {
+                    Floats one;
+                    ASSERT_NO_FATAL_FAILURE(gpu_product(gm.w, kind, row_of(t), 1, &one));
+                    EXPECT_SAME_BITS(Floats(all.begin() + t * rows, all.begin() + (t + 1) * rows), one,
+                                     what + " token " + std::to_string(t) + " vs alone");
+                }
+                Floats want;
+                ASSERT_NO_FATAL_FAILURE(
+                    cpu_product(w.matrix(), MatrixWindow::whole(w.matrix()), kind, x, tokens, &want));
+                EXPECT_CLOSE_TO_CPU(all, want, window_bounds(w, MatrixWindow::whole(w.matrix()), x, tokens),
+                                    what + " vs the CPU");
+                if (kind == Product::kMatmul) {
+                    Floats grouped;
+                    ASSERT_NO_FATAL_FAILURE(gpu_grouped(gb.w, {0, static_cast<int32_t>(tokens)}, x, tokens,
+                                                        Floats(sz(tokens * rows), 0.0f), &grouped));
+                    EXPECT_SAME_BITS(grouped, all, what + " grouped vs the matrix");
+                }
             }
         }
     }

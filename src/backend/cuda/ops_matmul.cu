@@ -1,6 +1,6 @@
 // CUDA products (ops_matmul.h). Products with bf16 activations (BF16 weights) run on the tensor cores in the
-// GPU's canonical order (stream_bf16_kernel for decode, mma_bf16_kernel beyond 8 tokens), held to a measured
-// tolerance against the CPU. Every other product runs the CPU's K loop (backend/cpu/matmul.h) on CUDA cores, one
+// GPU's canonical order (stream_bf16_kernel for decode, mma_bf16_kernel to 32 tokens, tile_bf16_kernel beyond),
+// held to a measured tolerance against the CPU. Every other product runs the CPU's K loop (backend/cpu/matmul.h) on CUDA cores, one
 // 16-thread group per output element with thread j as lane j, so every element is formed by exactly the CPU's
 // sequence of fp32 operations: the exact loop with IEEE operations and gradual underflow (the host's default
 // mode), the e4m3 device loop with the FTZ/DAZ operations written out below, which reproduce
@@ -345,11 +345,11 @@ __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p
 //  - canonical blocks: the block sums by the canonical tree ((b0+b1)+(b2+b3))+((b4+b5)+(b6+b7)).
 // An output's bits depend on its W row, its x row and K only (an MMA's rows and columns are independent, and
 // CUDA.md 7 measured that the column a token sits in does not change its bits), so tile shapes may follow the
-// token count. Products of up to 8 tokens take stream_bf16_kernel (below); wider ones mma_bf16_kernel: a block
-// is kMmaWarps warps, kRT 16-row tiles by kKW warps splitting each tile's chunks (chunk c to warp c % kKW); per
-// round every warp computes one chunk into shared memory and the block folds the round's partials in K order.
-// Weights load straight into the A fragments a round ahead; x rows are read as f32 at the start of the round and
-// rounded to bf16 (RNE) on the way in.
+// token count. Products of up to 8 tokens take stream_bf16_kernel (below), of more than 32 tile_bf16_kernel
+// (below), the rest mma_bf16_kernel: a block is kMmaWarps warps, kRT 16-row tiles by kKW warps splitting each
+// tile's chunks (chunk c to warp c % kKW); per round every warp computes one chunk into shared memory and the
+// block folds the round's partials in K order. Weights load straight into the A fragments a round ahead; x rows
+// are read as f32 at the start of the round and rounded to bf16 (RNE) on the way in.
 
 constexpr int kMmaChunk = 128;              // K per chunk partial
 constexpr int kMmaSpan = 32;                // K per pair of k16 steps
@@ -1251,6 +1251,170 @@ __global__ void __launch_bounds__(kThreads) skinny_e4m3_kernel(const ProductPara
 }
 
 // ---------------------------------------------------------------------------------------------
+// Products of more than 32 tokens (prefill, wide decode batches): a tiled GEMM in the same canonical order. A
+// block takes kTileRows weight rows by kT tokens and walks K a chunk at a time, the chunk's weights (cp.async)
+// and x (f32 rounded to bf16) staged in one of two shared-memory stages while the previous chunk computes; warp
+// (wr, wt) computes rows 16 wr .. 16 wr + 15 against kT / 2 tokens, each output's chunk chain on its own
+// accumulators, then adds it to the output's running sum in K order (and the canonical tree) in registers.
+
+constexpr int kTileRows = 64;
+constexpr int kTileStride = kMmaChunk + 32;  // bf16 per staged row: 320 bytes, conflict-free fragment loads
+
+// Shared memory of tile_bf16_kernel: two stages of kTileRows weight rows and kT x rows.
+constexpr int64_t tile_smem_bytes(int tokens) { return int64_t{2} * (kTileRows + tokens) * kTileStride * 2; }
+
+// cp.async of 16 bytes, of which the first src_bytes (0 or 16) come from gmem and the rest are zero.
+__device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, int src_bytes) {
+    const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+
+template <Op kOp, int kT>
+__global__ void __launch_bounds__(kThreads, 2) tile_bf16_kernel(const ProductParams p) {
+    constexpr int kNB = kT / 16;                      // 8-token fragments per warp
+    constexpr int kXGroups = kT * kMmaChunk / 4;      // float4 groups of a chunk's x
+    constexpr int kXPerThread = kXGroups / kThreads;
+    static_assert(kMmaWarps == 8 && kTileRows == 64 && kXGroups % kThreads == 0);
+    extern __shared__ __align__(16) uint8_t tile_smem[];
+    auto *s_w = reinterpret_cast<uint16_t *>(tile_smem);  // [2][kTileRows][kTileStride]
+    uint16_t *s_x = s_w + 2 * kTileRows * kTileStride;    // [2][kT][kTileStride]
+
+    const int tid = static_cast<int>(threadIdx.x);
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int g = lane / 4;
+    const int q = lane % 4;
+    const int wr = warp % 4;
+    const int wt = warp / 4;
+    int64_t t_lo = 0;
+    int64_t t_hi = 0;
+    const uint8_t *wdata = nullptr;  // [rows, ld] bf16: the matrix, or the run's expert
+    if (!block_tokens<kOp>(p, kT, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
+    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
+    const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
+    const int n_segs = kOp == Op::kCanonical ? static_cast<int>(p.n_blocks) : 1;
+    const int per_seg = static_cast<int>((seg_len + kMmaChunk - 1) / kMmaChunk);
+    const int n_chunks = n_segs * per_seg;
+
+    // Chunk c's weights into stage b: 16 pieces of 8 elements per row, +0 past the rows and the chunk.
+    const auto stage_w = [&](int c, int b) {
+        const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c);
+        const int64_t end = ch.end - p.k_begin;
+        for (int v = tid; v < kTileRows * (kMmaChunk / 8); v += kThreads) {
+            const int r = v / (kMmaChunk / 8);
+            const int piece = v % (kMmaChunk / 8);
+            const int64_t n = row0 + r;
+            const int64_t i = ch.begin - p.k_begin + piece * 8;
+            const bool in = n < p.rows && i < end;
+            uint16_t *dst = s_w + (b * kTileRows + r) * kTileStride + piece * 8;
+            const uint8_t *row = wdata + (in ? n : 0) * p.ld * 2;
+            if (p.vec) {
+                cp_async16_zfill(dst, row + (in ? i : 0) * 2, in ? 16 : 0);
+            } else {
+                *reinterpret_cast<uint4 *>(dst) = in ? load_w8<false>(row, i, end) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        cp_async_commit();
+    };
+    // Chunk c's x for this thread's groups (token v / 32, elements 4 (v % 32) ..), +0 past the tokens and chunk.
+    const auto load_x = [&](int c, float4 (&xr)[kXPerThread]) {
+        const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c);
+        const int64_t end = ch.end - p.k_begin;
+#pragma unroll
+        for (int u = 0; u < kXPerThread; ++u) {
+            const int v = tid + u * kThreads;
+            const int64_t t = t_lo + v / (kMmaChunk / 4);
+            const int64_t i = ch.begin - p.k_begin + (v % (kMmaChunk / 4)) * 4;
+            const float *row = p.x + (t < t_hi ? t : 0) * p.x_ld;
+            if (t < t_hi && i < end && p.vec) {
+                xr[u] = ld_nc_f4(row + i);
+            } else {
+                float e[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) e[j] = t < t_hi && i + j < end ? row[i + j] : 0.0f;
+                xr[u] = make_float4(e[0], e[1], e[2], e[3]);
+            }
+        }
+    };
+    const auto store_x = [&](int b, const float4 (&xr)[kXPerThread]) {
+#pragma unroll
+        for (int u = 0; u < kXPerThread; ++u) {
+            const int v = tid + u * kThreads;
+            uint16_t *dst = s_x + (b * kT + v / (kMmaChunk / 4)) * kTileStride + (v % (kMmaChunk / 4)) * 4;
+            *reinterpret_cast<uint2 *>(dst) = make_uint2(pack_bf16(xr[u].x, xr[u].y), pack_bf16(xr[u].z, xr[u].w));
+        }
+    };
+
+    float run[kNB][4];
+    float out[kNB][4];
+    float level[kNB][4][4];
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            run[j][e] = out[j][e] = 0.0f;
+            level[j][e][0] = level[j][e][1] = level[j][e][2] = level[j][e][3] = 0.0f;
+        }
+    }
+    float4 xr[kXPerThread];
+    stage_w(0, 0);
+    load_x(0, xr);
+    store_x(0, xr);
+    for (int c = 0; c < n_chunks; ++c) {
+        const int b = c & 1;
+        cp_async_wait_all();
+        __syncthreads();  // stage b is whole; stage b ^ 1 was read by every warp
+        if (c + 1 < n_chunks) {
+            stage_w(c + 1, b ^ 1);
+            load_x(c + 1, xr);
+        }
+        const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c);
+        const int spans = static_cast<int>((ch.end - ch.begin + kMmaSpan - 1) / kMmaSpan);
+        const uint16_t *wa = s_w + (b * kTileRows + 16 * wr + g) * kTileStride + 8 * q;
+        const uint16_t *xb0 = s_x + (b * kT + wt * (kT / 2) + g) * kTileStride + 8 * q;
+        float acc[kNB][4];
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < kMmaSpans; ++s) {
+            if (s < spans) {
+                const uint4 a0 = *reinterpret_cast<const uint4 *>(wa + s * kMmaSpan);
+                const uint4 a1 = *reinterpret_cast<const uint4 *>(wa + 8 * kTileStride + s * kMmaSpan);
+#pragma unroll
+                for (int j = 0; j < kNB; ++j) {
+                    const uint4 xb = *reinterpret_cast<const uint4 *>(xb0 + 8 * j * kTileStride + s * kMmaSpan);
+                    mma_bf16(acc[j], a0.x, a1.x, a0.y, a1.y, xb.x, xb.y);
+                    mma_bf16(acc[j], a0.z, a1.z, a0.w, a1.w, xb.z, xb.w);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                run[j][e] = __fadd_rn(ch.j == 0 ? 0.0f : run[j][e], acc[j][e]);
+                if constexpr (kOp == Op::kCanonical) {  // (one segment otherwise: the output is its sum)
+                    if (ch.j == per_seg - 1) {
+                        out[j][e] = fold_segment<kOp>(run[j][e], ch.seg, n_segs, level[j][e], out[j][e]);
+                    }
+                }
+            }
+        }
+        if (c + 1 < n_chunks) store_x(b ^ 1, xr);
+    }
+    // acc element e: row g + 8 (e / 2), token 2q + e % 2 of the fragment.
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int64_t n = row0 + 16 * wr + g + 8 * (e / 2);
+            const int64_t t = t_lo + wt * (kT / 2) + 8 * j + 2 * q + e % 2;
+            if (n < p.rows && t < t_hi) p.y[t * p.y_ld + n] = kOp == Op::kCanonical ? out[j][e] : run[j][e];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launch and dispatch.
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -1392,9 +1556,27 @@ cudaError_t launch_stream(ProductParams p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+// Launches tile_bf16_kernel: 64-row tiles by token tiles of 64 (grouped: 32, by the runs of one expert within
+// a token tile, one block each; canonical: 32, whose tree's pending sums take registers).
+template <Op kOp>
+cudaError_t launch_tile(const ProductParams &p, cudaStream_t stream) {
+    constexpr int kT = kOp == Op::kMatmul ? 64 : 32;
+    constexpr auto kernel = tile_bf16_kernel<kOp, kT>;
+    static std::atomic<uint64_t> raised{0};
+    if (cudaError_t e = raise_smem_limit(kernel, static_cast<size_t>(tile_smem_bytes(kT)), raised); e != cudaSuccess) {
+        return e;
+    }
+    if (ceil_div(p.n_tokens, kT) > 65535) return cudaErrorInvalidValue;
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kTileRows)), static_cast<unsigned>(ceil_div(p.n_tokens, kT)),
+                    kOp == Op::kGrouped ? static_cast<unsigned>(kT) : 1u);
+    kernel<<<grid, kThreads, static_cast<size_t>(tile_smem_bytes(kT)), stream>>>(p);
+    return cudaGetLastError();
+}
+
 // A bf16 product on the tensor cores. Kernels and tile shapes follow the token count (never an output's bits): up
 // to 8 tokens, stream_bf16_kernel (where one token's x fits a block's shared memory); up to 16, mma_bf16_kernel's
-// two tiles of 4 warps; more, its 32-token tiles.
+// two tiles of 4 warps; up to 32, its 32-token tiles; more, tile_bf16_kernel (measured on the H200: the tiled
+// GEMM is 2-3x faster from 40 tokens on, the split-K rounds faster below 32).
 template <Op kOp>
 cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
     const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
@@ -1406,7 +1588,8 @@ cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
         if (const cudaError_t e = launch_stream<kOp>(p, stream); e != cudaErrorNotSupported) return e;
     }
     if (p.n_tokens <= 16) return launch_mma_tokens<2, 4, kOp>(p, stream);
-    return launch_mma_tokens<4, 4, kOp>(p, stream);
+    if (p.n_tokens <= 32) return launch_mma_tokens<4, 4, kOp>(p, stream);
+    return launch_tile<kOp>(p, stream);
 }
 
 // Whether skinny_e4m3_kernel takes an e4m3 product: K from 0, a multiple of 16 up to kSkinnyE4m3MaxK,
