@@ -3,7 +3,7 @@
 // (weight_GB/s) and the ratio of that rate to a device-to-device copy moving the same bytes, timed the same way
 // (vs_copy: the copy reads and writes, so its bytes are counted twice). Shapes are the release architecture's
 // (d_model 4096): q/k/v/gate-width products, the dense MLP's 11264-row gate/up, the lm_head, the canonical
-// o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens; the FP8 experts of one token (K3) and one decode
+// o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens (decode) and 512 (prefill; with TFLOP/s); the FP8 experts of one token (K3) and one decode
 // row's attention (K9, K10). Random bf16 weights (the values do not change the work), in copies that exceed the
 // L2 and take turns, so every launch streams from HBM.
 #include <algorithm>
@@ -121,11 +121,13 @@ double time_state(benchmark::State &state, const F &launch, int reps) {
     return seconds;
 }
 
-// Times 20 launches of `launch` and reports them with the weight bytes each streams (weight_GB/s, vs_copy).
+// Times 20 launches of `launch` and reports them with the weight bytes each streams (weight_GB/s, vs_copy) and,
+// where given, the floating-point operations each does (TFLOP/s).
 template <class F>
-void time_and_report(benchmark::State &state, const F &launch, double weight_bytes) {
+void time_and_report(benchmark::State &state, const F &launch, double weight_bytes, double flops = 0.0) {
     const double seconds = time_state(state, launch, 20);
     state.counters["weight_GB/s"] = weight_bytes / seconds * 1e-9;
+    if (flops > 0.0) state.counters["TFLOP/s"] = flops / seconds * 1e-12;
     const double copy_rate = 2.0 * weight_bytes / copy_seconds(static_cast<size_t>(weight_bytes));
     state.counters["vs_copy"] = (weight_bytes / seconds) / copy_rate;
 }
@@ -157,7 +159,7 @@ void time_product(benchmark::State &state, DType dtype, cuda::ActRounding act, i
                                         : cuda::cuda_matmul(m, xp, tokens, yp, nullptr);
         if (e != cudaSuccess) std::fprintf(stderr, "product: %s\n", cudaGetErrorString(e));
     };
-    time_and_report(state, launch, static_cast<double>(weight_bytes));
+    time_and_report(state, launch, static_cast<double>(weight_bytes), 2.0 * static_cast<double>(rows * k * tokens));
 }
 
 // args: rows, K, tokens, canonical (0/1).
@@ -291,7 +293,7 @@ void bm_add_rms_norm(benchmark::State &state) {
 
 void product_args(benchmark::internal::Benchmark *b) {
     b->ArgNames({"rows", "K", "tokens", "canonical"});
-    for (const int64_t tokens : {1, 8, 64}) {
+    for (const int64_t tokens : {1, 8, 64, 512}) {
         for (const auto &[rows, k] : {std::pair<int64_t, int64_t>{4096, 4096}, {11264, 4096}, {128896, 4096}}) {
             b->Args({rows, k, tokens, 0});
         }
