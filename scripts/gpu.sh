@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (device tool), over a copy of the tree with .deps carried (scripts/gpu_deps.sh makes
-# it): builds with CUDA for sm_90a, runs the GPU tests (every kernel against its CPU twin, the whole model on the
+# Runs ON the GPU machine (device tool), over a copy of the tree with parts of .deps carried (scripts/gpu_deps.sh
+# makes it): builds with CUDA for sm_90a, runs the GPU tests (every kernel against its CPU twin, the whole model on the
 # GPU against the CPU), `memra run` / `verify` / `bench --device cuda` on the embedded default model and on the
 # release-width preset (generated here) and on Step-3.5-E128 (built in memory), the product and decode-attention
 # benchmarks beside PyTorch (bench/cuda, bench/cuda_peers.py), E7 through Nsight Compute, memra's all-gather beside
 # NCCL's all-reduce, and on a machine of several GPUs `verify --tp` over NCCL and decode per TP degree; prints a
 # short table last. Logs go to $OUT (or ./gpu-out).
-#   device run:  bash scripts/gpu.sh            (carry: [".deps"])
+#   device run:  bash scripts/gpu.sh            (carry: [".deps/root", ".deps/wheels"]; the carry limit of 64 MiB
+#                holds the tree and two of .deps/root, .deps/wheels (the server's tests) and .deps/llama.cpp.tar.gz)
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
 #   MEMRA_GPU_E128=0 leaves out the Step-3.5-E128 runs.
 #   MEMRA_GPU_QUICK=1 leaves out verify and the benchmarks: build, GPU tests, run, the server's tests and load tests.
 #   MEMRA_GPU_SERVE=0 leaves out the server's tests and load tests.
+#   MEMRA_GPU_LLAMA=1 adds the peer: llama.cpp's CUDA build (.deps/llama.cpp.tar.gz from scripts/gpu_deps.sh,
+#   carried; minutes of compiling) on the release preset converted to GGUF, beside memra's bench of it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -101,6 +104,25 @@ if [ "${MEMRA_GPU_QUICK:-0}" != 1 ]; then
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
         build-gpu/memra_bench_cuda_products --benchmark_filter='bm_bf16_product/rows:11264/K:4096/tokens:1/' \
         >"$out/ncu_bf16_product.txt" 2>&1
+fi
+# The peer: llama.cpp's CUDA build (sm_90a, llama-bench only) on the release preset converted to bf16 GGUF by
+# llama.cpp's own converter; llama-bench's pp512 and tg64 with every layer on the GPU, flash attention and a bf16
+# KV cache, as memra's bench above (bench_release_8: pp512, tg64, bf16 KV).
+llama_rc=skipped
+if [ "${MEMRA_GPU_LLAMA:-0}" = 1 ]; then
+    llama_rc=1
+    rm -rf "$tmp/llama.cpp"
+    if tar xzf .deps/llama.cpp.tar.gz -C "$tmp" &&
+        cmake -S "$tmp/llama.cpp" -B build-llama -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+            -DCMAKE_CUDA_ARCHITECTURES=90a -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$out/llama_configure.log" 2>&1 &&
+        cmake --build build-llama -j"$(nproc)" --target llama-bench >"$out/llama_build.log" 2>&1 &&
+        python3 tests/oracle/gguf_convert.py "$tmp/llama.cpp" "$release" "$tmp/release.gguf" bf16 \
+            >"$out/llama_convert.log" 2>&1; then
+        build-llama/bin/llama-bench -m "$tmp/release.gguf" -p 512 -n 64 -ngl 99 -fa 1 -ctk bf16 -ctv bf16 -r 3 \
+            -o json >"$out/bench_llama.json" 2>"$out/llama_bench.log"
+        llama_rc=$?
+    fi
 fi
 if [ ${#multi_tps[@]} -gt 0 ]; then
     tps=$(IFS=,; echo "1,${multi_tps[*]}")
@@ -276,6 +298,16 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
 EOF
 grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp" \
     "$out/ncu_bf16_product.txt" 2>/dev/null | awk '{$1=$1; print "| ncu bf16 [11264, 4096] x1 | " $0 " |"}'
+python3 - "$out" <<'EOF' 2>/dev/null
+import json, os, sys
+memra = {t["test"]: t["avg_ts"] for t in json.load(open(os.path.join(sys.argv[1], "bench_release_8.json")))}
+for r in json.load(open(os.path.join(sys.argv[1], "bench_llama.json"))):
+    test = f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"
+    mine = memra.get(test, 0)
+    print(f"| llama.cpp CUDA, release preset {test} | {r['avg_ts']:.1f} t/s (sd {r['stddev_ts']:.1f}); memra "
+          f"{mine:.1f} t/s, {mine / r['avg_ts']:.2f}x |")
+EOF
+echo "| llama.cpp peer rc | $llama_rc |"
 echo "| bench rc | $bench_rc $bench64_rc, e128 $e128_rc ($((t5 - t4)) s) |"
 echo "| serve tests (rc $serve_rc) | $(tail -1 "$out/serve_tests.log" 2>/dev/null) |"
 echo "| serve release (stop rc $serve_stop_rc) | $(grep -E 'KV cache|stopped' "$out/serve_release.log" | tr '\n' ' ' | cut -c1-300) |"

@@ -13,49 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
+import gguf_convert
 import llama_cpp
 
 # What is unpacked from the sdist: the converter, and llama.cpp's collection of chat templates
 # (tests/oracle/test_chat_template.py renders every one; the sdist itself is deleted after unpacking).
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")
-# The tiny checkpoints' BPE vocabulary is not the release one, so the converter's hash of a probe
-# text's token ids matches no known model. The pre-tokenizer rules themselves are DeepSeek-V3's
-# (tokenizer.json's three Split regexes equal llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM), the
-# name llama.cpp records for Step-3.5/3.7 GGUFs.
-FALLBACK_PRE_TOKENIZER = "deepseek-v3"
-
-# Runs the vendored converter unmodified except for two things:
-# - its hparams come from config.json as written. The converter first tries transformers'
-#   AutoConfig and falls back to config.json only when that fails, which it does with the
-#   transformers llama.cpp pins (4.57.6, requirements-convert_legacy_llama.txt: no "step3p5" type).
-#   transformers >= 5 knows "step3p5" and normalises the config (pops `partial_rotary_factors`,
-#   the per-layer `rope_theta` list, `moe_layers_enum`, `attention_other_setting`; trims
-#   `layer_types` to the trunk), after which Step35Model fails with StopIteration in
-#   generate_extra_tensors (no full-attention partial rotary factor left) and would lose the
-#   sliding-window head count and the MoE layer list.
-# - the pre-tokenizer fallback above, applied only when its own detection gives up.
-_CONVERTER_RUNNER = r"""
-import runpy, sys
-src, model_dir, outfile, outtype, fallback = sys.argv[1:6]
-sys.path.insert(0, src)
-import conversion.base as base  # puts the vendored gguf-py ahead of any installed gguf
-class RawConfigJson:
-    @staticmethod
-    def from_pretrained(*args, **kwargs):
-        raise ValueError("memra: use config.json as written (llama.cpp's pinned transformers has no step3p5)")
-base.AutoConfig = RawConfigJson
-detect = base.TextModel.get_vocab_base_pre
-def get_vocab_base_pre(self, tokenizer):
-    try:
-        return detect(self, tokenizer)
-    except NotImplementedError:
-        print(f"memra: BPE pre-tokenizer hash unknown, using {fallback!r}", file=sys.stderr)
-        return fallback
-base.TextModel.get_vocab_base_pre = get_vocab_base_pre
-script = src + "/convert_hf_to_gguf.py"
-sys.argv = [script, model_dir, "--outfile", outfile, "--outtype", outtype]
-runpy.run_path(script, run_name="__main__")
-"""
+# The converter's runner (what it changes of the converter, and why): gguf_convert.py.
+CONVERTER_RUNNER = Path(__file__).with_name("gguf_convert.py")
+FALLBACK_PRE_TOKENIZER = gguf_convert.FALLBACK_PRE_TOKENIZER
 
 
 def cache_dir():
@@ -103,8 +69,8 @@ def convert_to_gguf(model_dir, out_path, outtype="f32"):
 
     Returns the converter's log (stderr); raises RuntimeError with it on failure."""
     src = llama_cpp_source()
-    r = subprocess.run([sys.executable, "-c", _CONVERTER_RUNNER, str(src), str(model_dir), str(out_path), outtype,
-                        FALLBACK_PRE_TOKENIZER], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(CONVERTER_RUNNER), str(src), str(model_dir), str(out_path), outtype],
+                       capture_output=True, text=True)
     if r.returncode != 0 or not Path(out_path).is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir} ({r.returncode}):\n{r.stderr[-4000:]}")
     return r.stderr
