@@ -12,6 +12,7 @@
 #   MEMRA_GPU_E128=0 leaves out the Step-3.5-E128 runs.
 #   MEMRA_GPU_QUICK=1 leaves out verify and the benchmarks: build, GPU tests, run, the server's tests and load tests.
 #   MEMRA_GPU_SERVE=0 leaves out the server's tests and load tests.
+#   MEMRA_GPU_TESTS=0 leaves out the GPU tests, the CLI's device tests, the collectives and verify (a benchmark run).
 #   MEMRA_GPU_LLAMA=1 adds the peer: llama.cpp's CUDA build (.deps/llama.cpp.tar.gz from scripts/gpu_deps.sh,
 #   carried; minutes of compiling) on the release preset converted to GGUF, beside memra's bench of it.
 set -uo pipefail
@@ -47,16 +48,21 @@ release=$tmp/release
 $memra make-tiny "$release" --preset release --force >"$out/make_tiny_release.log" 2>&1
 t2=$(date +%s)
 
-# Every kernel against its CPU twin, the whole model against the CPU (MEMRA_RELEASE_MODEL adds the release preset).
-MEMRA_RELEASE_MODEL=$release build-gpu/memra_cuda_tests --gtest_filter='-Nccl*' >"$out/cuda_tests.log" 2>&1
-cuda_rc=$?
-# The NCCL communicator apart, under a timeout (a rank waiting for a missing peer must fail, never hang).
-timeout 180 build-gpu/memra_cuda_tests --gtest_filter='Nccl*' >>"$out/cuda_tests.log" 2>&1 || cuda_rc=1
-gpu_tests=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cuda_tests.log" | tr '\n' ' ')
-build-gpu/memra_cli_tests --gtest_filter='*Device*' >"$out/cli_device_tests.log" 2>&1
-cli_rc=$?
-# memra's all-gather against NCCL's all-reduce of the same bytes, on 1, 2, 4, 8 GPUs as the machine has them.
-timeout 120 build-gpu/memra_bench_cuda_collectives >"$out/collectives.md" 2>"$out/collectives.log"
+tests=${MEMRA_GPU_TESTS:-1}
+cuda_rc=skipped cli_rc=skipped gpu_tests=skipped
+if [ "$tests" = 1 ]; then
+    # Every kernel against its CPU twin, the whole model against the CPU (MEMRA_RELEASE_MODEL adds the release
+    # preset).
+    MEMRA_RELEASE_MODEL=$release build-gpu/memra_cuda_tests --gtest_filter='-Nccl*' >"$out/cuda_tests.log" 2>&1
+    cuda_rc=$?
+    # The NCCL communicator apart, under a timeout (a rank waiting for a missing peer must fail, never hang).
+    timeout 180 build-gpu/memra_cuda_tests --gtest_filter='Nccl*' >>"$out/cuda_tests.log" 2>&1 || cuda_rc=1
+    gpu_tests=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cuda_tests.log" | tr '\n' ' ')
+    build-gpu/memra_cli_tests --gtest_filter='*Device*' >"$out/cli_device_tests.log" 2>&1
+    cli_rc=$?
+    # memra's all-gather against NCCL's all-reduce of the same bytes, on 1, 2, 4, 8 GPUs as the machine has them.
+    timeout 120 build-gpu/memra_bench_cuda_collectives >"$out/collectives.md" 2>"$out/collectives.log"
+fi
 t3=$(date +%s)
 # With several GPUs: the gates over NCCL (a GPU per rank) and decode per TP degree at batch 1, 8, 64.
 gpus=$(nvidia-smi -L | wc -l)
@@ -76,11 +82,13 @@ run_release_rc=$?
 verify_rc=skipped verify_release_rc=skipped bench_rc=skipped bench64_rc=skipped
 t4=$(date +%s)
 if [ "${MEMRA_GPU_QUICK:-0}" != 1 ]; then
-    # The determinism gates on the GPU (TP ranks as in-process ranks sharing it).
-    timeout 300 $memra verify --device cuda --batch 64 >"$out/verify_cuda.log" 2>&1
-    verify_rc=$?
-    timeout 300 $memra verify "$release" --device cuda --tp 1,2,4,8 >"$out/verify_release.log" 2>&1
-    verify_release_rc=$?
+    if [ "$tests" = 1 ]; then
+        # The determinism gates on the GPU (TP ranks as in-process ranks sharing it).
+        timeout 300 $memra verify --device cuda --batch 64 >"$out/verify_cuda.log" 2>&1
+        verify_rc=$?
+        timeout 300 $memra verify "$release" --device cuda --tp 1,2,4,8 >"$out/verify_release.log" 2>&1
+        verify_release_rc=$?
+    fi
     t4=$(date +%s)
 
     # Speed (reported, not gated): prefill and decode at batch 1, 8 and 64 on the release-width preset.

@@ -5,7 +5,7 @@
 // batch, TP windows, experts grouped or alone). Every weight dtype with every ActRounding the CPU gives it (bf16 weights: bf16
 // activations, or f32 ones for the router; F32 / F16 / F8 matrices: the exact loop; F8 banks with 128-wide
 // tiles: e4m3 groups of 128), fp8 tiles of 128 x 128 and of odd sizes with partial last tiles, row windows,
-// K windows at TP 2, 4 and 8, grouped products with empty experts and uneven offsets, batch sizes 1..70 (a
+// K windows at TP 2, 4 and 8, grouped products with empty experts and uneven offsets, batch sizes 1..140 (a
 // row's bits never depend on its batch), adversarial values where FTZ/DAZ and saturation decide the bits
 // (checked against every instruction path of this CPU), and perturbations that show the comparison can fail.
 // MatmulUpload.* runs without a GPU: the upload refusals, word for word those of the CPU backend.
@@ -716,11 +716,13 @@ TEST(CudaMatmulGrouped, EveryBankEqualsTheCpuWithEmptyExpertsAndUnevenOffsets) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Batch invariance: row r of an M-row call equals the 1-row call of the same row, M = 1..70.
+// Batch invariance: row r of an M-row call equals the 1-row call of the same row, M = 1..140 (the kernels and tile
+// shapes of ops_matmul.cu's bf16 dispatch at few rows: up to 8, 16, 32 tokens, then 64- and 32-token tiles, whole
+// and partial).
 
 TEST(CudaMatmulBatch, RowBitsDoNotDependOnTheBatch) {
     MEMRA_SKIP_WITHOUT_GPU();
-    const int64_t max_rows = 70;
+    const int64_t max_rows = 140;
     const int64_t rows = 48;
     const int64_t cols = 384;
     const Floats x = activations(max_rows, cols, 4242);
@@ -785,10 +787,11 @@ TEST(CudaMatmulBatch, RowBitsDoNotDependOnTheBatch) {
 }
 
 // The shapes that take the other paths of the decode and prefill kernels (ops_matmul.cu stream_bf16_kernel,
-// tile_bf16_kernel): many row tiles (4500 rows: several per stream block), and x too long for one block's shared
-// memory (K 14336: 8 tokens take two token tiles, the partials several phases), at 8 tokens (decode) and 40
-// (tiled). Each token against the token alone, bit for bit; the grouped rows against the matrix's (the same
-// weights as expert 0); and the CPU within the tensor-core bound.
+// gemm_bf16_kernel): many row tiles (4500 rows: several per stream block, a partial 128-row tile), and x too long
+// for one block's shared memory (K 14336: 8 tokens take two token tiles, the partials several phases), at 8 tokens
+// (decode), 40 (64 x 64 tiles, 64 x 32 canonical and grouped) and 200 (on the H200, 4500 rows take 128 x 128 tiles,
+// a partial one; 40 rows 64 x 64). Each token against the token alone, bit for bit; the grouped rows against the
+// matrix's (the same weights as expert 0); and the CPU within the tensor-core bound.
 TEST(CudaMatmulBatch, DecodeAndTiledShapesKeepTheirBits) {
     MEMRA_SKIP_WITHOUT_GPU();
     for (const auto &[rows, cols] : {std::pair<int64_t, int64_t>{4500, 256}, {40, 14336}}) {
@@ -797,7 +800,7 @@ TEST(CudaMatmulBatch, DecodeAndTiledShapesKeepTheirBits) {
         ASSERT_NO_FATAL_FAILURE(gpu_upload(w.matrix(), MatrixWindow::whole(w.matrix()), &gm));
         GpuBank gb;
         ASSERT_NO_FATAL_FAILURE(gpu_upload(w.bank(), BankWindow::whole(w.bank()), &gb));
-        for (const int64_t tokens : {int64_t{8}, int64_t{40}}) {
+        for (const int64_t tokens : {int64_t{8}, int64_t{40}, int64_t{200}}) {
             const Floats x = activations(tokens, cols, 92);
             const auto row_of = [&](int64_t t) { return Floats(x.begin() + t * cols, x.begin() + (t + 1) * cols); };
             for (const Product kind : {Product::kMatmul, Product::kCanonical}) {

@@ -1,5 +1,5 @@
 // CUDA products (ops_matmul.h). Products with bf16 activations (BF16 weights) run on the tensor cores in the
-// GPU's canonical order (stream_bf16_kernel for decode, mma_bf16_kernel to 32 tokens, tile_bf16_kernel beyond),
+// GPU's canonical order (stream_bf16_kernel for decode, mma_bf16_kernel to 32 tokens, gemm_bf16_kernel beyond),
 // held to a measured tolerance against the CPU. Every other product runs the CPU's K loop (backend/cpu/matmul.h) on CUDA cores, one
 // 16-thread group per output element with thread j as lane j, so every element is formed by exactly the CPU's
 // sequence of fp32 operations: the exact loop with IEEE operations and gradual underflow (the host's default
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p
 //  - canonical blocks: the block sums by the canonical tree ((b0+b1)+(b2+b3))+((b4+b5)+(b6+b7)).
 // An output's bits depend on its W row, its x row and K only (an MMA's rows and columns are independent, and
 // CUDA.md 7 measured that the column a token sits in does not change its bits), so tile shapes may follow the
-// token count. Products of up to 8 tokens take stream_bf16_kernel (below), of more than 32 tile_bf16_kernel
+// token count. Products of up to 8 tokens take stream_bf16_kernel (below), of more than 32 gemm_bf16_kernel
 // (below), the rest mma_bf16_kernel: a block is kMmaWarps warps, kRT 16-row tiles by kKW warps splitting each
 // tile's chunks (chunk c to warp c % kKW); per round every warp computes one chunk into shared memory and the
 // block folds the round's partials in K order. Weights load straight into the A fragments a round ahead; x rows
@@ -455,12 +455,12 @@ __device__ bool grouped_run(const ProductParams &p, int64_t t0, int cols, int64_
     return true;
 }
 
-// A bf16 product block's tokens [t_lo, t_hi) of token tile blockIdx.y (cols wide) and their weight rows (grouped:
-// the tile's blockIdx.z-th run and its expert); false where the block has no tokens (every thread alike).
+// A bf16 product block's tokens [t_lo, t_hi) of token tile `tile` (cols wide) and their weight rows (grouped: the
+// tile's blockIdx.z-th run and its expert); false where the block has no tokens (every thread alike).
 template <Op kOp>
-__device__ __forceinline__ bool block_tokens(const ProductParams &p, int cols, int64_t *t_lo, int64_t *t_hi,
-                                             const uint8_t **wdata) {
-    const int64_t t0 = static_cast<int64_t>(blockIdx.y) * cols;
+__device__ __forceinline__ bool block_tokens(const ProductParams &p, int64_t tile, int cols, int64_t *t_lo,
+                                             int64_t *t_hi, const uint8_t **wdata) {
+    const int64_t t0 = tile * cols;
     *t_lo = t0;
     *t_hi = min_i64(t0 + cols, p.n_tokens);
     *wdata = p.data;
@@ -475,13 +475,15 @@ __device__ __forceinline__ bool block_tokens(const ProductParams &p, int cols, i
 // The fold of a finished segment's sum `run` (segment seg of n_segs) into the output so far, `out`: canonical
 // blocks meet the pending sums of their left siblings (the canonical tree as a binary counter over the finished
 // blocks, level by level), the last one giving the output; a whole-K product's output is its one segment.
-template <Op kOp>
-__device__ __forceinline__ float fold_segment(float run, int seg, int n_segs, float (&level)[4], float out) {
+// kLevels pending sums fold up to 2^kLevels blocks; with `top`, one more level kept at *top.
+template <Op kOp, int kLevels>
+__device__ __forceinline__ float fold_segment(float run, int seg, int n_segs, float (&level)[kLevels], float out,
+                                              float *top = nullptr) {
     if constexpr (kOp == Op::kCanonical) {
         float carry = run;
         bool pending = true;
 #pragma unroll
-        for (int l = 0; l < 4; ++l) {
+        for (int l = 0; l < kLevels; ++l) {
             if (pending) {
                 if ((seg >> l) & 1) {
                     carry = __fadd_rn(level[l], carry);
@@ -489,6 +491,13 @@ __device__ __forceinline__ float fold_segment(float run, int seg, int n_segs, fl
                     level[l] = carry;
                     pending = false;
                 }
+            }
+        }
+        if (pending && top != nullptr) {
+            if ((seg >> kLevels) & 1) {
+                carry = __fadd_rn(*top, carry);
+            } else {
+                *top = carry;
             }
         }
         return seg == n_segs - 1 ? carry : out;
@@ -517,7 +526,7 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
     int64_t t_lo = 0;
     int64_t t_hi = 0;
     const uint8_t *wdata = nullptr;  // [rows, ld] bf16: the matrix, or the run's expert
-    if (!block_tokens<kOp>(p, kCols, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
+    if (!block_tokens<kOp>(p, blockIdx.y, kCols, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
     const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
     const int n_segs = kOp == Op::kCanonical ? static_cast<int>(p.n_blocks) : 1;
     const int per_seg = static_cast<int>((seg_len + kMmaChunk - 1) / kMmaChunk);
@@ -737,7 +746,7 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
     int64_t t_lo = 0;
     int64_t t_hi = 0;
     const uint8_t *wdata = nullptr;  // [rows, ld] bf16: the matrix, or the run's expert
-    if (!block_tokens<kOp>(p, tokens, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
+    if (!block_tokens<kOp>(p, blockIdx.y, tokens, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
     const int live = static_cast<int>(t_hi - t_lo);
 
     // Tile group i of the block covers row tiles (blockIdx.x + i gridDim.x) tiles + 0 .. tiles - 1; per group
@@ -1252,61 +1261,96 @@ __global__ void __launch_bounds__(kThreads) skinny_e4m3_kernel(const ProductPara
 
 // ---------------------------------------------------------------------------------------------
 // Products of more than 32 tokens (prefill, wide decode batches): a tiled GEMM in the same canonical order. A
-// block takes kTileRows weight rows by kT tokens and walks K a chunk at a time, the chunk's weights (cp.async)
-// and x (f32 rounded to bf16) staged in one of two shared-memory stages while the previous chunk computes; warp
-// (wr, wt) computes rows 16 wr .. 16 wr + 15 against kT / 2 tokens, each output's chunk chain on its own
-// accumulators, then adds it to the output's running sum in K order (and the canonical tree) in registers.
+// block of kWR x (8 / kWR) warps takes tile_rows(kMF, kWR) weight rows by tile_tokens(kNF, kWR) tokens; warp
+// (wr, wt) computes kMF 16-row fragments by kNF 8-token fragments, each output's chunk chain on its own
+// accumulators, then adds it to the output's running sum in K order (and the canonical tree) in registers. K
+// goes a chunk at a time through kTileStages shared-memory stages: the weights by cp.async two chunks ahead, x
+// one chunk ahead, read as f32 into registers and stored rounded to bf16: with kXChunk the whole next chunk's x
+// is read as the chunk starts and stored as it ends (small tiles: their few spans per chunk would not hide the
+// reads' latency), else a span (32 K) at a time while the span before computes (large tiles, whose registers
+// would not hold a chunk). A staged row is 128 bf16 (256 bytes) whose 16-byte pieces are swizzled by the row's parity,
+// so a warp's fragment loads (rows g and g + 1 in a phase) touch every bank once.
 
-constexpr int kTileRows = 64;
-constexpr int kTileStride = kMmaChunk + 32;  // bf16 per staged row: 320 bytes, conflict-free fragment loads
+// The tile layout: small tiles (kXChunk) in two stages of rows padded to 320 bytes (conflict-free by the pad),
+// large ones in three stages of unpadded, swizzled rows (the pad would not fit). Measured on the H200 at 40-64
+// tokens: the small tiles 5-8 % slower in three swizzled stages.
+template <bool kXChunk> constexpr int kTileStages = kXChunk ? 2 : 3;
+template <bool kXChunk> constexpr int kTileStride = kXChunk ? kMmaChunk + 32 : kMmaChunk;
 
-// Shared memory of tile_bf16_kernel: two stages of kTileRows weight rows and kT x rows.
-constexpr int64_t tile_smem_bytes(int tokens) { return int64_t{2} * (kTileRows + tokens) * kTileStride * 2; }
+// A block's weight rows and tokens: kWR x (8 / kWR) warps of kMF 16-row by kNF 8-token fragments.
+__host__ __device__ constexpr int tile_rows(int mf, int wr) { return 16 * mf * wr; }
+__host__ __device__ constexpr int tile_tokens(int nf, int wr) { return 8 * nf * (kMmaWarps / wr); }
+// Shared memory of gemm_bf16_kernel: `stages` stages of its weight rows and x rows, and for a canonical product
+// the top pending sum of each output (f32).
+constexpr int64_t tile_smem_bytes(int rows, int tokens, int stages, int stride, bool canonical) {
+    return int64_t{stages} * (rows + tokens) * stride * 2 + (canonical ? int64_t{rows} * tokens * 4 : 0);
+}
+
+// The staged offset (bf16 elements) of 16-byte piece `piece` (0 .. 15) of staged row `row`.
+template <int kStride>
+__device__ __forceinline__ int tile_offset(int row, int piece) {
+    if constexpr (kStride != kMmaChunk) return row * kStride + 8 * piece;
+    return row * kMmaChunk + 8 * (piece ^ ((row & 1) << 2));
+}
 
 // cp.async of 16 bytes, of which the first src_bytes (0 or 16) come from gmem and the rest are zero.
 __device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, int src_bytes) {
     const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait_pending() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
-template <Op kOp, int kT>
-__global__ void __launch_bounds__(kThreads, 2) tile_bf16_kernel(const ProductParams p) {
-    constexpr int kNB = kT / 16;                      // 8-token fragments per warp
-    constexpr int kXGroups = kT * kMmaChunk / 4;      // float4 groups of a chunk's x
-    constexpr int kXPerThread = kXGroups / kThreads;
-    static_assert(kMmaWarps == 8 && kTileRows == 64 && kXGroups % kThreads == 0);
+template <Op kOp, int kMF, int kNF, int kWR, bool kXChunk>
+__global__ void __launch_bounds__(kThreads, kMF == 1 ? 2 : 1) gemm_bf16_kernel(const ProductParams p) {
+    constexpr int kRows = tile_rows(kMF, kWR);
+    constexpr int kTok = tile_tokens(kNF, kWR);
+    constexpr int kXQ = kTok * (kMmaSpan / 4) / kThreads;  // float4 groups of a span's x per thread
+    constexpr int kXSpans = kXChunk ? kMmaSpans : 1;        // spans of x held in registers
+    // canonical: at most 8 blocks, two pending sums in registers and the third in shared memory (s_top)
+    constexpr int kLevels = kOp == Op::kCanonical ? 2 : 1;
+    static_assert(kMmaWarps % kWR == 0 && kXQ >= 1 && kTok * (kMmaSpan / 4) % kThreads == 0 && kTok <= 32 * 4);
+    static_assert(kOp != Op::kGrouped || kTok <= 32);
     extern __shared__ __align__(16) uint8_t tile_smem[];
-    auto *s_w = reinterpret_cast<uint16_t *>(tile_smem);  // [2][kTileRows][kTileStride]
-    uint16_t *s_x = s_w + 2 * kTileRows * kTileStride;    // [2][kT][kTileStride]
+    constexpr int kStages = kTileStages<kXChunk>;
+    constexpr int kStride = kTileStride<kXChunk>;
+    auto *s_w = reinterpret_cast<uint16_t *>(tile_smem);  // [kStages][kRows][kStride]
+    uint16_t *s_x = s_w + kStages * kRows * kStride;  // [kStages][kTok][kStride]
+    // canonical: [kMF][kNF][4][kThreads], each thread's outputs' top pending sums
+    auto *s_top = reinterpret_cast<float *>(s_x + kStages * kTok * kStride);
 
     const int tid = static_cast<int>(threadIdx.x);
     const int warp = tid / 32;
     const int lane = tid % 32;
     const int g = lane / 4;
     const int q = lane % 4;
-    const int wr = warp % 4;
-    const int wt = warp / 4;
+    const int wr = warp % kWR;
+    const int wt = warp / kWR;
     int64_t t_lo = 0;
     int64_t t_hi = 0;
     const uint8_t *wdata = nullptr;  // [rows, ld] bf16: the matrix, or the run's expert
-    if (!block_tokens<kOp>(p, kT, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
-    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
+    if (!block_tokens<kOp>(p, blockIdx.x, kTok, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
+    const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRows;
     const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
     const int n_segs = kOp == Op::kCanonical ? static_cast<int>(p.n_blocks) : 1;
     const int per_seg = static_cast<int>((seg_len + kMmaChunk - 1) / kMmaChunk);
     const int n_chunks = n_segs * per_seg;
 
-    // Chunk c's weights into stage b: 16 pieces of 8 elements per row, +0 past the rows and the chunk.
+    // Chunk c's weights into stage b (one commit group): 16 pieces of 8 elements per row, +0 past the rows and
+    // the chunk.
     const auto stage_w = [&](int c, int b) {
         const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c);
         const int64_t end = ch.end - p.k_begin;
-        for (int v = tid; v < kTileRows * (kMmaChunk / 8); v += kThreads) {
+        uint16_t *sw = s_w + b * kRows * kStride;
+#pragma unroll
+        for (int u = 0; u < kRows * (kMmaChunk / 8) / kThreads; ++u) {
+            const int v = tid + u * kThreads;
             const int r = v / (kMmaChunk / 8);
             const int piece = v % (kMmaChunk / 8);
             const int64_t n = row0 + r;
             const int64_t i = ch.begin - p.k_begin + piece * 8;
             const bool in = n < p.rows && i < end;
-            uint16_t *dst = s_w + (b * kTileRows + r) * kTileStride + piece * 8;
+            uint16_t *dst = sw + tile_offset<kStride>(r, piece);
             const uint8_t *row = wdata + (in ? n : 0) * p.ld * 2;
             if (p.vec) {
                 cp_async16_zfill(dst, row + (in ? i : 0) * 2, in ? 16 : 0);
@@ -1316,15 +1360,16 @@ __global__ void __launch_bounds__(kThreads, 2) tile_bf16_kernel(const ProductPar
         }
         cp_async_commit();
     };
-    // Chunk c's x for this thread's groups (token v / 32, elements 4 (v % 32) ..), +0 past the tokens and chunk.
-    const auto load_x = [&](int c, float4 (&xr)[kXPerThread]) {
+    // Span s of chunk c's x for this thread: group v = tid + u kThreads is token v / 8, elements 4 (v % 8) ..
+    // 4 (v % 8) + 3 of the span; +0 past the tokens and the chunk.
+    const auto load_x = [&](int c, int s, float4 *xr) {
         const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c);
         const int64_t end = ch.end - p.k_begin;
 #pragma unroll
-        for (int u = 0; u < kXPerThread; ++u) {
+        for (int u = 0; u < kXQ; ++u) {
             const int v = tid + u * kThreads;
-            const int64_t t = t_lo + v / (kMmaChunk / 4);
-            const int64_t i = ch.begin - p.k_begin + (v % (kMmaChunk / 4)) * 4;
+            const int64_t t = t_lo + v / 8;
+            const int64_t i = ch.begin - p.k_begin + s * kMmaSpan + (v % 8) * 4;
             const float *row = p.x + (t < t_hi ? t : 0) * p.x_ld;
             if (t < t_hi && i < end && p.vec) {
                 xr[u] = ld_nc_f4(row + i);
@@ -1336,80 +1381,109 @@ __global__ void __launch_bounds__(kThreads, 2) tile_bf16_kernel(const ProductPar
             }
         }
     };
-    const auto store_x = [&](int b, const float4 (&xr)[kXPerThread]) {
+    const auto store_x = [&](int b, int s, const float4 *xr) {
 #pragma unroll
-        for (int u = 0; u < kXPerThread; ++u) {
+        for (int u = 0; u < kXQ; ++u) {
             const int v = tid + u * kThreads;
-            uint16_t *dst = s_x + (b * kT + v / (kMmaChunk / 4)) * kTileStride + (v % (kMmaChunk / 4)) * 4;
+            const int r = v / 8;
+            uint16_t *dst = s_x + b * kTok * kStride + tile_offset<kStride>(r, 4 * s + (v % 8) / 2) + 4 * (v % 2);
             *reinterpret_cast<uint2 *>(dst) = make_uint2(pack_bf16(xr[u].x, xr[u].y), pack_bf16(xr[u].z, xr[u].w));
         }
     };
 
-    float run[kNB][4];
-    float out[kNB][4];
-    float level[kNB][4][4];
+    float run[kMF][kNF][4];
+    float level[kMF][kNF][4][kLevels];
+    float4 xr[kXSpans][kXQ];
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            run[j][e] = out[j][e] = 0.0f;
-            level[j][e][0] = level[j][e][1] = level[j][e][2] = level[j][e][3] = 0.0f;
-        }
+    for (int c = 0; c < kStages - 1; ++c) {
+        if (c < n_chunks) stage_w(c, c);
+        else cp_async_commit();
     }
-    float4 xr[kXPerThread];
-    stage_w(0, 0);
-    load_x(0, xr);
-    store_x(0, xr);
+#pragma unroll
+    for (int s = 0; s < kMmaSpans; ++s) {
+        load_x(0, s, xr[0]);
+        store_x(0, s, xr[0]);
+    }
     for (int c = 0; c < n_chunks; ++c) {
-        const int b = c & 1;
-        cp_async_wait_all();
-        __syncthreads();  // stage b is whole; stage b ^ 1 was read by every warp
-        if (c + 1 < n_chunks) {
-            stage_w(c + 1, b ^ 1);
-            load_x(c + 1, xr);
-        }
+        const int b = c % kStages;
+        const int nb = (c + 1) % kStages;
+        const bool next = c + 1 < n_chunks;
+        cp_async_wait_pending<kStages - 2>();  // chunk c's weights (later ones may still be in flight)
+        __syncthreads();  // stage b is whole; stage (c + kStages - 1) % kStages was read by every warp
+        if (c + kStages - 1 < n_chunks) stage_w(c + kStages - 1, (c + kStages - 1) % kStages);
+        else cp_async_commit();  // an empty group keeps the count
         const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c);
         const int spans = static_cast<int>((ch.end - ch.begin + kMmaSpan - 1) / kMmaSpan);
-        const uint16_t *wa = s_w + (b * kTileRows + 16 * wr + g) * kTileStride + 8 * q;
-        const uint16_t *xb0 = s_x + (b * kT + wt * (kT / 2) + g) * kTileStride + 8 * q;
-        float acc[kNB][4];
+        const uint16_t *sw = s_w + b * kRows * kStride;
+        const uint16_t *sx = s_x + b * kTok * kStride;
+        if constexpr (kXChunk) {
 #pragma unroll
-        for (int j = 0; j < kNB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+            for (int s = 0; s < kMmaSpans; ++s) {
+                if (next) load_x(c + 1, s, xr[s]);
+            }
+        }
+        float acc[kMF][kNF][4];
 #pragma unroll
+        for (int m = 0; m < kMF; ++m) {
+#pragma unroll
+            for (int j = 0; j < kNF; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
+        }
+#pragma unroll(kXChunk ? kMmaSpans : 1)  // (a span at a time: unrolled, the 128 x 128 tile spills)
         for (int s = 0; s < kMmaSpans; ++s) {
+            if (!kXChunk && next) load_x(c + 1, s, xr[0]);
             if (s < spans) {
-                const uint4 a0 = *reinterpret_cast<const uint4 *>(wa + s * kMmaSpan);
-                const uint4 a1 = *reinterpret_cast<const uint4 *>(wa + 8 * kTileStride + s * kMmaSpan);
+                uint4 xb[kNF];
 #pragma unroll
-                for (int j = 0; j < kNB; ++j) {
-                    const uint4 xb = *reinterpret_cast<const uint4 *>(xb0 + 8 * j * kTileStride + s * kMmaSpan);
-                    mma_bf16(acc[j], a0.x, a1.x, a0.y, a1.y, xb.x, xb.y);
-                    mma_bf16(acc[j], a0.z, a1.z, a0.w, a1.w, xb.z, xb.w);
+                for (int j = 0; j < kNF; ++j) {
+                    const int r = wt * 8 * kNF + 8 * j + g;
+                    xb[j] = *reinterpret_cast<const uint4 *>(sx + tile_offset<kStride>(r, 4 * s + q));
                 }
+#pragma unroll
+                for (int m = 0; m < kMF; ++m) {
+                    const int r = wr * 16 * kMF + 16 * m + g;  // and r + 8, of the same parity
+                    const uint4 a0 = *reinterpret_cast<const uint4 *>(sw + tile_offset<kStride>(r, 4 * s + q));
+                    const uint4 a1 = *reinterpret_cast<const uint4 *>(sw + tile_offset<kStride>(r + 8, 4 * s + q));
+#pragma unroll
+                    for (int j = 0; j < kNF; ++j) {
+                        mma_bf16(acc[m][j], a0.x, a1.x, a0.y, a1.y, xb[j].x, xb[j].y);
+                        mma_bf16(acc[m][j], a0.z, a1.z, a0.w, a1.w, xb[j].z, xb[j].w);
+                    }
+                }
+            }
+            if (!kXChunk && next) store_x(nb, s, xr[0]);
+        }
+        if constexpr (kXChunk) {
+#pragma unroll
+            for (int s = 0; s < kMmaSpans; ++s) {
+                if (next) store_x(nb, s, xr[s]);
             }
         }
 #pragma unroll
-        for (int j = 0; j < kNB; ++j) {
+        for (int m = 0; m < kMF; ++m) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                run[j][e] = __fadd_rn(ch.j == 0 ? 0.0f : run[j][e], acc[j][e]);
-                if constexpr (kOp == Op::kCanonical) {  // (one segment otherwise: the output is its sum)
-                    if (ch.j == per_seg - 1) {
-                        out[j][e] = fold_segment<kOp>(run[j][e], ch.seg, n_segs, level[j][e], out[j][e]);
+            for (int j = 0; j < kNF; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    run[m][j][e] = __fadd_rn(ch.j == 0 ? 0.0f : run[m][j][e], acc[m][j][e]);
+                    if (ch.j == per_seg - 1) {  // the output once the last segment ends
+                        float *top = s_top + ((m * kNF + j) * 4 + e) * kThreads + tid;
+                        run[m][j][e] = fold_segment<kOp>(run[m][j][e], ch.seg, n_segs, level[m][j][e], run[m][j][e], top);
                     }
                 }
             }
         }
-        if (c + 1 < n_chunks) store_x(b ^ 1, xr);
     }
     // acc element e: row g + 8 (e / 2), token 2q + e % 2 of the fragment.
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) {
+    for (int m = 0; m < kMF; ++m) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int64_t n = row0 + 16 * wr + g + 8 * (e / 2);
-            const int64_t t = t_lo + wt * (kT / 2) + 8 * j + 2 * q + e % 2;
-            if (n < p.rows && t < t_hi) p.y[t * p.y_ld + n] = kOp == Op::kCanonical ? out[j][e] : run[j][e];
+        for (int j = 0; j < kNF; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int64_t n = row0 + wr * 16 * kMF + 16 * m + g + 8 * (e / 2);
+                const int64_t t = t_lo + wt * 8 * kNF + 8 * j + 2 * q + e % 2;
+                if (n < p.rows && t < t_hi) p.y[t * p.y_ld + n] = run[m][j][e];
+            }
         }
     }
 }
@@ -1556,26 +1630,27 @@ cudaError_t launch_stream(ProductParams p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// Launches tile_bf16_kernel: 64-row tiles by token tiles of 64 (grouped: 32, by the runs of one expert within
-// a token tile, one block each; canonical: 32, whose tree's pending sums take registers).
-template <Op kOp>
-cudaError_t launch_tile(const ProductParams &p, cudaStream_t stream) {
-    constexpr int kT = kOp == Op::kMatmul ? 64 : 32;
-    constexpr auto kernel = tile_bf16_kernel<kOp, kT>;
+// Launches gemm_bf16_kernel<kOp, kMF, kNF, kWR>: token tiles (x, so the token tiles of a row tile run side by side
+// and its weights come from HBM once) by row tiles (y); grouped: by the runs of one expert within a token tile (z).
+template <Op kOp, int kMF, int kNF, int kWR, bool kXChunk>
+cudaError_t launch_gemm(const ProductParams &p, cudaStream_t stream) {
+    constexpr int kRows = tile_rows(kMF, kWR);
+    constexpr int kTok = tile_tokens(kNF, kWR);
+    constexpr auto kernel = gemm_bf16_kernel<kOp, kMF, kNF, kWR, kXChunk>;
+    constexpr auto smem = static_cast<size_t>(
+        tile_smem_bytes(kRows, kTok, kTileStages<kXChunk>, kTileStride<kXChunk>, kOp == Op::kCanonical));
     static std::atomic<uint64_t> raised{0};
-    if (cudaError_t e = raise_smem_limit(kernel, static_cast<size_t>(tile_smem_bytes(kT)), raised); e != cudaSuccess) {
-        return e;
-    }
-    if (ceil_div(p.n_tokens, kT) > 65535) return cudaErrorInvalidValue;
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kTileRows)), static_cast<unsigned>(ceil_div(p.n_tokens, kT)),
-                    kOp == Op::kGrouped ? static_cast<unsigned>(kT) : 1u);
-    kernel<<<grid, kThreads, static_cast<size_t>(tile_smem_bytes(kT)), stream>>>(p);
+    if (cudaError_t e = raise_smem_limit(kernel, smem, raised); e != cudaSuccess) return e;
+    if (ceil_div(p.rows, kRows) > 65535) return cudaErrorInvalidValue;
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.n_tokens, kTok)), static_cast<unsigned>(ceil_div(p.rows, kRows)),
+                    kOp == Op::kGrouped ? static_cast<unsigned>(kTok) : 1u);
+    kernel<<<grid, kThreads, smem, stream>>>(p);
     return cudaGetLastError();
 }
 
 // A bf16 product on the tensor cores. Kernels and tile shapes follow the token count (never an output's bits): up
 // to 8 tokens, stream_bf16_kernel (where one token's x fits a block's shared memory); up to 16, mma_bf16_kernel's
-// two tiles of 4 warps; up to 32, its 32-token tiles; more, tile_bf16_kernel (measured on the H200: the tiled
+// two tiles of 4 warps; up to 32, its 32-token tiles; more, gemm_bf16_kernel (measured on the H200: the tiled
 // GEMM is 2-3x faster from 40 tokens on, the split-K rounds faster below 32).
 template <Op kOp>
 cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
@@ -1589,7 +1664,26 @@ cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
     }
     if (p.n_tokens <= 16) return launch_mma_tokens<2, 4, kOp>(p, stream);
     if (p.n_tokens <= 32) return launch_mma_tokens<4, 4, kOp>(p, stream);
-    return launch_tile<kOp>(p, stream);
+    if constexpr (kOp == Op::kGrouped) {
+        return launch_gemm<kOp, 1, 2, 4, true>(p, stream);  // 64 x 32 (a token tile's runs: up to 32 blocks)
+    } else if constexpr (kOp == Op::kCanonical) {
+        // 64 x 32 at every size (measured on the H200: 128 x 32 and 128 x 64 tiles, a span of x at a time, 4-60 %
+        // slower from 40 to 512 tokens)
+        return launch_gemm<kOp, 1, 2, 4, true>(p, stream);
+    } else {
+        // 64 x 64 (two blocks per SM) or 128 x 128 (one), whichever leaves the busiest SM less work: measured on the
+        // H200, a 128 x 128 block takes 2.5 times as long as a 64 x 64 one where two share each SM, and a lone
+        // 64 x 64 block 1.4 times that share.
+        StreamDevice dev;
+        if (cudaError_t e = stream_device(&dev); e != cudaSuccess) return e;
+        const auto per_sm = [&](int rows, int tokens) {
+            return ceil_div(ceil_div(p.rows, rows) * ceil_div(p.n_tokens, tokens), dev.sms);
+        };
+        const int64_t small = per_sm(tile_rows(1, 4), tile_tokens(4, 4));
+        const int64_t large = per_sm(tile_rows(4, 2), tile_tokens(4, 2));
+        if (25 * large < std::max<int64_t>(10 * small, 14)) return launch_gemm<kOp, 4, 4, 2, false>(p, stream);
+        return launch_gemm<kOp, 1, 4, 4, true>(p, stream);
+    }
 }
 
 // Whether skinny_e4m3_kernel takes an e4m3 product: K from 0, a multiple of 16 up to kSkinnyE4m3MaxK,
