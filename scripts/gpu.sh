@@ -352,16 +352,16 @@ for name in sorted(rows):
     print(f"| cpu {name} t/s | {cells} |")
 EOF
 fi
-if [ "$tests" = 1 ]; then
-grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
-grep -E '^\| [0-9]' "$out/collectives.md" | awk -F'|' '{printf "| collectives %s ranks, %s per rank | memra all_gather %s us (NCCL %s us); NCCL all_reduce of %s %s us; gather/reduce %s |\n", $2, $3, $4, $5, $6, $7, $8}'
 if [ ${#multi_tps[@]} -gt 0 ]; then
     echo "| verify over NCCL (tp $tps) | $(tail -2 "$out/verify_nccl.log" | tr '\n' ' ') |"
     for f in "$out"/bench_tp*_b*.json; do bench_rows "$f" | sed "s/| bench /| $(basename "$f" .json) /"; done
 fi
-echo "| nccl | $(grep -cE '^\[       OK \] Nccl' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \] Nccl' \
-    "$out/cuda_tests.log") failed, $(grep -cE '^\[  SKIPPED \] Nccl.* ms\)' "$out/cuda_tests.log") skipped ($(nvidia-smi -L | wc -l) GPU) |"
-grep -h "measured \] nccl" "$out/cuda_tests.log" | sed 's/^\[ measured \] /| nccl cost | /; s/$/ |/'
+if [ "$tests" = 1 ]; then
+    grep -h "logits differ" "$out/cuda_tests.log" | sed 's/^/| engine cpu-vs-gpu | /; s/$/ |/'
+    grep -E '^\| [0-9]' "$out/collectives.md" | awk -F'|' '{printf "| collectives %s ranks, %s per rank | memra all_gather %s us (NCCL %s us); NCCL all_reduce of %s %s us; gather/reduce %s |\n", $2, $3, $4, $5, $6, $7, $8}'
+    echo "| nccl | $(grep -cE '^\[       OK \] Nccl' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \] Nccl' \
+        "$out/cuda_tests.log") failed, $(grep -cE '^\[  SKIPPED \] Nccl.* ms\)' "$out/cuda_tests.log") skipped ($(nvidia-smi -L | wc -l) GPU) |"
+    grep -h "measured \] nccl" "$out/cuda_tests.log" | sed 's/^\[ measured \] /| nccl cost | /; s/$/ |/'
 fi
 op_rows "$out/op_times_prefill.log" prefill 5
 op_rows "$out/op_times_decode.log" decode 12

@@ -1264,12 +1264,12 @@ __global__ void __launch_bounds__(kThreads) skinny_e4m3_kernel(const ProductPara
 // block of kWR x (8 / kWR) warps takes tile_rows(kMF, kWR) weight rows by tile_tokens(kNF, kWR) tokens; warp
 // (wr, wt) computes kMF 16-row fragments by kNF 8-token fragments, each output's chunk chain on its own
 // accumulators, then adds it to the output's running sum in K order (and the canonical tree) in registers. K
-// goes a chunk at a time through kTileStages shared-memory stages: the weights by cp.async two chunks ahead, x
-// one chunk ahead, read as f32 into registers and stored rounded to bf16: with kXChunk the whole next chunk's x
-// is read as the chunk starts and stored as it ends (small tiles: their few spans per chunk would not hide the
-// reads' latency), else a span (32 K) at a time while the span before computes (large tiles, whose registers
-// would not hold a chunk). A staged row is 128 bf16 (256 bytes) whose 16-byte pieces are swizzled by the row's parity,
-// so a warp's fragment loads (rows g and g + 1 in a phase) touch every bank once.
+// goes a chunk at a time through kTileStages shared-memory stages: the weights by cp.async kTileStages - 1 chunks
+// ahead, x one chunk ahead, read as f32 into registers and stored rounded to bf16: with kXChunk the whole next
+// chunk's x is read as the chunk starts and stored as it ends (small tiles: their few spans per chunk would not
+// hide the reads' latency), else a span (32 K) at a time while the span before computes (large tiles, whose
+// registers would not hold a chunk). Either staged row layout (tile_offset) has a warp's fragment loads (rows g and
+// g + 1 in a phase) touch every bank once.
 
 // The tile layout: small tiles (kXChunk) in two stages of rows padded to 320 bytes (conflict-free by the pad),
 // large ones in three stages of unpadded, swizzled rows (the pad would not fit). Measured on the H200 at 40-64
@@ -1286,7 +1286,8 @@ constexpr int64_t tile_smem_bytes(int rows, int tokens, int stages, int stride, 
     return int64_t{stages} * (rows + tokens) * stride * 2 + (canonical ? int64_t{rows} * tokens * 4 : 0);
 }
 
-// The staged offset (bf16 elements) of 16-byte piece `piece` (0 .. 15) of staged row `row`.
+// The staged offset (bf16 elements) of 16-byte piece `piece` (0 .. 15) of staged row `row`: padded rows as they
+// are, unpadded ones (128 bf16, 256 bytes) with their pieces swizzled by the row's parity.
 template <int kStride>
 __device__ __forceinline__ int tile_offset(int row, int piece) {
     if constexpr (kStride != kMmaChunk) return row * kStride + 8 * piece;
@@ -1467,7 +1468,8 @@ __global__ void __launch_bounds__(kThreads, kMF == 1 ? 2 : 1) gemm_bf16_kernel(c
                     run[m][j][e] = __fadd_rn(ch.j == 0 ? 0.0f : run[m][j][e], acc[m][j][e]);
                     if (ch.j == per_seg - 1) {  // the output once the last segment ends
                         float *top = s_top + ((m * kNF + j) * 4 + e) * kThreads + tid;
-                        run[m][j][e] = fold_segment<kOp>(run[m][j][e], ch.seg, n_segs, level[m][j][e], run[m][j][e], top);
+                        run[m][j][e] =
+                            fold_segment<kOp>(run[m][j][e], ch.seg, n_segs, level[m][j][e], run[m][j][e], top);
                     }
                 }
             }
@@ -1664,11 +1666,9 @@ cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
     }
     if (p.n_tokens <= 16) return launch_mma_tokens<2, 4, kOp>(p, stream);
     if (p.n_tokens <= 32) return launch_mma_tokens<4, 4, kOp>(p, stream);
-    if constexpr (kOp == Op::kGrouped) {
-        return launch_gemm<kOp, 1, 2, 4, true>(p, stream);  // 64 x 32 (a token tile's runs: up to 32 blocks)
-    } else if constexpr (kOp == Op::kCanonical) {
-        // 64 x 32 at every size (measured on the H200: 128 x 32 and 128 x 64 tiles, a span of x at a time, 4-60 %
-        // slower from 40 to 512 tokens)
+    if constexpr (kOp != Op::kMatmul) {
+        // 64 x 32 at every size. Grouped: a token tile's runs, up to 32 blocks. Canonical: measured on the H200,
+        // 128 x 32 and 128 x 64 tiles (a span of x at a time) are 4-60 % slower from 40 to 512 tokens.
         return launch_gemm<kOp, 1, 2, 4, true>(p, stream);
     } else {
         // 64 x 64 (two blocks per SM) or 128 x 128 (one), whichever leaves the busiest SM less work: measured on the
