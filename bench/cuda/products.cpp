@@ -168,6 +168,61 @@ void bm_bf16_product(benchmark::State &state) {
                  state.range(3) != 0);
 }
 
+// args: set, fused (0/1), tokens. Products of one x by several bf16 matrices of K 4096 (rotating copies): set 0
+// the E128 SWA layer's q, k, v and head gate ([12288 | 1024 | 1024 | 96]), set 1 the shared expert's gate and up
+// ([1280 | 1280]); as one launch per matrix (cuda_matmul) or one for all (cuda_matmul_multi).
+void bm_bf16_multi(benchmark::State &state) {
+    if (!gpu_present()) {
+        state.SkipWithError("no CUDA device");
+        return;
+    }
+    constexpr int64_t kK = 4096;
+    const std::vector<int64_t> rows = state.range(0) == 0 ? std::vector<int64_t>{12288, 1024, 1024, 96}
+                                                          : std::vector<int64_t>{1280, 1280};
+    const bool fused = state.range(1) != 0;
+    const int64_t tokens = state.range(2);
+    const int n = static_cast<int>(rows.size());
+    std::vector<std::vector<std::unique_ptr<DeviceBlock>>> w;
+    std::vector<std::unique_ptr<DeviceBlock>> y;
+    std::vector<cuda::CudaMatrix> m(rows.size());
+    double weight_bytes = 0.0;
+    for (int i = 0; i < n; ++i) {
+        const auto r = rows[static_cast<size_t>(i)];
+        w.push_back(rotating_weights(static_cast<size_t>(r * kK * 2)));
+        y.push_back(std::make_unique<DeviceBlock>(static_cast<size_t>(tokens * r * 4), false));
+        cuda::CudaMatrix &mi = m[static_cast<size_t>(i)];
+        mi.dtype = DType::kBF16;
+        mi.rows = r;
+        mi.cols = kK;
+        mi.full_rows = r;
+        mi.k_full = kK;
+        mi.act = cuda::ActRounding::kBf16;
+        weight_bytes += static_cast<double>(r * kK * 2);
+    }
+    const auto x = random_activations(tokens * kK, 3);
+    const auto *xp = static_cast<const float *>(x->ptr);
+    size_t turn = 0;
+    const auto launch = [&] {
+        const cuda::CudaMatrix *parts[cuda::kMaxMultiParts] = {};
+        float *ys[cuda::kMaxMultiParts] = {};
+        for (int i = 0; i < n; ++i) {
+            const auto &wi = w[static_cast<size_t>(i)];
+            m[static_cast<size_t>(i)].data = wi[turn % wi.size()]->ptr;
+            parts[i] = &m[static_cast<size_t>(i)];
+            ys[i] = static_cast<float *>(y[static_cast<size_t>(i)]->ptr);
+        }
+        ++turn;
+        cudaError_t e = cudaSuccess;
+        if (fused) {
+            e = cuda::cuda_matmul_multi(parts, ys, n, xp, tokens, nullptr);
+        } else {
+            for (int i = 0; i < n && e == cudaSuccess; ++i) e = cuda::cuda_matmul(*parts[i], xp, tokens, ys[i], nullptr);
+        }
+        if (e != cudaSuccess) std::fprintf(stderr, "products: %s\n", cudaGetErrorString(e));
+    };
+    time_and_report(state, launch, weight_bytes, 2.0 * weight_bytes / 2.0 * static_cast<double>(tokens));
+}
+
 // args: rows (experts), tokens. The MoE router: f32 weights [experts, 4096] times f32 activations in the exact
 // loop (the router stays f32 in device numerics), for E128 (128) and the release (288).
 void bm_f32_router(benchmark::State &state) {
@@ -302,6 +357,8 @@ void product_args(benchmark::internal::Benchmark *b) {
 }
 
 BENCHMARK(bm_bf16_product)->Apply(product_args)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_bf16_multi)->ArgNames({"set", "fused", "tokens"})->ArgsProduct({{0, 1}, {0, 1}, {1, 8}})
+    ->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_f32_router)->ArgNames({"experts", "tokens"})->Args({128, 1})->Args({288, 1})->Args({128, 8})
     ->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K"})->Args({2560, 4096})->Args({4096, 1280})->UseManualTime()

@@ -215,6 +215,13 @@ public:
     virtual void residual_add(TensorView a, TensorView b, TensorView out) = 0;
     // Column-parallel product y = x . W^T (cpu::matmul). x: [n, cols]; y: [n, rows].
     virtual void matmul(TensorView x, MatrixId w, TensorView y) = 0;
+    // Column-parallel products of one x by several matrices (the attention's q, k, v and gate; an MLP's gate and
+    // up): y[i] = matmul(x, w[i], y[i]) bit for bit, whatever the backend fuses (CUDA: up to 4 bf16 products of
+    // a few tokens in one launch). Here: one by one.
+    virtual void matmul_multi(TensorView x, std::span<const MatrixId> w, std::span<const TensorView> y) {
+        MEMRA_CHECK(w.size() == y.size(), "matmul_multi: {} matrices but {} outputs", w.size(), y.size());
+        for (size_t i = 0; i < w.size(); ++i) matmul(x, w[i], y[i]);
+    }
     // Row-parallel product over the canonical K blocks w holds (cpu::matmul_canonical): all 8 for a whole
     // matrix (the TP = 1 product), the rank's aligned subtree sum for a K window (finished across ranks by
     // canonical_combine). x: [n, K columns held]; y: [n, rows]; workspace: canonical_workspace_floats(n, w).

@@ -7,6 +7,7 @@
 #include "model/step35_forward.h"
 
 #include <algorithm>
+#include <span>
 #include <utility>
 
 #include "core/check.h"
@@ -391,10 +392,11 @@ Result<void> Step35Forward::attention_block(int layer, const StepTables &t, int 
     const TensorView k = mat(k_, n, kv_w);   // [n, n_kv_heads * head_dim]
     const TensorView v = mat(v_, n, kv_w);   // [n, n_kv_heads * head_dim]
     const TensorView gate = w.attn.g.valid() ? mat(g_, n, n_heads) : TensorView{};  // [n, n_heads] logits
-    be.matmul(a, w.attn.q, q);
-    be.matmul(a, w.attn.k, k);
-    be.matmul(a, w.attn.v, v);
-    if (w.attn.g.valid()) be.matmul(a, w.attn.g, gate);
+    // q, k, v and the head gate (when the layer has one) from the one normed x.
+    const MatrixId proj_w[] = {w.attn.q, w.attn.k, w.attn.v, w.attn.g};
+    const TensorView proj_y[] = {q, k, v, gate};
+    const size_t n_proj = w.attn.g.valid() ? 4 : 3;
+    be.matmul_multi(a, std::span(proj_w, n_proj), std::span(proj_y, n_proj));
     be.rms_norm_heads(q, n_heads, g.head_dim, w.attn.q_norm, eps_);
     be.rms_norm_heads(k, n_kv_heads, g.head_dim, w.attn.k_norm, eps_);
     const RopeId rope = rope_[static_cast<size_t>(layer)];
@@ -470,8 +472,9 @@ Result<void> Step35Forward::ffn_block(int layer, TensorView x) {
     if (g.ffn == FfnKind::kDense) {
         const TensorView gate = mat(ff_gate_, n, dims.d_ff);  // [n, d_ff] (a TP rank: its d_ff slice)
         const TensorView up = mat(ff_up_, n, dims.d_ff);
-        be.matmul(a, w.mlp.gate, gate);
-        be.matmul(a, w.mlp.up, up);
+        const MatrixId mlp_w[] = {w.mlp.gate, w.mlp.up};
+        const TensorView mlp_y[] = {gate, up};
+        be.matmul_multi(a, mlp_w, mlp_y);
         be.swiglu(gate, up, g.clamp_shared, gate);
         if (auto ok = row_parallel(gate, w.mlp.down, out, "down_proj"); !ok) {
             return wrap_error(fmt::format("layer {}", layer), ok.error());

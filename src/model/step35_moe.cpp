@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <span>
 #include <utility>
 
 #include <fmt/format.h>
@@ -204,8 +205,9 @@ Result<void> MoeState::run(TensorView residual, TensorView out, const MoeObserve
     const TensorView s_gate = mat(s_gate_, n_, shape_.d_shared);  // [n, d_shared]
     const TensorView s_up = mat(s_up_, n_, shape_.d_shared);
     const TensorView shared = mat(shared_, n_, d);  // [n, d_model]
-    be.matmul(x_, w.moe.shared.gate, s_gate);
-    be.matmul(x_, w.moe.shared.up, s_up);
+    const MatrixId shared_w[] = {w.moe.shared.gate, w.moe.shared.up};
+    const TensorView shared_y[] = {s_gate, s_up};
+    be.matmul_multi(x_, shared_w, shared_y);
     be.swiglu(s_gate, s_up, g.clamp_shared, s_gate);
     be.matmul_canonical(s_gate, w.moe.shared.down, shared, workspace_);
     if (observe) observe(MoeStage::kSharedOut, shared);

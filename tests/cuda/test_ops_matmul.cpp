@@ -829,6 +829,80 @@ TEST(CudaMatmulBatch, DecodeAndTiledShapesKeepTheirBits) {
     }
 }
 
+// Products of one x by several matrices in one launch (cuda_matmul_multi: the attention's q, k, v and gate, an
+// MLP's gate and up): each part's outputs carry the bits of its own product, at every decode width, with parts
+// of uneven rows (a part ending inside a row tile and a tile group; K 256 groups 4 row tiles), K whose rows are
+// not 16-byte groups (260), and 2 to 4 parts; the output beyond each part's rows stays untouched. What cannot be
+// one launch is refused with nothing written.
+TEST(CudaMatmulMulti, EveryPartKeepsTheBitsOfItsOwnProduct) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    struct Case {
+        int64_t cols;
+        std::vector<int64_t> rows;
+    };
+    for (const Case &c : {Case{1024, {257, 40, 1000, 96}}, Case{256, {70, 9}}, Case{260, {33, 130, 16}},
+                          Case{4096, {1280, 1280}}}) {
+        const int n = static_cast<int>(c.rows.size());
+        std::vector<Weights> ws;
+        std::vector<GpuMatrix> gms(c.rows.size());
+        std::vector<const CudaMatrix *> parts;
+        for (int i = 0; i < n; ++i) {
+            ws.push_back(make_weights(DType::kBF16, 1, c.rows[sz(i)], c.cols, 300 + static_cast<uint32_t>(i)));
+            ASSERT_NO_FATAL_FAILURE(gpu_upload(ws.back().matrix(), MatrixWindow::whole(ws.back().matrix()), &gms[sz(i)]));
+            parts.push_back(&gms[sz(i)].w);
+        }
+        for (int64_t tokens = 1; tokens <= 8; ++tokens) {
+            const Floats x = activations(tokens, c.cols, 400 + static_cast<uint32_t>(tokens));
+            const DeviceBuffer dx = to_device(x);
+            constexpr float kSentinel = -12345.0f;
+            std::vector<DeviceBuffer> dys;
+            std::vector<float *> ys;
+            for (int i = 0; i < n; ++i) {
+                // One row of slack past the part's outputs, which must keep the sentinel.
+                dys.push_back(to_device(Floats(sz((tokens + 1) * c.rows[sz(i)]), kSentinel)));
+                ys.push_back(dys.back().as<float>());
+            }
+            const cudaError_t err = cuda::cuda_matmul_multi(parts.data(), ys.data(), n, dx.as<float>(), tokens, nullptr);
+            ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            for (int i = 0; i < n; ++i) {
+                const int64_t rows = c.rows[sz(i)];
+                const Floats got = from_device<float>(dys[sz(i)], sz((tokens + 1) * rows));
+                Floats want;
+                ASSERT_NO_FATAL_FAILURE(gpu_product(gms[sz(i)].w, Product::kMatmul, x, tokens, &want));
+                const std::string what = describe(ws[sz(i)], tokens) + " part " + std::to_string(i) + " of " +
+                                         std::to_string(n);
+                EXPECT_SAME_BITS(Floats(got.begin(), got.begin() + tokens * rows), want, what);
+                EXPECT_EQ(std::count(got.begin() + tokens * rows, got.end(), kSentinel), rows) << what;
+            }
+        }
+    }
+
+    // Refused, nothing written: more than 8 tokens, more than 4 parts, K that differs, a matrix that is not bf16.
+    const Weights a = make_weights(DType::kBF16, 1, 32, 128, 1);
+    const Weights b = make_weights(DType::kBF16, 1, 32, 256, 2);
+    const Weights f = make_weights(DType::kF32, 1, 32, 128, 3);
+    GpuMatrix ga;
+    GpuMatrix gb;
+    GpuMatrix gf;
+    ASSERT_NO_FATAL_FAILURE(gpu_upload(a.matrix(), MatrixWindow::whole(a.matrix()), &ga));
+    ASSERT_NO_FATAL_FAILURE(gpu_upload(b.matrix(), MatrixWindow::whole(b.matrix()), &gb));
+    ASSERT_NO_FATAL_FAILURE(gpu_upload(f.matrix(), MatrixWindow::whole(f.matrix()), &gf));
+    const DeviceBuffer dx = to_device(activations(9, 256, 5));
+    const DeviceBuffer dy = to_device(Floats(9 * 32, 7.0f));
+    float *y5[5] = {dy.as<float>(), dy.as<float>(), dy.as<float>(), dy.as<float>(), dy.as<float>()};
+    const CudaMatrix *five[5] = {&ga.w, &ga.w, &ga.w, &ga.w, &ga.w};
+    const CudaMatrix *mixed_k[2] = {&ga.w, &gb.w};
+    const CudaMatrix *mixed_dtype[2] = {&ga.w, &gf.w};
+    EXPECT_EQ(cuda::cuda_matmul_multi(five, y5, 1, dx.as<float>(), 9, nullptr), cudaErrorNotSupported);
+    EXPECT_EQ(cuda::cuda_matmul_multi(five, y5, 5, dx.as<float>(), 1, nullptr), cudaErrorNotSupported);
+    EXPECT_EQ(cuda::cuda_matmul_multi(mixed_k, y5, 2, dx.as<float>(), 1, nullptr), cudaErrorNotSupported);
+    EXPECT_EQ(cuda::cuda_matmul_multi(mixed_dtype, y5, 2, dx.as<float>(), 1, nullptr), cudaErrorNotSupported);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Floats y = from_device<float>(dy, 9 * 32);
+    EXPECT_EQ(std::count(y.begin(), y.end(), 7.0f), 9 * 32);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Adversarial values, against every instruction path of this CPU.
 

@@ -491,6 +491,40 @@ void CudaBackend::matmul(TensorView x, MatrixId w, TensorView y) {
     launched_product("matmul", cuda_matmul(m, f32(x), x.rows(), f32(y), stream()), m, x.rows());
 }
 
+void CudaBackend::matmul_multi(TensorView x, std::span<const MatrixId> w, std::span<const TensorView> y) {
+    MEMRA_CHECK(w.size() == y.size(), "matmul_multi: {} matrices but {} outputs", w.size(), y.size());
+    const CudaMatrix *ms[kMaxMultiParts] = {};
+    float *ys[kMaxMultiParts] = {};
+    const int n = static_cast<int>(w.size());
+    cudaError_t e = cudaErrorNotSupported;
+    if (n <= kMaxMultiParts) {
+        for (int i = 0; i < n; ++i) {
+            ms[i] = &matrix(w[static_cast<size_t>(i)]);
+            op_checks::matmul("matmul_multi", x, ms[i]->rows, ms[i]->cols, y[static_cast<size_t>(i)]);
+            ys[i] = f32(y[static_cast<size_t>(i)]);
+        }
+        e = cuda_matmul_multi(ms, ys, n, f32(x), x.rows(), stream());
+    }
+    if (e == cudaErrorNotSupported) {  // not one launch: each product as matmul runs it
+        for (size_t i = 0; i < w.size(); ++i) matmul(x, w[i], y[i]);
+        return;
+    }
+    if (!profile_) {
+        launched("matmul_multi", e);
+        return;
+    }
+    // One profile row per shape list and token count, with the parts' weight bytes.
+    std::string key = "matmul_multi BF16 [";
+    int64_t bytes = 0;
+    for (int i = 0; i < n; ++i) {
+        key += fmt::format("{}{}", i == 0 ? "" : "+", ms[i]->rows);
+        bytes += ms[i]->rows * ms[i]->cols * 2;
+    }
+    key += fmt::format(", {}] x{}", ms[0]->cols, x.rows());
+    launched(key.c_str(), e);
+    op_times_[key].weight_bytes += bytes;
+}
+
 int64_t CudaBackend::canonical_workspace_floats(int64_t, MatrixId) const { return 0; }
 
 void CudaBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView) {

@@ -91,6 +91,7 @@ public:
     void add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) override;
     void residual_add(TensorView a, TensorView b, TensorView out) override;
     void matmul(TensorView x, MatrixId w, TensorView y) override;
+    void matmul_multi(TensorView x, std::span<const MatrixId> w, std::span<const TensorView> y) override;
     void matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) override;
     void matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) override;
     void canonical_combine(TensorView subtree_sums, TensorView out) override;

@@ -111,6 +111,17 @@ enum class Op : uint8_t {
     kGrouped,    // whole K, the row's expert found in the offsets
 };
 
+// One matrix of a stream_bf16_kernel product: a product of one x by up to kMaxMultiParts matrices of the same K
+// (the parts) runs as one launch, whose tile groups are those of the parts one after the other (a group never
+// spans two parts); a single matrix is one part.
+struct ProductPart {
+    const uint8_t *data;  // [rows, ld] bf16
+    float *y;             // [n_tokens, y_ld] f32
+    int64_t rows;
+    int64_t y_ld;
+    int64_t groups_end;   // tile groups of this part and those before it
+};
+
 struct ProductParams {
     // Weight: held row n starts at data + n * ld elements; held column c is absolute K k_begin + c.
     const uint8_t *data;     // [rows, ld] (grouped: expert e at data + e * expert_elems elements)
@@ -148,9 +159,12 @@ struct ProductParams {
     // The bf16 products: whether every 8-element group of a segment may be read as one 16-byte weight load and two
     // 16-byte x loads (aligned rows and segment starts, whole groups).
     bool vec = false;
-    // stream_bf16_kernel: tokens per block (B columns) and chunks per fold.
+    // stream_bf16_kernel: tokens per block (B columns) and chunks per fold; its parts (data, rows, y and y_ld
+    // above are part 0's).
     int64_t tile_tokens = 8;
     int64_t phase_chunks = 8;
+    int n_parts = 1;
+    ProductPart parts[kMaxMultiParts] = {};
 };
 
 // Bytes per stored weight element.
@@ -726,6 +740,35 @@ __device__ __forceinline__ MmaChunk stream_chunk(const ProductParams &p, const S
     return ch;
 }
 
+// Tile group `group` of a stream_bf16_kernel product (`tiles` row tiles): its part's weights (`offset` bytes in:
+// a grouped product's expert), output and rows, and the part row of the group's first row. Only kMatmul
+// products have several parts.
+struct StreamGroup {
+    const uint8_t *data;
+    float *y;
+    int64_t rows;
+    int64_t y_ld;
+    int64_t row0;
+};
+template <Op kOp>
+__device__ __forceinline__ StreamGroup stream_group(const ProductParams &p, int64_t group, int tiles,
+                                                    int64_t offset) {
+    StreamGroup sg{p.parts[0].data, p.parts[0].y, p.parts[0].rows, p.parts[0].y_ld, 0};
+    int64_t first = 0;  // the part's first group
+    if constexpr (kOp == Op::kMatmul) {
+#pragma unroll
+        for (int i = 1; i < kMaxMultiParts; ++i) {  // (unrolled: the parameters are never indexed at run time)
+            if (i < p.n_parts && group >= p.parts[i - 1].groups_end) {
+                sg = {p.parts[i].data, p.parts[i].y, p.parts[i].rows, p.parts[i].y_ld, 0};
+                first = p.parts[i - 1].groups_end;
+            }
+        }
+    }
+    sg.data += offset;
+    sg.row0 = (group - first) * tiles * 16;
+    return sg;
+}
+
 template <Op kOp, bool kVec>
 __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductParams p) {
     constexpr int kDepth = kStreamDepth;
@@ -749,25 +792,35 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
     if (!block_tokens<kOp>(p, blockIdx.y, tokens, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
     const int live = static_cast<int>(t_hi - t_lo);
 
-    // Tile group i of the block covers row tiles (blockIdx.x + i gridDim.x) tiles + 0 .. tiles - 1; per group
-    // this warp takes its m chunks kw + tile_warps j, j < m, in order.
-    const int64_t row_tiles = (p.rows + 15) / 16;
-    const int64_t n_groups = (row_tiles + sh.tiles - 1) / sh.tiles;
+    // The block's tile group i is group blockIdx.x + i gridDim.x of the parts' groups (each covers `tiles` row
+    // tiles of one part); per group this warp takes its m chunks kw + tile_warps j, j < m, in order.
+    int64_t n_groups = p.parts[0].groups_end;
+    if constexpr (kOp == Op::kMatmul) {
+#pragma unroll
+        for (int i = 1; i < kMaxMultiParts; ++i) n_groups = i < p.n_parts ? p.parts[i].groups_end : n_groups;
+    }
     const int64_t my_groups = blockIdx.x < n_groups ? (n_groups - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     const int m = (sh.n_chunks - kw + sh.tile_warps - 1) / sh.tile_warps;
-    const int64_t group_rows = static_cast<int64_t>(gridDim.x) * sh.tiles * 16;  // rows between groups
+    const int64_t expert_offset = wdata - p.data;  // bytes: a grouped product's expert (one part)
+    const auto group_of = [&](int64_t i) {
+        return stream_group<kOp>(p, static_cast<int64_t>(blockIdx.x) + i * gridDim.x, sh.tiles, expert_offset);
+    };
 
-    // The weight loads run kDepth steps ahead: step (li, lj) is chunk kw + tile_warps lj of group li.
+    // The weight loads run kDepth steps ahead: step (li, lj) is chunk kw + tile_warps lj of group li (held in
+    // lg across its steps where the group may be in any of several parts; else found at each step, for fewer
+    // registers).
     int64_t li = 0;
     int lj = 0;
+    StreamGroup lg = group_of(0);
     const auto load_next = [&](uint4 (&a)[kMmaSpans][2]) {
         const bool any = li < my_groups;
         const MmaChunk ch = stream_chunk<kOp>(p, sh, any ? kw + sh.tile_warps * lj : 0);
-        const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * sh.tiles + rt) * 16 + li * group_rows;
-        const bool has_a = any && row0 + g < p.rows;
-        const bool has_b = any && row0 + g + 8 < p.rows;
-        const uint8_t *wa = wdata + (has_a ? row0 + g : 0) * p.ld * 2;
-        const uint8_t *wb = wdata + (has_b ? row0 + g + 8 : 0) * p.ld * 2;
+        if constexpr (kOp != Op::kMatmul) lg = group_of(li);
+        const int64_t row0 = lg.row0 + rt * 16;
+        const bool has_a = any && row0 + g < lg.rows;
+        const bool has_b = any && row0 + g + 8 < lg.rows;
+        const uint8_t *wa = lg.data + (has_a ? row0 + g : 0) * p.ld * 2;
+        const uint8_t *wb = lg.data + (has_b ? row0 + g + 8 : 0) * p.ld * 2;
         const int64_t end = ch.end - p.k_begin;
 #pragma unroll
         for (int s = 0; s < kMmaSpans; ++s) {
@@ -779,6 +832,7 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
         if (++lj == m) {
             lj = 0;
             ++li;
+            if (kOp == Op::kMatmul && li < my_groups) lg = group_of(li);
         }
     };
     uint4 a[kDepth][kMmaSpans][2];
@@ -858,7 +912,7 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
 
     int u = 0;  // steps taken, mod kDepth: the buffer of the next one
     for (int64_t i = 0; i < my_groups; ++i) {
-        const int64_t row_base = (static_cast<int64_t>(blockIdx.x) * sh.tiles) * 16 + i * group_rows;
+        const StreamGroup og = group_of(i);  // the group whose outputs this pass folds
         for (int ph = 0; ph < n_phases; ++ph) {
             const int c0 = ph * phase;
             const int j_end = min(m, (ph + 1) * per_phase);
@@ -875,8 +929,8 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
                 const int o_rt = o / (tokens * 16);
                 const int col = (o / 16) % tokens;
                 const int r = o % 16;
-                const int64_t n = row_base + o_rt * 16 + r;
-                if (col >= live || n >= p.rows) continue;
+                const int64_t n = og.row0 + o_rt * 16 + r;
+                if (col >= live || n >= og.rows) continue;
                 if (c0 == 0) {
                     run = out = 0.0f;
                     level[0] = level[1] = level[2] = level[3] = 0.0f;
@@ -888,7 +942,7 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
                     run = __fadd_rn(j == 0 ? 0.0f : run, v);
                     if (j == sh.per_seg - 1) out = fold_segment<kOp>(run, seg, sh.n_segs, level, out);
                 }
-                if (c1 == sh.n_chunks) p.y[(t_lo + col) * p.y_ld + n] = out;
+                if (c1 == sh.n_chunks) og.y[(t_lo + col) * og.y_ld + n] = out;
             }
             __syncthreads();  // the partials were read before the next phase writes them
         }
@@ -1625,7 +1679,12 @@ cudaError_t launch_stream(ProductParams p, cudaStream_t stream) {
     p.phase_chunks = phase;
     const int64_t token_tiles = ceil_div(p.n_tokens, tokens);
     const int64_t runs = kOp == Op::kGrouped ? tokens : 1;
-    const int64_t groups = ceil_div(ceil_div(p.rows, 16), sh.tiles);
+    if (p.n_parts == 1) p.parts[0] = {p.data, p.y, p.rows, p.y_ld, 0};
+    int64_t groups = 0;
+    for (int i = 0; i < p.n_parts; ++i) {
+        groups += ceil_div(ceil_div(p.parts[i].rows, 16), sh.tiles);
+        p.parts[i].groups_end = groups;
+    }
     const int64_t gx = std::clamp<int64_t>(ceil_div(dev.sms * per_sm, token_tiles * runs), 1, groups);
     const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(token_tiles), static_cast<unsigned>(runs));
     kernel<<<grid, kThreads, static_cast<size_t>(smem), stream>>>(p);
@@ -1654,12 +1713,22 @@ cudaError_t launch_gemm(const ProductParams &p, cudaStream_t stream) {
 // to 8 tokens, stream_bf16_kernel (where one token's x fits a block's shared memory); up to 16, mma_bf16_kernel's
 // two tiles of 4 warps; up to 32, its 32-token tiles; more, gemm_bf16_kernel (measured on the H200: the tiled
 // GEMM is 2-3x faster from 40 tokens on, the split-K rounds faster below 32).
+// Whether a bf16 product may read its weights and x in 16-byte groups (ProductParams::vec), every part's
+// weights included.
 template <Op kOp>
-cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
+bool mma_vec(const ProductParams &p) {
     const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
     const int64_t seg0 = p.k0 - p.k_begin;
-    p.vec = reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.ld % 8 == 0 && seg0 % 8 == 0 && seg_len % 8 == 0 &&
-            p.expert_elems % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_ld % 4 == 0;
+    bool vec = reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.ld % 8 == 0 && seg0 % 8 == 0 &&
+               seg_len % 8 == 0 && p.expert_elems % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+               p.x_ld % 4 == 0;
+    for (int i = 1; i < p.n_parts; ++i) vec = vec && reinterpret_cast<uintptr_t>(p.parts[i].data) % 16 == 0;
+    return vec;
+}
+
+template <Op kOp>
+cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
+    p.vec = mma_vec<kOp>(p);
     if (ceil_div(p.n_tokens, 8) > 65535 || ceil_div(p.rows, 16) > INT32_MAX) return cudaErrorInvalidValue;
     if (p.n_tokens <= 8) {
         if (const cudaError_t e = launch_stream<kOp>(p, stream); e != cudaErrorNotSupported) return e;
@@ -1784,6 +1853,25 @@ cudaError_t cuda_matmul(const CudaMatrix &w, const float *x, int64_t n_tokens, f
     p.k0 = 0;
     p.k1 = w.cols;
     return dispatch<Op::kMatmul>(w.dtype, w.act, p, stream);
+}
+
+cudaError_t cuda_matmul_multi(const CudaMatrix *const *w, float *const *y, int n, const float *x, int64_t n_tokens,
+                              cudaStream_t stream) {
+    if (n < 1 || n > kMaxMultiParts || n_tokens < 1 || n_tokens > 8 || x == nullptr) return cudaErrorNotSupported;
+    for (int i = 0; i < n; ++i) {
+        const CudaMatrix &m = *w[i];
+        if (m.dtype != DType::kBF16 || m.act != ActRounding::kBf16 || m.rows <= 0 || m.cols != w[0]->cols ||
+            m.k_begin != 0 || m.cols != m.k_full || m.data == nullptr || y[i] == nullptr) {
+            return cudaErrorNotSupported;
+        }
+    }
+    ProductParams p = matrix_params(*w[0], x, n_tokens, y[0]);
+    p.k0 = 0;
+    p.k1 = w[0]->cols;
+    p.n_parts = n;
+    for (int i = 0; i < n; ++i) p.parts[i] = {static_cast<const uint8_t *>(w[i]->data), y[i], w[i]->rows, w[i]->rows, 0};
+    p.vec = mma_vec<Op::kMatmul>(p);
+    return launch_stream<Op::kMatmul>(p, stream);
 }
 
 bool cuda_canonical_blocks(const CudaMatrix &w, int64_t *block_begin, int64_t *block_end) {

@@ -74,6 +74,13 @@ struct CudaBank {
 // whole K. w must hold every K column. x: [n_tokens, w.cols] f32; y: [n_tokens, w.rows] f32.
 cudaError_t cuda_matmul(const CudaMatrix &w, const float *x, int64_t n_tokens, float *y, cudaStream_t stream);
 
+// cuda_matmul(*w[i], x, n_tokens, y[i]) for i < n, bit for bit, as one launch: up to kMaxMultiParts BF16
+// matrices (kBf16 activations) of one K, every K column held, 1 to 8 tokens. cudaErrorNotSupported where they
+// cannot be one launch (then nothing ran: the caller runs them one by one).
+constexpr int kMaxMultiParts = 4;
+cudaError_t cuda_matmul_multi(const CudaMatrix *const *w, float *const *y, int n, const float *x, int64_t n_tokens,
+                              cudaStream_t stream);
+
 // The canonical blocks w holds: [k_begin / B, (k_begin + cols) / B) with B = k_full / 8, all 8 for a whole
 // matrix. False when k_full is not a multiple of 8 (no canonical blocks: the row-parallel product is refused).
 bool cuda_canonical_blocks(const CudaMatrix &w, int64_t *block_begin, int64_t *block_end);
