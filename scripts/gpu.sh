@@ -294,8 +294,11 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
           f"({100 * b['vs_copy']:.0f} % of copy); torch {p.get('us', 0):.1f} us {p.get('weight_GB/s', 0):.0f} GB/s |")
 for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchmarks"]:
     if b["name"].startswith("bm_e4m3_grouped") and "weight_GB/s" in b:
-        print(f"| K3 {b['name'].split('/iter')[0]} (8 experts, 1 row each) | {b['real_time']:.1f} us "
-              f"{b['weight_GB/s']:.0f} GB/s ({100 * b['vs_copy']:.0f} % of copy) |")
+        print(f"| K3-K5 {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us {b['weight_GB/s']:.0f} GB/s "
+              f"({100 * b['vs_copy']:.0f} % of copy), {b['TFLOP/s']:.1f} TFLOP/s |")
+    if b["name"].startswith("bm_bf16_multi") and "weight_GB/s" in b:
+        print(f"| K1 {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us {b['weight_GB/s']:.0f} GB/s "
+              f"({100 * b['vs_copy']:.0f} % of copy) |")
     if b["name"].startswith("bm_decode_attention"):
         a = dict(kv.split(":") for kv in b["name"].split("/")[1:6])
         kv = "q8_0/q5_1" if a["q8q5"] == "1" else "bf16"

@@ -229,29 +229,33 @@ void bm_f32_router(benchmark::State &state) {
     time_product(state, DType::kF32, cuda::ActRounding::kNone, state.range(0), 4096, state.range(1), false);
 }
 
-// args: rows, K. The routed experts of one token at batch 1 (K3): 8 FP8 experts [rows, K] with 128x128 scale
-// tiles, one row of x each (W8A8: e4m3 activation groups of 128), as the decode step's grouped product runs them.
+// args: rows, K, experts, pairs. Routed experts (K3, K4, K5): FP8 experts [rows, K] with 128x128 scale tiles
+// (W8A8: e4m3 activation groups of 128), `pairs` rows of x spread evenly over `experts` of them, as a step's
+// grouped product runs them: 8 experts of one row each at batch 1; 128 experts of 2 rows at batch 32 (E128);
+// 32 rows each at 512 tokens (prefill). The weight bytes count every expert with rows once; with few rows per
+// expert the products are memory-bound (vs_copy), with many compute-bound (TFLOP/s).
 void bm_e4m3_grouped(benchmark::State &state) {
     if (!gpu_present()) {
         state.SkipWithError("no CUDA device");
         return;
     }
-    constexpr int64_t kExperts = 8;
     const int64_t rows = state.range(0);
     const int64_t k = state.range(1);
-    const size_t weight_bytes = static_cast<size_t>(kExperts * rows * k);
-    const int64_t tiles = kExperts * ((rows + 127) / 128) * ((k + 127) / 128);
+    const int64_t experts = state.range(2);
+    const int64_t pairs = state.range(3);
+    const size_t weight_bytes = static_cast<size_t>(experts * rows * k);
+    const int64_t tiles = experts * ((rows + 127) / 128) * ((k + 127) / 128);
     // The bf16 patterns' bytes as e4m3 codes, NaN codes (0x7f, 0xff) among them: the work does not depend on them.
     const auto w = rotating_weights(weight_bytes);
     const auto scales = device_copy(std::vector<float>(static_cast<size_t>(tiles), 1.0f / 256.0f));
-    const auto x = random_activations(kExperts * k, 5);
-    std::vector<int32_t> offsets(kExperts + 1);
-    for (int64_t e = 0; e <= kExperts; ++e) offsets[static_cast<size_t>(e)] = static_cast<int32_t>(e);
+    const auto x = random_activations(pairs * k, 5);
+    std::vector<int32_t> offsets(static_cast<size_t>(experts + 1));
+    for (int64_t e = 0; e <= experts; ++e) offsets[static_cast<size_t>(e)] = static_cast<int32_t>(e * pairs / experts);
     const auto d_offsets = device_copy(offsets);
-    DeviceBlock y(static_cast<size_t>(kExperts * rows * 4), false);
+    DeviceBlock y(static_cast<size_t>(pairs * rows * 4), false);
     cuda::CudaBank b;
     b.dtype = DType::kF8E4M3;
-    b.n_experts = kExperts;
+    b.n_experts = experts;
     b.rows = rows;
     b.cols = k;
     b.scale_inv = static_cast<const float *>(scales->ptr);
@@ -259,12 +263,12 @@ void bm_e4m3_grouped(benchmark::State &state) {
     size_t turn = 0;
     const auto launch = [&] {
         b.data = w[turn++ % w.size()]->ptr;
-        const cudaError_t e = cuda::cuda_matmul_grouped(b, static_cast<const float *>(x->ptr), kExperts,
-                                                        static_cast<const int32_t *>(d_offsets->ptr),
-                                                        kExperts + 1, static_cast<float *>(y.ptr), nullptr);
+        const cudaError_t e = cuda::cuda_matmul_grouped(b, static_cast<const float *>(x->ptr), pairs,
+                                                        static_cast<const int32_t *>(d_offsets->ptr), experts + 1,
+                                                        static_cast<float *>(y.ptr), nullptr);
         if (e != cudaSuccess) std::fprintf(stderr, "grouped: %s\n", cudaGetErrorString(e));
     };
-    time_and_report(state, launch, static_cast<double>(weight_bytes));
+    time_and_report(state, launch, static_cast<double>(weight_bytes), 2.0 * static_cast<double>(pairs * rows * k));
 }
 
 // args: positions, query heads, window (0: full), split (0/1), q8q5 (0/1). One decode row of the release
@@ -361,8 +365,10 @@ BENCHMARK(bm_bf16_multi)->ArgNames({"set", "fused", "tokens"})->ArgsProduct({{0,
     ->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_f32_router)->ArgNames({"experts", "tokens"})->Args({128, 1})->Args({288, 1})->Args({128, 8})
     ->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
-BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K"})->Args({2560, 4096})->Args({4096, 1280})->UseManualTime()
-    ->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K", "experts", "pairs"})->Args({2560, 4096, 8, 8})
+    ->Args({4096, 1280, 8, 8})->Args({1280, 4096, 128, 256})->Args({4096, 1280, 128, 256})
+    ->Args({1280, 4096, 128, 4096})->Args({4096, 1280, 128, 4096})->UseManualTime()->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_decode_attention)->ArgNames({"positions", "heads", "window", "split", "q8q5"})
     ->ArgsProduct({{8192}, {64}, {0}, {0, 1}, {0, 1}})->Args({512, 96, 512, 1, 0})->Args({512, 96, 512, 1, 1})
     ->Args({4096, 64, 0, 1, 1})->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);

@@ -656,9 +656,10 @@ TEST(CudaMatmulGrouped, EveryBankEqualsTheCpuWithEmptyExpertsAndUnevenOffsets) {
                           {DType::kF32, 100, 128, 128},    {DType::kF16, 130, 128, 128}};
     const int64_t n_layer_experts = 8;
     const int64_t rows = 40;
-    // Rows per expert of the layer: empty experts, uneven counts.
-    const std::vector<std::vector<int32_t>> count_sets = {
-        {3, 0, 5, 1, 0, 0, 7, 2}, {0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 9, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 1}};
+    // Rows per expert of the layer: empty experts, uneven counts (up to 20 rows of one expert).
+    const std::vector<std::vector<int32_t>> count_sets = {{3, 0, 5, 1, 0, 0, 7, 2}, {0, 0, 0, 0, 0, 0, 0, 0},
+                                                          {0, 0, 9, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 1},
+                                                          {20, 0, 3, 17, 0, 1, 0, 9}};
     const BankWindow windows[] = {{0, 8}, {2, 6}, {7, 8}};
     uint32_t seed = 900;
     for (const Kind &k : kinds) {
