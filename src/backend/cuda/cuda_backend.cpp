@@ -506,7 +506,7 @@ void CudaBackend::matmul_multi(TensorView x, std::span<const MatrixId> w, std::s
         e = cuda_matmul_multi(ms, ys, n, f32(x), x.rows(), stream());
     }
     if (e == cudaErrorNotSupported) {  // not one launch: each product as matmul runs it
-        for (size_t i = 0; i < w.size(); ++i) matmul(x, w[i], y[i]);
+        Backend::matmul_multi(x, w, y);
         return;
     }
     if (!profile_) {

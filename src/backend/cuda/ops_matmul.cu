@@ -1709,10 +1709,6 @@ cudaError_t launch_gemm(const ProductParams &p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// A bf16 product on the tensor cores. Kernels and tile shapes follow the token count (never an output's bits): up
-// to 8 tokens, stream_bf16_kernel (where one token's x fits a block's shared memory); up to 16, mma_bf16_kernel's
-// two tiles of 4 warps; up to 32, its 32-token tiles; more, gemm_bf16_kernel (measured on the H200: the tiled
-// GEMM is 2-3x faster from 40 tokens on, the split-K rounds faster below 32).
 // Whether a bf16 product may read its weights and x in 16-byte groups (ProductParams::vec), every part's
 // weights included.
 template <Op kOp>
@@ -1726,6 +1722,10 @@ bool mma_vec(const ProductParams &p) {
     return vec;
 }
 
+// A bf16 product on the tensor cores. Kernels and tile shapes follow the token count (never an output's bits): up
+// to 8 tokens, stream_bf16_kernel (where one token's x fits a block's shared memory); up to 16, mma_bf16_kernel's
+// two tiles of 4 warps; up to 32, its 32-token tiles; more, gemm_bf16_kernel (measured on the H200: the tiled
+// GEMM is 2-3x faster from 40 tokens on, the split-K rounds faster below 32).
 template <Op kOp>
 cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
     p.vec = mma_vec<kOp>(p);
@@ -1869,7 +1869,9 @@ cudaError_t cuda_matmul_multi(const CudaMatrix *const *w, float *const *y, int n
     p.k0 = 0;
     p.k1 = w[0]->cols;
     p.n_parts = n;
-    for (int i = 0; i < n; ++i) p.parts[i] = {static_cast<const uint8_t *>(w[i]->data), y[i], w[i]->rows, w[i]->rows, 0};
+    for (int i = 0; i < n; ++i) {
+        p.parts[i] = {static_cast<const uint8_t *>(w[i]->data), y[i], w[i]->rows, w[i]->rows, 0};
+    }
     p.vec = mma_vec<Op::kMatmul>(p);
     return launch_stream<Op::kMatmul>(p, stream);
 }
