@@ -243,6 +243,18 @@ public:
     // NeoX RoPE in place over dims [0, rot_dim) of every head: cpu::rope_apply. x: [n, n_heads * head_dim];
     // positions: [n] i64, each inside the table (an invariant the caller checks).
     virtual void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) = 0;
+    // The attention's per-head RMSNorms and RoPE: rms_norm_heads(q, n_heads, head_dim, q_norm), the same for k,
+    // then, when `table` is valid, rope(table, q, ...) and rope(table, k, ...), bit for bit (CUDA: one launch).
+    // Here: those calls in that order.
+    virtual void qk_norm_rope(TensorView q, int64_t n_heads, VectorId q_norm, TensorView k, int64_t n_kv_heads,
+                              VectorId k_norm, int64_t head_dim, float eps, RopeId table, TensorView positions) {
+        rms_norm_heads(q, n_heads, head_dim, q_norm, eps);
+        rms_norm_heads(k, n_kv_heads, head_dim, k_norm, eps);
+        if (table.valid()) {
+            rope(table, q, n_heads, head_dim, positions);
+            rope(table, k, n_kv_heads, head_dim, positions);
+        }
+    }
     // Causal (+ sliding window) GQA attention over a paged KV pool, for every sequence of a step at once,
     // with the optional per-head sigmoid gate: cpu::paged_attention. Query row i (position q_pos[i], step
     // sequence q_seq[i]) sees the keys of its own sequence at positions [lo, q_pos[i]], lo = max(first_pos,

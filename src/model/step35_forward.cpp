@@ -397,13 +397,8 @@ Result<void> Step35Forward::attention_block(int layer, const StepTables &t, int 
     const TensorView proj_y[] = {q, k, v, gate};
     const size_t n_proj = w.attn.g.valid() ? 4 : 3;
     be.matmul_multi(a, std::span(proj_w, n_proj), std::span(proj_y, n_proj));
-    be.rms_norm_heads(q, n_heads, g.head_dim, w.attn.q_norm, eps_);
-    be.rms_norm_heads(k, n_kv_heads, g.head_dim, w.attn.k_norm, eps_);
-    const RopeId rope = rope_[static_cast<size_t>(layer)];
-    if (rope.valid()) {
-        be.rope(rope, q, n_heads, g.head_dim, s.pos);
-        be.rope(rope, k, n_kv_heads, g.head_dim, s.pos);
-    }
+    be.qk_norm_rope(q, n_heads, w.attn.q_norm, k, n_kv_heads, w.attn.k_norm, g.head_dim, eps_,
+                    rope_[static_cast<size_t>(layer)], s.pos);
     tap(layer, Tap::kQ, q);
     tap(layer, Tap::kK, k);
     tap(layer, Tap::kV, v);

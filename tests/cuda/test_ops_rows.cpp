@@ -465,6 +465,93 @@ TEST(CudaOpsRows, RopeBadPositionLeavesTokenAndRaisesFlag) {
     EXPECT_EQ(read_flag(flag), 1);
 }
 
+// qk_norm_rope against the CPU's rms_norm_heads of q and k followed by rope_apply of both: q and k in wider rows
+// (their extra columns untouched), f32 and bf16 norm weights, partial and full rotation, no table (the norms
+// alone), and tokens at positions outside the table (normed, not rotated, flagged).
+TEST(CudaOpsRows, QkNormRopeMatchesCpuNormsThenRope) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    ThreadPool pool(2);
+    const int64_t n_positions = 600;
+    struct Case {
+        RopeCase rope;  // rot_dim, head_dim, q heads, q extra columns, theta, llama3
+        int64_t n_kv_heads, k_extra, n_tokens;
+        bool table, bad_positions;
+    };
+    for (const Case &c : {Case{{64, 128, 12, 0, 10000.0, false}, 1, 0, 1, true, false},
+                         Case{{128, 128, 8, 128, 500000.0, true}, 2, 7, 9, true, false},
+                         Case{{64, 128, 3, 5, 5000000.0, true}, 3, 0, 37, false, false},
+                         Case{{2, 3, 5, 1, 10000.0, false}, 2, 1, 6, true, false},
+                         Case{{64, 128, 4, 0, 10000.0, false}, 2, 0, 4, true, true}}) {
+        const int64_t hd = c.rope.head_dim, n = c.n_tokens;
+        const int64_t q_stride = c.rope.n_heads * hd + c.rope.extra;
+        const int64_t k_stride = c.n_kv_heads * hd + c.k_extra;
+        const cpu::RopeTable table = make_rope_table(pool, c.rope, n_positions);
+        std::mt19937 rng(static_cast<uint32_t>(hd * 3 + c.rope.n_heads));
+        std::vector<int64_t> pos(sz(n));
+        for (auto &p : pos) p = static_cast<int64_t>(rng() % n_positions);
+        if (c.bad_positions) {
+            pos[1] = n_positions;
+            pos[2] = -1;
+        }
+        // Adversarial and wide heads, as for rms_norm_heads.
+        const Floats q_rows = norm_rows(n * q_stride / hd + 1, hd, static_cast<uint32_t>(hd + 11), true);
+        const Floats k_rows = norm_rows(n * k_stride / hd + 1, hd, static_cast<uint32_t>(hd + 12), true);
+        const Floats q(q_rows.begin(), q_rows.begin() + n * q_stride);
+        const Floats k(k_rows.begin(), k_rows.begin() + n * k_stride);
+        const NormW wq = norm_weight(hd, 7), wk = norm_weight(hd, 8);
+        for (bool bf16 : {false, true}) {
+            const DType wt = bf16 ? DType::kBF16 : DType::kF32;
+            const auto nw = [&](const NormW &w) {
+                return cpu::NormWeight{bf16 ? static_cast<const void *>(w.bf16.data()) : w.f32.data(), wt, true};
+            };
+            Floats want_q = q, want_k = k;
+            cpu::rms_norm_heads(pool, want_q.data(), n, q_stride, c.rope.n_heads, hd, nw(wq), 1e-6f);
+            cpu::rms_norm_heads(pool, want_k.data(), n, k_stride, c.n_kv_heads, hd, nw(wk), 1e-6f);
+            for (int64_t t = 0; c.table && t < n; ++t) {
+                if (pos[sz(t)] < 0 || pos[sz(t)] >= n_positions) continue;
+                ASSERT_TRUE(cpu::rope_apply(pool, table, want_q.data() + t * q_stride, 1, q_stride, c.rope.n_heads, hd,
+                                            &pos[sz(t)])
+                                .has_value());
+                ASSERT_TRUE(cpu::rope_apply(pool, table, want_k.data() + t * k_stride, 1, k_stride, c.n_kv_heads, hd,
+                                            &pos[sz(t)])
+                                .has_value());
+            }
+            DeviceBuffer d_q = to_device(q), d_k = to_device(k);
+            DeviceBuffer d_wq = bf16 ? to_device(wq.bf16) : to_device(wq.f32);
+            DeviceBuffer d_wk = bf16 ? to_device(wk.bf16) : to_device(wk.f32);
+            DeviceBuffer d_cos = to_device(table.cos), d_sin = to_device(table.sin), d_pos = to_device(pos);
+            DeviceBuffer flag = zero_flag();
+            const cuda::QkHeads hq{d_q.as<float>(), q_stride, c.rope.n_heads, wt, d_wq.as<void>()};
+            const cuda::QkHeads hk{d_k.as<float>(), k_stride, c.n_kv_heads, wt, d_wk.as<void>()};
+            ASSERT_EQ(cuda::qk_norm_rope(hq, hk, n, hd, 1e-6f, c.table ? d_cos.as<float>() : nullptr,
+                                         d_sin.as<float>(), table.n_positions, table.half, d_pos.as<int64_t>(),
+                                         flag.as<int32_t>(), nullptr),
+                      cudaSuccess);
+            const std::string what = "qk_norm_rope head_dim " + std::to_string(hd) + " rot " +
+                                     std::to_string(c.rope.rot_dim) + (c.table ? "" : " no table") +
+                                     (bf16 ? " bf16 w" : " f32 w");
+            expect_same_bits(from_device<float>(d_q, q.size()), want_q, true, what + ", q");
+            expect_same_bits(from_device<float>(d_k, k.size()), want_k, true, what + ", k");
+            EXPECT_EQ(read_flag(flag), c.table && c.bad_positions ? 1 : 0) << what;
+        }
+    }
+    // Bad arguments launch nothing.
+    const cuda::QkHeads none{nullptr, 128, 1, DType::kF32, nullptr};
+    EXPECT_EQ(cuda::qk_norm_rope(none, none, 1, 128, 1e-6f, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr),
+              cudaErrorInvalidValue);
+    float *fake = reinterpret_cast<float *>(uintptr_t{256});
+    const cuda::QkHeads narrow{fake, 100, 1, DType::kF32, fake};  // 100 < 1 x 128
+    EXPECT_EQ(cuda::qk_norm_rope(narrow, narrow, 1, 128, 1e-6f, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr),
+              cudaErrorInvalidValue);
+    const cuda::QkHeads ok{fake, 128, 1, DType::kF32, fake};
+    const auto *fake_pos = reinterpret_cast<const int64_t *>(uintptr_t{256});
+    // A half of 65 rotates 130 dims of a 128-wide head.
+    EXPECT_EQ(cuda::qk_norm_rope(ok, ok, 1, 128, 1e-6f, fake, fake, 10, 65, fake_pos, nullptr, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::qk_norm_rope(ok, ok, 0, 128, 1e-6f, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr),
+              cudaSuccess);
+}
+
 TEST(CudaOpsRows, SwigluMatchesCpuWithAndWithoutClamp) {
     MEMRA_SKIP_WITHOUT_GPU();
     ThreadPool pool(2);

@@ -469,6 +469,28 @@ void CudaBackend::rms_norm_heads(TensorView x, int64_t n_heads, int64_t head_dim
                                                     v.data, eps, stream()));
 }
 
+void CudaBackend::qk_norm_rope(TensorView q, int64_t n_heads, VectorId q_norm, TensorView k, int64_t n_kv_heads,
+                               VectorId k_norm, int64_t head_dim, float eps, RopeId table, TensorView positions) {
+    const Vector &vq = vector(q_norm);
+    const Vector &vk = vector(k_norm);
+    op_checks::rms_norm_heads(q, n_heads, head_dim, vq.n);
+    op_checks::rms_norm_heads(k, n_kv_heads, head_dim, vk.n);
+    MEMRA_CHECK(q.rows() == k.rows(), "qk_norm_rope: q has {} rows, k {}", q.rows(), k.rows());
+    const cuda::QkHeads hq{f32(q), q.row_elems(), n_heads, vq.dtype, vq.data};
+    const cuda::QkHeads hk{f32(k), k.row_elems(), n_kv_heads, vk.dtype, vk.data};
+    if (!table.valid()) {
+        launched("qk_norm_rope", cuda::qk_norm_rope(hq, hk, q.rows(), head_dim, eps, nullptr, nullptr, 0, 0, nullptr,
+                                                    error_flag_, stream()));
+        return;
+    }
+    MEMRA_CHECK(static_cast<size_t>(table.id) < ropes_.size(), "qk_norm_rope: unknown table {}", table.id);
+    op_checks::rope(q, n_heads, head_dim, positions);
+    op_checks::rope(k, n_kv_heads, head_dim, positions);
+    const Rope &r = ropes_[static_cast<size_t>(table.id)];
+    launched("qk_norm_rope", cuda::qk_norm_rope(hq, hk, q.rows(), head_dim, eps, r.cos, r.sin, r.n_positions, r.half,
+                                                static_cast<const int64_t *>(positions.data), error_flag_, stream()));
+}
+
 void CudaBackend::add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) {
     same_shape("add_rms_norm", x, r);
     same_shape("add_rms_norm", x, h);

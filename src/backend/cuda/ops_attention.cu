@@ -81,6 +81,28 @@ bool valid_format(KvFormat f) {
 // ---------------------------------------------------------------------------------------------
 // KV write.
 
+// Elements [0, n) of a row by the CTA's kRowThreads threads, kRowBatch loads in flight per thread before their
+// stores: store(e, load(e)) (the pool and the rows may alias as far as the compiler knows, so it would not move a
+// load above an earlier store by itself).
+constexpr int kRowBatch = 8;
+
+template <class Load, class Store>
+__device__ void for_row_batches(int64_t n, Load load, Store store) {
+    for (int64_t e0 = threadIdx.x; e0 < n; e0 += int64_t{kRowBatch} * kRowThreads) {
+        decltype(load(e0)) v[kRowBatch];
+#pragma unroll
+        for (int u = 0; u < kRowBatch; ++u) {
+            const int64_t e = e0 + int64_t{u} * kRowThreads;
+            v[u] = e < n ? load(e) : decltype(load(e0)){};
+        }
+#pragma unroll
+        for (int u = 0; u < kRowBatch; ++u) {
+            const int64_t e = e0 + int64_t{u} * kRowThreads;
+            if (e < n) store(e, v[u]);
+        }
+    }
+}
+
 // kv_encode of n values x into `out`, by the threads of the CTA: f32 copies the bits, bf16 rounds each value,
 // the block formats quantize one block of 32 per thread (2-byte aligned: every row and block offset is even).
 __device__ void encode_row(KvFormat f, const float *x, int64_t n, std::byte *out) {
@@ -88,12 +110,12 @@ __device__ void encode_row(KvFormat f, const float *x, int64_t n, std::byte *out
         case KvFormat::kF32: {
             const uint32_t *gx = reinterpret_cast<const uint32_t *>(x);
             uint32_t *gout = reinterpret_cast<uint32_t *>(out);
-            for (int64_t e = threadIdx.x; e < n; e += blockDim.x) gout[e] = gx[e];
+            for_row_batches(n, [&](int64_t e) { return gx[e]; }, [&](int64_t e, uint32_t b) { gout[e] = b; });
             return;
         }
         case KvFormat::kBf16: {
             uint16_t *gout = reinterpret_cast<uint16_t *>(out);
-            for (int64_t e = threadIdx.x; e < n; e += blockDim.x) gout[e] = f32_to_bf16(x[e]);
+            for_row_batches(n, [&](int64_t e) { return x[e]; }, [&](int64_t e, float v) { gout[e] = f32_to_bf16(v); });
             return;
         }
         case KvFormat::kQ8_0: {
@@ -117,19 +139,23 @@ __device__ void encode_row(KvFormat f, const float *x, int64_t n, std::byte *out
     }
 }
 
-// One CTA per row i: gk, gv [n, row_elems] f32 -> the K and V bytes of slot gslots[i].
+// One CTA per row i and half (blockIdx.y 0: K, 1: V): gk, gv [n, row_elems] f32 -> the K and V bytes of slot
+// gslots[i].
 __global__ void kv_write_kernel(const cpu::PagedLayer layer, int64_t row_elems, const float *gk, const float *gv,
                                 const int32_t *gslots, int32_t *error_flag) {
     const int64_t i = blockIdx.x;
     const int64_t slot = gslots[i];
     if (slot < 0 || slot >= layer.n_pages * kKvPageRows) {
-        if (threadIdx.x == 0 && error_flag != nullptr) atomicExch(error_flag, 1);
+        if (blockIdx.y == 0 && threadIdx.x == 0 && error_flag != nullptr) atomicExch(error_flag, 1);
         return;
     }
     std::byte *page = layer.base + (slot / kKvPageRows) * layer.page_bytes;
     const int64_t r = slot % kKvPageRows;
-    encode_row(layer.k_format, gk + i * row_elems, row_elems, page + layer.k_offset + r * layer.k_row_bytes);
-    encode_row(layer.v_format, gv + i * row_elems, row_elems, page + layer.v_offset + r * layer.v_row_bytes);
+    if (blockIdx.y == 0) {
+        encode_row(layer.k_format, gk + i * row_elems, row_elems, page + layer.k_offset + r * layer.k_row_bytes);
+    } else {
+        encode_row(layer.v_format, gv + i * row_elems, row_elems, page + layer.v_offset + r * layer.v_row_bytes);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -872,8 +898,8 @@ cudaError_t kv_write(const cpu::PagedLayer &layer, int64_t row_elems, const floa
     }
     if (n == 0) return cudaSuccess;
     if (layer.base == nullptr || k == nullptr || v == nullptr || slots == nullptr) return cudaErrorInvalidValue;
-    kv_write_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(layer, row_elems, k, v, slots,
-                                                                          error_flag);
+    kv_write_kernel<<<dim3(static_cast<unsigned>(n), 2), kRowThreads, 0, stream>>>(layer, row_elems, k, v, slots,
+                                                                                    error_flag);
     return cudaGetLastError();
 }
 

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/arg_first.cuh"
 #include "core/float_formats.h"
 #include "core/math.h"
 
@@ -33,14 +34,6 @@ __device__ void raise_flag(int32_t *flag) {
 
 // ---- Router ---------------------------------------------------------------------------------------------
 
-// (s, e) comes strictly before (best_s, best_e) in the order score descending, index ascending. Scores are
-// never NaN here (NaN counts as -Inf), so this is a strict total order and any reduction tree finds its first.
-__device__ bool router_before(float s, int e, float best_s, int best_e) {
-    if (best_e < 0) return e >= 0;
-    if (e < 0) return false;
-    return s > best_s || (s == best_s && e < best_e);
-}
-
 // glogits: [n_tokens, n_experts] f32; gbias: [n_experts] f32 or nullptr; gids, gweights: [n_tokens, top_k].
 // Dynamic shared memory: [warps per block, n_experts] f32 selection scores.
 __global__ void router_topk_kernel(const float *glogits, const float *gbias, int64_t n_tokens, int n_experts,
@@ -61,45 +54,47 @@ __global__ void router_topk_kernel(const float *glogits, const float *gbias, int
     }
     __syncwarp();
 
+    // Slots go 32 at a time: slot base + l's expert stays with lane l, whose weight sigmoid(z) (the bias never
+    // enters the weights) is then loaded by every lane at once; renormalisation sums the weights in slot order
+    // (the lanes' values folded one after another across the chunks). The last chunk's weights are stored
+    // final from registers; earlier chunks' raw weights are rescaled in place by the lanes that wrote them.
     int32_t *ids = gids + t * top_k;
     float *w = gweights + t * top_k;
     float prev_s = 0.0f;
     int prev_e = -1;  // slot k picks the first expert strictly after slot k - 1's in the order
-    for (int k = 0; k < top_k; ++k) {
-        float best_s = 0.0f;
-        int best_e = -1;
-        for (int e = lane; e < n_experts; e += kWarp) {
-            const float v = s[e];
-            const bool after_prev = prev_e < 0 || router_before(prev_s, prev_e, v, e);
-            if (after_prev && router_before(v, e, best_s, best_e)) {
-                best_s = v;
-                best_e = e;
+    float sum = 0.0f, wk = 0.0f;
+    int base = 0;
+    for (;; base += kWarp) {
+        const int n = top_k - base < kWarp ? top_k - base : kWarp;
+        int mine = 0;
+        for (int k = 0; k < n; ++k) {
+            float best_s = 0.0f;
+            int32_t best_e = -1;
+            for (int e = lane; e < n_experts; e += kWarp) {
+                const float v = s[e];
+                const bool after_prev = prev_e < 0 || first_before(prev_s, prev_e, v, e);
+                if (after_prev && first_before(v, e, best_s, best_e)) {
+                    best_s = v;
+                    best_e = e;
+                }
             }
+            warp_first(best_s, best_e);
+            // Every lane holds the same winner (top_k <= n_experts, so one exists).
+            if (lane == k) mine = best_e;
+            prev_s = best_s;
+            prev_e = best_e;
         }
-        for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-            const float other_s = __shfl_xor_sync(kFullMask, best_s, offset);
-            const int other_e = __shfl_xor_sync(kFullMask, best_e, offset);
-            if (router_before(other_s, other_e, best_s, best_e)) {
-                best_s = other_s;
-                best_e = other_e;
-            }
-        }
-        // Every lane holds the same winner (top_k <= n_experts, so one exists).
-        if (lane == 0) {
-            ids[k] = best_e;
-            w[k] = sigmoid_f32(z[best_e]);  // the bias never enters the weights
-        }
-        prev_s = best_s;
-        prev_e = best_e;
-    }
-    if (lane == 0) {  // lane 0 wrote every w[k]: its own writes, read back in slot order
+        wk = lane < n ? sigmoid_f32(z[mine]) : 0.0f;
+        if (lane < n) ids[base + lane] = mine;
         if (renormalize) {
-            float sum = 0.0f;
-            for (int k = 0; k < top_k; ++k) sum = sum + w[k];
-            for (int k = 0; k < top_k; ++k) w[k] = w[k] / sum;
+            for (int l = 0; l < n; ++l) sum = sum + __shfl_sync(kFullMask, wk, l);
         }
-        for (int k = 0; k < top_k; ++k) w[k] = w[k] * scaling_factor;
+        if (base + kWarp >= top_k) break;
+        w[base + lane] = wk;
     }
+    const auto finish = [&](float x) { return (renormalize ? x / sum : x) * scaling_factor; };
+    if (lane < top_k - base) w[base + lane] = finish(wk);
+    for (int k = lane; k < base; k += kWarp) w[k] = finish(w[k]);
 }
 
 // ---- Pair sort --------------------------------------------------------------------------------------------
@@ -174,10 +169,13 @@ __global__ void __launch_bounds__(kSortThreads)
 // ---- Permute ------------------------------------------------------------------------------------------------
 
 // gx: [n_tokens, d]; gsorted: [n_tokens * top_k]; goffsets: [n_experts + 1]; gx_own: [x_own_rows, d].
-// One block per row of x_own in a grid-stride loop.
-__global__ void moe_permute_kernel(const float *gx, int64_t n_tokens, int64_t d, const int32_t *gsorted,
-                                   const int32_t *goffsets, int64_t expert_begin, int64_t expert_end, int64_t top_k,
-                                   float *gx_own, int64_t x_own_rows, int32_t *flag) {
+// One block of kThreads per row of x_own in a grid-stride loop.
+constexpr int kPermuteBatch = 16;
+
+__global__ void __launch_bounds__(kThreads)
+    moe_permute_kernel(const float *gx, int64_t n_tokens, int64_t d, const int32_t *gsorted, const int32_t *goffsets,
+                       int64_t expert_begin, int64_t expert_end, int64_t top_k, float *gx_own, int64_t x_own_rows,
+                       int32_t *flag) {
     const int64_t r0 = goffsets[expert_begin];
     const int64_t r1 = goffsets[expert_end];
     if (r0 < 0 || r1 < r0 || r1 > n_tokens * top_k || r1 - r0 > x_own_rows) {
@@ -192,7 +190,21 @@ __global__ void moe_permute_kernel(const float *gx, int64_t n_tokens, int64_t d,
         }
         const float *src = gx + (q / top_k) * d;
         float *dst = gx_own + j * d;
-        for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+        // kPermuteBatch loads in flight per thread before its stores (src and dst may alias as far as the
+        // compiler knows, so it would not move a load above an earlier store by itself).
+        for (int64_t c0 = threadIdx.x; c0 < d; c0 += int64_t{kPermuteBatch} * kThreads) {
+            float v[kPermuteBatch];
+#pragma unroll
+            for (int u = 0; u < kPermuteBatch; ++u) {
+                const int64_t c = c0 + int64_t{u} * kThreads;
+                v[u] = c < d ? src[c] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < kPermuteBatch; ++u) {
+                const int64_t c = c0 + int64_t{u} * kThreads;
+                if (c < d) dst[c] = v[u];
+            }
+        }
     }
 }
 

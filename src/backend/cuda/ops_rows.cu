@@ -89,12 +89,26 @@ __device__ float norm_inv(float ss, int64_t d, float eps) {
 
 // cpu norm_row (ops_norm.cpp) by one warp: y[0..d) = rms_norm(x[0..d)); y may equal x (every thread has read
 // its reduction terms before the shuffles complete, and __syncwarp orders them before the first write).
+// The writes go kWarpBatch per lane at a time, their loads first (y may be x, so the compiler would not move a
+// load above an earlier store by itself).
+constexpr int kWarpBatch = 8;
+
 __device__ void warp_norm_row(const float *x, int64_t d, const void *gw, bool w_bf16, float eps, float *y) {
     const float inv = norm_inv(warp_sum_squares(x, d), d, eps);
     __syncwarp();
-    for (int64_t i = threadIdx.x % kWarp; i < d; i += kWarp) {
-        const float factor = 1.0f + load_weight(gw, w_bf16, i);
-        y[i] = (x[i] * inv) * factor;
+    for (int64_t i0 = threadIdx.x % kWarp; i0 < d; i0 += int64_t{kWarpBatch} * kWarp) {
+        float xv[kWarpBatch], factor[kWarpBatch];
+#pragma unroll
+        for (int u = 0; u < kWarpBatch; ++u) {
+            const int64_t i = i0 + int64_t{u} * kWarp;
+            xv[u] = i < d ? x[i] : 0.0f;
+            factor[u] = i < d ? 1.0f + load_weight(gw, w_bf16, i) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < kWarpBatch; ++u) {
+            const int64_t i = i0 + int64_t{u} * kWarp;
+            if (i < d) y[i] = (xv[u] * inv) * factor[u];
+        }
     }
 }
 
@@ -127,24 +141,38 @@ __global__ void add_rms_norm_kernel(const float *gx, const float *gr, int64_t n_
 }
 
 // Rows of up to kBlockNormMax floats, one block each (rms_norm and add_rms_norm; a warp per row waits on its
-// reduction's loads one after another): the block stages the row, or h = x + r (written to gh), in shared
-// memory with every thread, the first warp runs warp_sum_squares from there (the same lanes and tree), and the
-// block writes y. y may equal x, and gh may be x or r: every element is read before it is written.
+// reduction's loads one after another): the block holds the row, or h = x + r (written to gh), in registers
+// (kNormPer values a thread) and in shared memory, the first warp runs warp_sum_squares from there (the same
+// lanes and tree), and the block writes y. Each pass issues all of its loads before its first store, so a row
+// waits on three memory latencies, not one per element (gh may be x or r and y may be x, so the compiler could
+// not hoist a load above an earlier store on its own). Every element is read before it is written.
 constexpr int64_t kBlockNormMax = 8192;  // 32 KiB of staged row (the static smem beside it stays under 48 KiB)
+constexpr int kNormPer = static_cast<int>(kBlockNormMax / kThreads);
 
-__global__ void block_norm_kernel(const float *gx, const float *gr, int64_t n_rows, int64_t d, const void *gw,
-                                  bool w_bf16, float eps, float *gh, float *gy) {
+__global__ void __launch_bounds__(kThreads) block_norm_kernel(const float *gx, const float *gr, int64_t n_rows,
+                                                              int64_t d, const void *gw, bool w_bf16, float eps,
+                                                              float *gh, float *gy) {
     extern __shared__ float s_row[];  // [d]
     __shared__ float s_inv;
+    const auto elem = [&](int k) { return static_cast<int64_t>(threadIdx.x) + int64_t{k} * kThreads; };
     for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x) {
         const int64_t off = row * d;
-        for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-            float v = gx[off + i];
-            if (gr != nullptr) {
-                v = v + gr[off + i];
-                gh[off + i] = v;
+        float v[kNormPer];
+#pragma unroll
+        for (int k = 0; k < kNormPer; ++k) v[k] = elem(k) < d ? gx[off + elem(k)] : 0.0f;
+        if (gr != nullptr) {
+            float r[kNormPer];
+#pragma unroll
+            for (int k = 0; k < kNormPer; ++k) r[k] = elem(k) < d ? gr[off + elem(k)] : 0.0f;
+#pragma unroll
+            for (int k = 0; k < kNormPer; ++k) {
+                v[k] = v[k] + r[k];
+                if (elem(k) < d) gh[off + elem(k)] = v[k];
             }
-            s_row[i] = v;
+        }
+#pragma unroll
+        for (int k = 0; k < kNormPer; ++k) {
+            if (elem(k) < d) s_row[elem(k)] = v[k];
         }
         __syncthreads();
         if (threadIdx.x < kWarp) {
@@ -153,9 +181,12 @@ __global__ void block_norm_kernel(const float *gx, const float *gr, int64_t n_ro
         }
         __syncthreads();
         const float inv = s_inv;
-        for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-            const float factor = 1.0f + load_weight(gw, w_bf16, i);
-            gy[off + i] = (s_row[i] * inv) * factor;
+        float factor[kNormPer];
+#pragma unroll
+        for (int k = 0; k < kNormPer; ++k) factor[k] = elem(k) < d ? 1.0f + load_weight(gw, w_bf16, elem(k)) : 0.0f;
+#pragma unroll
+        for (int k = 0; k < kNormPer; ++k) {
+            if (elem(k) < d) gy[off + elem(k)] = (v[k] * inv) * factor[k];
         }
         __syncthreads();  // s_row and s_inv are rewritten for the next row
     }
@@ -169,6 +200,16 @@ size_t block_norm_smem(int64_t d) { return static_cast<size_t>(d) * sizeof(float
 
 __global__ void residual_add_kernel(const float *ga, const float *gb, int64_t n, float *gout) {
     for (int64_t i = first_index(); i < n; i += grid_stride()) gout[i] = ga[i] + gb[i];
+}
+
+// Rotates the pair (j, j + half) of a head's row by a position's rows cos_row, sin_row ([half] each) of the tables.
+__device__ void rope_pair(float *row, int64_t j, int64_t half, const float *cos_row, const float *sin_row) {
+    const float c = cos_row[j];
+    const float s = sin_row[j];
+    const float a = row[j];
+    const float b = row[j + half];
+    row[j] = a * c - b * s;
+    row[j + half] = b * c + a * s;
 }
 
 // gx: [n_tokens, token_stride]; gcos, gsin: [n_positions, half]; gpos: [n_tokens] i64. One thread per
@@ -187,13 +228,44 @@ __global__ void rope_kernel(const float *gcos, const float *gsin, int64_t n_posi
             if (h == 0 && j == 0) raise_flag(flag);
             continue;
         }
-        const float c = gcos[p * half + j];
-        const float s = gsin[p * half + j];
-        float *row = gx + t * token_stride + h * head_dim;
-        const float a = row[j];
-        const float b = row[j + half];
-        row[j] = a * c - b * s;
-        row[j + half] = b * c + a * s;
+        rope_pair(gx + t * token_stride + h * head_dim, j, half, gcos + p * half, gsin + p * half);
+    }
+}
+
+// The heads of q and k of one step (qk_norm_rope): x rows of token_stride floats, n_heads heads each, norm
+// weights w.
+struct HeadRows {
+    float *x;
+    int64_t token_stride;
+    int64_t n_heads;
+    const void *w;
+    bool w_bf16;
+};
+
+// rms_norm_heads of q's heads and k's, then (gcos != nullptr) rope_kernel's rotation of each, one warp per head
+// (token t's q heads, then its k heads): warp_norm_row in place, __syncwarp to publish the normed head to the
+// warp, then the head's pairs. Every branch is warp-uniform.
+__global__ void qk_norm_rope_kernel(HeadRows q, HeadRows k, int64_t n_tokens, int64_t head_dim, float eps,
+                                    const float *gcos, const float *gsin, int64_t n_positions, int64_t half,
+                                    const int64_t *gpos, int32_t *flag) {
+    const int64_t per_token = q.n_heads + k.n_heads;
+    const int64_t warp = threadIdx.x / kWarp;
+    const int64_t lane = threadIdx.x % kWarp;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; item < n_tokens * per_token;
+         item += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
+        const int64_t t = item / per_token;
+        const int64_t h = item % per_token;
+        const HeadRows &r = h < q.n_heads ? q : k;
+        float *row = r.x + t * r.token_stride + (h < q.n_heads ? h : h - q.n_heads) * head_dim;
+        warp_norm_row(row, head_dim, r.w, r.w_bf16, eps, row);
+        if (gcos == nullptr) continue;
+        const int64_t p = gpos[t];
+        if (p < 0 || p >= n_positions) {
+            if (h == 0 && lane == 0) raise_flag(flag);
+            continue;
+        }
+        __syncwarp();
+        for (int64_t j = lane; j < half; j += kWarp) rope_pair(row, j, half, gcos + p * half, gsin + p * half);
     }
 }
 
@@ -233,7 +305,11 @@ __global__ void canonical_combine_kernel(const float *gsums, int tp, int64_t n, 
 }
 
 // gh, gout: [n_tokens, d]; gexp: [expert_rows, d]; gsrc: [n_tokens * top_k]; gw: [n_tokens, top_k];
-// gshared: [n_tokens, d] or nullptr. cpu::moe_combine's order per element.
+// gshared: [n_tokens, d] or nullptr. cpu::moe_combine's order per element. The slots go kCombineSlots at a time:
+// their sources and weights, then their expert values, are loaded together before the adds (a slot's value
+// load waits on its source row, so slot by slot every add would wait on two memory latencies).
+constexpr int kCombineSlots = 8;
+
 __global__ void moe_combine_kernel(const float *gh, const float *gexp, int64_t expert_rows, const int32_t *gsrc,
                                    const float *gw, const float *gshared, int64_t n_tokens, int64_t top_k, int64_t d,
                                    float *gout, int32_t *flag) {
@@ -241,17 +317,34 @@ __global__ void moe_combine_kernel(const float *gh, const float *gexp, int64_t e
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
         const int64_t t = i / d;
         const int64_t j = i - t * d;
+        const float h = gh[i];
+        const float shared = gshared != nullptr ? gshared[i] : 0.0f;
         float routed = 0.0f;
-        for (int64_t k = 0; k < top_k; ++k) {
-            const int64_t src = gsrc[t * top_k + k];
-            if (src < 0 || src >= expert_rows) {
-                if (j == 0) raise_flag(flag);
-                continue;
+        for (int64_t k0 = 0; k0 < top_k; k0 += kCombineSlots) {
+            int64_t src[kCombineSlots];
+            float w[kCombineSlots], e[kCombineSlots];
+#pragma unroll
+            for (int k = 0; k < kCombineSlots; ++k) {
+                const bool slot = k0 + k < top_k;
+                src[k] = slot ? gsrc[t * top_k + k0 + k] : -1;
+                w[k] = slot ? gw[t * top_k + k0 + k] : 0.0f;
             }
-            routed = routed + gw[t * top_k + k] * gexp[src * d + j];
+#pragma unroll
+            for (int k = 0; k < kCombineSlots; ++k) {
+                e[k] = src[k] >= 0 && src[k] < expert_rows ? gexp[src[k] * d + j] : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < kCombineSlots; ++k) {
+                if (k0 + k >= top_k) break;
+                if (src[k] < 0 || src[k] >= expert_rows) {
+                    if (j == 0) raise_flag(flag);
+                    continue;
+                }
+                routed = routed + w[k] * e[k];
+            }
         }
-        const float ffn = gshared != nullptr ? routed + gshared[i] : routed;
-        gout[i] = gh[i] + ffn;
+        const float ffn = gshared != nullptr ? routed + shared : routed;
+        gout[i] = h + ffn;
     }
 }
 
@@ -426,6 +519,28 @@ cudaError_t rms_norm_heads(float *x, int64_t n_tokens, int64_t token_stride, int
     const int64_t n_items = n_tokens * n_heads;
     rms_norm_kernel<<<grid_rows(n_items), kThreads, 0, stream>>>(x, x, n_items, n_heads, token_stride, head_dim, w,
                                                                   w_dtype == DType::kBF16, eps);
+    return launch_status();
+}
+
+cudaError_t qk_norm_rope(const QkHeads &q, const QkHeads &k, int64_t n_tokens, int64_t head_dim, float eps,
+                         const float *cos_table, const float *sin_table, int64_t n_positions, int64_t half,
+                         const int64_t *positions, int32_t *error_flag, cudaStream_t stream) {
+    for (const QkHeads *h : {&q, &k}) {
+        if (h->n_heads < 1 || h->token_stride < h->n_heads * head_dim || !norm_dtype_ok(h->w_dtype) ||
+            bad_ptrs(n_tokens, {h->x, h->w})) {
+            return cudaErrorInvalidValue;
+        }
+    }
+    if (head_dim < 1) return cudaErrorInvalidValue;
+    if (cos_table != nullptr && (n_positions < 1 || half < 1 || 2 * half > head_dim || sin_table == nullptr ||
+                                 bad_ptrs(n_tokens, {positions}))) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_tokens == 0) return cudaSuccess;
+    const HeadRows hq{q.x, q.token_stride, q.n_heads, q.w, q.w_dtype == DType::kBF16};
+    const HeadRows hk{k.x, k.token_stride, k.n_heads, k.w, k.w_dtype == DType::kBF16};
+    qk_norm_rope_kernel<<<grid_rows(n_tokens * (q.n_heads + k.n_heads)), kThreads, 0, stream>>>(
+        hq, hk, n_tokens, head_dim, eps, cos_table, sin_table, n_positions, half, positions, error_flag);
     return launch_status();
 }
 

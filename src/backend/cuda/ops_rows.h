@@ -33,7 +33,7 @@ cudaError_t embedding(const void *table, DType dtype, int64_t vocab_size, int64_
 
 // cpu::rms_norm: per row of x [n_rows, d] f32: ss = sum_squares_f32 (16 lanes + fixed tree), mean = ss / d,
 // inv = rsqrt_f32(mean + eps), y_i = (x_i * inv) * (1 + w_i). y: [n_rows, d] f32, may equal x (in place),
-// otherwise must not overlap it. One warp per row.
+// otherwise must not overlap it. A block per row up to 8192 wide, a warp per row beyond.
 cudaError_t rms_norm(const float *x, int64_t n_rows, int64_t d, DType w_dtype, const void *w, float eps, float *y,
                      cudaStream_t stream);
 
@@ -41,6 +41,24 @@ cudaError_t rms_norm(const float *x, int64_t n_rows, int64_t d, DType w_dtype, c
 // each normalised as one rms_norm row of width head_dim with w [head_dim]. token_stride >= n_heads * head_dim.
 cudaError_t rms_norm_heads(float *x, int64_t n_tokens, int64_t token_stride, int64_t n_heads, int64_t head_dim,
                            DType w_dtype, const void *w, float eps, cudaStream_t stream);
+
+// One of the two head sets of qk_norm_rope: x [n_tokens, token_stride] f32 (token_stride >= n_heads *
+// head_dim), head h of token t at x[t * token_stride + h * head_dim], and its norm weight w [head_dim].
+struct QkHeads {
+    float *x;
+    int64_t token_stride;
+    int64_t n_heads;
+    DType w_dtype;
+    const void *w;
+};
+
+// rms_norm_heads(q), rms_norm_heads(k), then with a table (cos_table != nullptr; nullptr: the norms alone)
+// rope(q) and rope(k): those launches' bits in one (a warp per head). q and k must not overlap. The table
+// arguments and the flag are rope's: a position outside [0, n_positions) leaves that token's heads normalised
+// but not rotated and raises the flag.
+cudaError_t qk_norm_rope(const QkHeads &q, const QkHeads &k, int64_t n_tokens, int64_t head_dim, float eps,
+                         const float *cos_table, const float *sin_table, int64_t n_positions, int64_t half,
+                         const int64_t *positions, int32_t *error_flag, cudaStream_t stream);
 
 // cpu::add_rms_norm: h = x + r (one rounded add per element), then y = rms_norm(h). x, r, h, y: [n_rows, d] f32;
 // h may equal x or r; y must not overlap h (y == h: cudaErrorInvalidValue); y may equal x or r when h does not.

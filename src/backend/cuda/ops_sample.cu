@@ -21,6 +21,7 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/arg_first.cuh"
 #include "core/float_formats.h"
 #include "core/math.h"
 
@@ -31,7 +32,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarp = 32;
 constexpr int kWarps = kThreads / kWarp;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kSortChunk = 4096;   // keys sorted in shared memory at once (32 KB)
 constexpr float kRelevantGap = -20.0f;  // score - top below this: never drawn, no effect on any sum (above)
 constexpr int64_t kSlotAlign = 256;
@@ -58,14 +58,6 @@ __device__ bool is_finite(float x) { return (f32_as_u32(x) & 0x7f800000u) != 0x7
 
 // ---- Block arg-max under (value descending, id ascending) ------------------------------------------------
 
-// (v, id) comes strictly before (bv, bid); id < 0 is "none", after everything. Callers never pass a NaN value
-// with an id >= 0, so this is a strict total order and every reduction tree finds the same first element.
-__device__ bool before(float v, int32_t id, float bv, int32_t bid) {
-    if (id < 0) return false;
-    if (bid < 0) return true;
-    return v > bv || (v == bv && id < bid);
-}
-
 struct Best {
     float v;
     int32_t id;
@@ -73,14 +65,7 @@ struct Best {
 
 // The first of every thread's (v, id) in the order above; every thread gets it. Contains two __syncthreads.
 __device__ Best block_best(float v, int32_t id, float *s_v, int32_t *s_id) {
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-        const float other_v = __shfl_xor_sync(kFullMask, v, offset);
-        const int32_t other_id = __shfl_xor_sync(kFullMask, id, offset);
-        if (before(other_v, other_id, v, id)) {
-            v = other_v;
-            id = other_id;
-        }
-    }
+    warp_first(v, id);
     const int warp = static_cast<int>(threadIdx.x) / kWarp;
     if (threadIdx.x % kWarp == 0) {
         s_v[warp] = v;
@@ -89,7 +74,7 @@ __device__ Best block_best(float v, int32_t id, float *s_v, int32_t *s_id) {
     __syncthreads();
     Best b{s_v[0], s_id[0]};
     for (int w = 1; w < kWarps; ++w) {
-        if (before(s_v[w], s_id[w], b.v, b.id)) b = Best{s_v[w], s_id[w]};
+        if (first_before(s_v[w], s_id[w], b.v, b.id)) b = Best{s_v[w], s_id[w]};
     }
     __syncthreads();  // s_v / s_id are free for the next call
     return b;
@@ -247,7 +232,7 @@ __device__ int32_t sample_row(const float *glogits, int32_t n, const SampleRow &
         int32_t id = -1;
         for (int64_t i = tid; i < n; i += kThreads) {
             const float w = gwork[i];
-            if (w == w && before(w, static_cast<int32_t>(i), v, id)) {
+            if (w == w && first_before(w, static_cast<int32_t>(i), v, id)) {
                 v = w;
                 id = static_cast<int32_t>(i);
             }
@@ -263,7 +248,7 @@ __device__ int32_t sample_row(const float *glogits, int32_t n, const SampleRow &
     int32_t id = -1;
     for (int64_t i = tid; i < n; i += kThreads) {
         const float s = gwork[i] / temperature;
-        if (s == s && before(s, static_cast<int32_t>(i), v, id)) {
+        if (s == s && first_before(s, static_cast<int32_t>(i), v, id)) {
             v = s;
             id = static_cast<int32_t>(i);
         }
@@ -335,7 +320,7 @@ __device__ int32_t sample_row(const float *glogits, int32_t n, const SampleRow &
         if (p.min_p > 0.0f && !(key_weight(key) >= p.min_p)) continue;
         const int32_t c = key_id(key);
         const float g = (gwork[c] / temperature - top) + gumbel_noise_unchecked(p.seed, r.choice, r.position, c);
-        if (before(g, c, v, id)) {
+        if (first_before(g, c, v, id)) {
             v = g;
             id = c;
         }
@@ -357,7 +342,7 @@ __device__ void logprobs_row(const float *glogits, int32_t n, int32_t chosen, in
     int32_t id = -1;
     for (int64_t i = tid; i < n; i += kThreads) {
         const float x = value(i);
-        if (before(x, static_cast<int32_t>(i), v, id)) {
+        if (first_before(x, static_cast<int32_t>(i), v, id)) {
             v = x;
             id = static_cast<int32_t>(i);
         }
@@ -385,7 +370,7 @@ __device__ void logprobs_row(const float *glogits, int32_t n, int32_t chosen, in
         for (int64_t i = tid; i < n; i += kThreads) {
             const float x = value(i);
             const auto c = static_cast<int32_t>(i);
-            if ((prev_id < 0 || before(prev_v, prev_id, x, c)) && before(x, c, v, id)) {
+            if ((prev_id < 0 || first_before(prev_v, prev_id, x, c)) && first_before(x, c, v, id)) {
                 v = x;
                 id = c;
             }
