@@ -216,8 +216,8 @@ public:
     // Column-parallel product y = x . W^T (cpu::matmul). x: [n, cols]; y: [n, rows].
     virtual void matmul(TensorView x, MatrixId w, TensorView y) = 0;
     // Column-parallel products of one x by several matrices (the attention's q, k, v and gate; an MLP's gate and
-    // up): y[i] = matmul(x, w[i], y[i]) bit for bit, whatever the backend fuses (CUDA: up to 4 bf16 products of
-    // a few tokens in one launch). Here: one by one.
+    // up): y[i] = matmul(x, w[i], y[i]) bit for bit, whatever the backend fuses (CUDA: up to 4 bf16 products in
+    // one launch). Here: one by one.
     virtual void matmul_multi(TensorView x, std::span<const MatrixId> w, std::span<const TensorView> y) {
         MEMRA_CHECK(w.size() == y.size(), "matmul_multi: {} matrices but {} outputs", w.size(), y.size());
         for (size_t i = 0; i < w.size(); ++i) matmul(x, w[i], y[i]);

@@ -831,7 +831,8 @@ TEST(CudaMatmulBatch, DecodeAndTiledShapesKeepTheirBits) {
 }
 
 // Products of one x by several matrices in one launch (cuda_matmul_multi: the attention's q, k, v and gate, an
-// MLP's gate and up): each part's outputs carry the bits of its own product, at every decode width, with parts
+// MLP's gate and up): each part's outputs carry the bits of its own product, at every decode width and on each
+// kernel wider steps take (9-16 and 17-32 tokens: mma_bf16_kernel's tiles; 33 on: gemm_bf16_kernel's), with parts
 // of uneven rows (a part ending inside a row tile and a tile group; K 256 groups 4 row tiles), K whose rows are
 // not 16-byte groups (260), and 2 to 4 parts; the output beyond each part's rows stays untouched. What cannot be
 // one launch is refused with nothing written.
@@ -852,7 +853,7 @@ TEST(CudaMatmulMulti, EveryPartKeepsTheBitsOfItsOwnProduct) {
             ASSERT_NO_FATAL_FAILURE(gpu_upload(ws.back().matrix(), MatrixWindow::whole(ws.back().matrix()), &gms[sz(i)]));
             parts.push_back(&gms[sz(i)].w);
         }
-        for (int64_t tokens = 1; tokens <= 8; ++tokens) {
+        for (const int64_t tokens : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 32, 33, 64, 130}) {
             const Floats x = activations(tokens, c.cols, 400 + static_cast<uint32_t>(tokens));
             const DeviceBuffer dx = to_device(x);
             constexpr float kSentinel = -12345.0f;
@@ -879,7 +880,7 @@ TEST(CudaMatmulMulti, EveryPartKeepsTheBitsOfItsOwnProduct) {
         }
     }
 
-    // Refused, nothing written: more than 8 tokens, more than 4 parts, K that differs, a matrix that is not bf16.
+    // Refused, nothing written: more than 4 parts, K that differs, a matrix that is not bf16.
     const Weights a = make_weights(DType::kBF16, 1, 32, 128, 1);
     const Weights b = make_weights(DType::kBF16, 1, 32, 256, 2);
     const Weights f = make_weights(DType::kF32, 1, 32, 128, 3);
@@ -895,7 +896,6 @@ TEST(CudaMatmulMulti, EveryPartKeepsTheBitsOfItsOwnProduct) {
     const CudaMatrix *five[5] = {&ga.w, &ga.w, &ga.w, &ga.w, &ga.w};
     const CudaMatrix *mixed_k[2] = {&ga.w, &gb.w};
     const CudaMatrix *mixed_dtype[2] = {&ga.w, &gf.w};
-    EXPECT_EQ(cuda::cuda_matmul_multi(five, y5, 1, dx.as<float>(), 9, nullptr), cudaErrorNotSupported);
     EXPECT_EQ(cuda::cuda_matmul_multi(five, y5, 5, dx.as<float>(), 1, nullptr), cudaErrorNotSupported);
     EXPECT_EQ(cuda::cuda_matmul_multi(mixed_k, y5, 2, dx.as<float>(), 1, nullptr), cudaErrorNotSupported);
     EXPECT_EQ(cuda::cuda_matmul_multi(mixed_dtype, y5, 2, dx.as<float>(), 1, nullptr), cudaErrorNotSupported);

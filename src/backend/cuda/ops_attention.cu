@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cuda/launch.cuh"
 #include "core/float_formats.h"
 #include "core/kv_format.h"
 #include "core/kv_page.h"
@@ -143,6 +144,7 @@ __device__ void encode_row(KvFormat f, const float *x, int64_t n, std::byte *out
 // gslots[i].
 __global__ void kv_write_kernel(const cpu::PagedLayer layer, int64_t row_elems, const float *gk, const float *gv,
                                 const int32_t *gslots, int32_t *error_flag) {
+    pdl_enter();
     const int64_t i = blockIdx.x;
     const int64_t slot = gslots[i];
     if (slot < 0 || slot >= layer.n_pages * kKvPageRows) {
@@ -167,11 +169,13 @@ __device__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * bloc
 
 // gx: [n] f32, each value to bf16 and back.
 __global__ void round_bf16_kernel(float *gx, int64_t n) {
+    pdl_enter();
     for (int64_t e = first_index(); e < n; e += grid_stride()) gx[e] = round_bf16(gx[e]);
 }
 
 // gx: [n_blocks, 32] f32, each block through q8_0 and back in place (cpu::round_rows).
 __global__ void round_q8_kernel(float *gx, int64_t n_blocks) {
+    pdl_enter();
     for (int64_t b = first_index(); b < n_blocks; b += grid_stride()) {
         float *x = gx + b * kQuantBlock;
         BlockQ8_0 block;
@@ -482,6 +486,7 @@ template <AttnMode kMode, int kChains>
 __global__ void MEMRA_CLUSTER_DIMS
     __launch_bounds__(kAttnThreads, kMode == AttnMode::kWhole ? 2 : (kChains == 1 ? 4 : 3))
     paged_attention_kernel(const AttentionArgs a) {
+    pdl_enter();
 #if defined(MEMRA_ATTENTION_CLUSTERS) && defined(__CUDA_ARCH__)
     extern __shared__ float4 smem4[];
     float *smem = reinterpret_cast<float *>(smem4);
@@ -842,6 +847,7 @@ __global__ void MEMRA_CLUSTER_DIMS
 // stored split states left to right, M' = max(M, m), L' = L * e^(M - M') + l * e^(m - M'), ACC likewise, and writes
 // out = ACC / L times the sigmoid gate; NaN outputs (and the error flag) for a refused query.
 __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const AttentionArgs a) {
+    pdl_enter();
     const int64_t item = blockIdx.x;
     const Item it = item_of(a, item);
     const int hd = a.head_dim;
@@ -898,8 +904,8 @@ cudaError_t kv_write(const cpu::PagedLayer &layer, int64_t row_elems, const floa
     }
     if (n == 0) return cudaSuccess;
     if (layer.base == nullptr || k == nullptr || v == nullptr || slots == nullptr) return cudaErrorInvalidValue;
-    kv_write_kernel<<<dim3(static_cast<unsigned>(n), 2), kRowThreads, 0, stream>>>(layer, row_elems, k, v, slots,
-                                                                                    error_flag);
+    launch_kernel(kv_write_kernel, dim3(static_cast<unsigned>(n), 2), kRowThreads, 0, stream, layer, row_elems, k, v,
+                  slots, error_flag);
     return cudaGetLastError();
 }
 
@@ -909,10 +915,10 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
     if (x == nullptr) return cudaErrorInvalidValue;
     const int64_t n = n_rows * d;
     if (r == RowRounding::kBf16) {
-        round_bf16_kernel<<<static_cast<unsigned>(grid_for(n)), kElemThreads, 0, stream>>>(x, n);
+        launch_kernel(round_bf16_kernel, static_cast<unsigned>(grid_for(n)), kElemThreads, 0, stream, x, n);
     } else {
         const int64_t n_blocks = n / kQuantBlock;
-        round_q8_kernel<<<static_cast<unsigned>(grid_for(n_blocks)), kElemThreads, 0, stream>>>(x, n_blocks);
+        launch_kernel(round_q8_kernel, static_cast<unsigned>(grid_for(n_blocks)), kElemThreads, 0, stream, x, n_blocks);
     }
     return cudaGetLastError();
 }
@@ -1038,7 +1044,7 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
             if (err != cudaSuccess) return err;
         }
-        kernel<<<grid, kAttnThreads, static_cast<size_t>(smem_bytes), stream>>>(a);
+        launch_kernel(kernel, grid, kAttnThreads, static_cast<size_t>(smem_bytes), stream, a);
         return cudaGetLastError();
     };
     const auto clusters = static_cast<unsigned>(n_items * kClusterCtas);
@@ -1052,9 +1058,10 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
                                       : launch(paged_attention_kernel<AttnMode::kSplit, kMaxChains>, split_grid);
     if (err != cudaSuccess) return err;
     const int64_t pairs = std::min<int64_t>(kHeadBatch, group) * head_dim;
-    attention_merge_kernel<<<dim3(static_cast<unsigned>(n_items),
-                                  static_cast<unsigned>((pairs + kMergeThreads - 1) / kMergeThreads)),
-                             kMergeThreads, 0, stream>>>(a);
+    launch_kernel(
+        attention_merge_kernel,
+        dim3(static_cast<unsigned>(n_items), static_cast<unsigned>((pairs + kMergeThreads - 1) / kMergeThreads)),
+        kMergeThreads, 0, stream, a);
     return cudaGetLastError();
 }
 

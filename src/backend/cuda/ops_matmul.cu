@@ -17,6 +17,7 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/launch.cuh"
 #include "core/float_formats.h"
 
 namespace memra::cuda {
@@ -260,6 +261,7 @@ __device__ float dot_exact(const ProductParams &p, const float *gx, const uint8_
 // chunks' memory latencies overlapped instead of paid one after another. Dynamic shared memory: n_chunks floats.
 template <DType kDt>
 __global__ void __launch_bounds__(kThreads) exact_chunks_kernel(const ProductParams p, int64_t n_chunks) {
+    pdl_enter();
     extern __shared__ float s_chunk[];
     const int group = static_cast<int>(threadIdx.x) / kLanes;
     const int lane = static_cast<int>(threadIdx.x) % kLanes;
@@ -307,6 +309,7 @@ __device__ __forceinline__ float canonical_tree(const float *part, int64_t n_blo
 // threads (launch_narrow).
 template <DType kDt, Op kOp>
 __global__ void __launch_bounds__(kThreads) product_kernel(const ProductParams p) {
+    pdl_enter();
     const int group = static_cast<int>(threadIdx.x) / kLanes;
     const int lane = static_cast<int>(threadIdx.x) % kLanes;
     const unsigned mask = 0xffffu << (threadIdx.x & 16u);
@@ -486,6 +489,35 @@ __device__ __forceinline__ bool block_tokens(const ProductParams &p, int64_t til
     return true;
 }
 
+// Row group `group` of a bf16 product (`tiles` row tiles of 16; the kernels' blocks or tile groups): its part's
+// weights (`offset` bytes in: a grouped product's expert), output and rows, and the part row of the group's first
+// row. Only kMatmul products have several parts (part_groups numbers their groups one part after the other).
+struct StreamGroup {
+    const uint8_t *data;
+    float *y;
+    int64_t rows;
+    int64_t y_ld;
+    int64_t row0;
+};
+template <Op kOp>
+__device__ __forceinline__ StreamGroup stream_group(const ProductParams &p, int64_t group, int tiles,
+                                                    int64_t offset) {
+    StreamGroup sg{p.parts[0].data, p.parts[0].y, p.parts[0].rows, p.parts[0].y_ld, 0};
+    int64_t first = 0;  // the part's first group
+    if constexpr (kOp == Op::kMatmul) {
+#pragma unroll
+        for (int i = 1; i < kMaxMultiParts; ++i) {  // (unrolled: the parameters are never indexed at run time)
+            if (i < p.n_parts && group >= p.parts[i - 1].groups_end) {
+                sg = {p.parts[i].data, p.parts[i].y, p.parts[i].rows, p.parts[i].y_ld, 0};
+                first = p.parts[i - 1].groups_end;
+            }
+        }
+    }
+    sg.data += offset;
+    sg.row0 = (group - first) * tiles * 16;
+    return sg;
+}
+
 // The fold of a finished segment's sum `run` (segment seg of n_segs) into the output so far, `out`: canonical
 // blocks meet the pending sums of their left siblings (the canonical tree as a binary counter over the finished
 // blocks, level by level), the last one giving the output; a whole-K product's output is its one segment.
@@ -522,6 +554,7 @@ __device__ __forceinline__ float fold_segment(float run, int seg, int n_segs, fl
 
 template <int kNT, int kKW, Op kOp>
 __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams p) {
+    pdl_enter();
     constexpr int kRT = kMmaWarps / kKW;         // 16-row tiles per block
     constexpr int kCols = 8 * kNT;               // tokens per block
     constexpr int kTileOut = 16 * kCols;         // outputs of one row tile: [col][row]
@@ -547,12 +580,14 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
     const int n_chunks = n_segs * per_seg;
     const int rounds = (n_chunks + kKW - 1) / kKW;
 
-    // This thread's A rows (g, g + 8 of the warp's tile) and B tokens (t0 + 8 j + g).
-    const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kRT + rt) * 16;
-    const bool has_a = row0 + g < p.rows;
-    const bool has_b = row0 + g + 8 < p.rows;
-    const uint8_t *wa = wdata + (has_a ? row0 + g : 0) * p.ld * 2;
-    const uint8_t *wb = wdata + (has_b ? row0 + g + 8 : 0) * p.ld * 2;
+    // The block's row group (of its part, a multi-part product's) and this thread's A rows (g, g + 8 of the
+    // warp's tile) and B tokens (t0 + 8 j + g).
+    const StreamGroup sg = stream_group<kOp>(p, blockIdx.x, kRT, wdata - p.data);
+    const int64_t row0 = sg.row0 + rt * 16;
+    const bool has_a = row0 + g < sg.rows;
+    const bool has_b = row0 + g + 8 < sg.rows;
+    const uint8_t *wa = sg.data + (has_a ? row0 + g : 0) * p.ld * 2;
+    const uint8_t *wb = sg.data + (has_b ? row0 + g + 8 : 0) * p.ld * 2;
     const auto load_a = [&](int c, uint4 (&a)[kMmaSpans][2]) {
         const MmaChunk ch = mma_chunk(p, seg_len, per_seg, c < n_chunks ? c : 0);
         const int64_t end = ch.end - p.k_begin;
@@ -675,8 +710,8 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
     }
     for_outputs([&](int i, int o_rt, int within) {
         const int64_t t = t0 + within / 16;
-        const int64_t n = (static_cast<int64_t>(blockIdx.x) * kRT + o_rt) * 16 + within % 16;
-        if (t >= t_lo && t < t_hi && n < p.rows) p.y[t * p.y_ld + n] = out[i];
+        const int64_t n = sg.row0 + o_rt * 16 + within % 16;
+        if (t >= t_lo && t < t_hi && n < sg.rows) sg.y[t * sg.y_ld + n] = out[i];
     });
 }
 
@@ -740,37 +775,9 @@ __device__ __forceinline__ MmaChunk stream_chunk(const ProductParams &p, const S
     return ch;
 }
 
-// Tile group `group` of a stream_bf16_kernel product (`tiles` row tiles): its part's weights (`offset` bytes in:
-// a grouped product's expert), output and rows, and the part row of the group's first row. Only kMatmul
-// products have several parts.
-struct StreamGroup {
-    const uint8_t *data;
-    float *y;
-    int64_t rows;
-    int64_t y_ld;
-    int64_t row0;
-};
-template <Op kOp>
-__device__ __forceinline__ StreamGroup stream_group(const ProductParams &p, int64_t group, int tiles,
-                                                    int64_t offset) {
-    StreamGroup sg{p.parts[0].data, p.parts[0].y, p.parts[0].rows, p.parts[0].y_ld, 0};
-    int64_t first = 0;  // the part's first group
-    if constexpr (kOp == Op::kMatmul) {
-#pragma unroll
-        for (int i = 1; i < kMaxMultiParts; ++i) {  // (unrolled: the parameters are never indexed at run time)
-            if (i < p.n_parts && group >= p.parts[i - 1].groups_end) {
-                sg = {p.parts[i].data, p.parts[i].y, p.parts[i].rows, p.parts[i].y_ld, 0};
-                first = p.parts[i - 1].groups_end;
-            }
-        }
-    }
-    sg.data += offset;
-    sg.row0 = (group - first) * tiles * 16;
-    return sg;
-}
-
 template <Op kOp, bool kVec>
 __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductParams p) {
+    if constexpr (kOp == Op::kGrouped) pdl_enter();  // the block's tokens come from the offsets
     constexpr int kDepth = kStreamDepth;
     extern __shared__ __align__(16) uint8_t stream_smem[];
     const StreamShape sh = stream_shape(p, kOp == Op::kCanonical);
@@ -837,6 +844,7 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
     };
     uint4 a[kDepth][kMmaSpans][2];
     load_next(a[0]);  // the rest after staging, whose loads share the registers
+    if constexpr (kOp != Op::kGrouped) pdl_enter();  // the first weights stream in while the kernel before ends
 
     // Stage x: token row t_lo + r as bf16 (RNE), segment by segment, each padded to whole chunks with +0;
     // kStreamStage groups of 8 per thread in flight.
@@ -1062,6 +1070,7 @@ __device__ float lane_chain_e4m3(const float *q, const uint8_t *gw, int64_t c0, 
 // FTZ fma, last group zero-padded), the lane tree, times (x scale * weight scale), added to the running sum.
 template <Op kOp>
 __global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductParams p) {
+    pdl_enter();
     __shared__ float s_x[kE4m3Chunk];  // [128] the chunk's e4m3 values as f32
     __shared__ float s_scale;          // the chunk's activation scale
     const int group = static_cast<int>(threadIdx.x) / kLanes;
@@ -1189,6 +1198,7 @@ __device__ __forceinline__ float mul_ftz_fast(float a, float b) {
 
 template <Op kOp>
 __global__ void __launch_bounds__(kThreads, kSkinnyE4m3Blocks) skinny_e4m3_kernel(const ProductParams p) {
+    pdl_enter();
     extern __shared__ uint4 s_dyn[];
     uint8_t *s_w = reinterpret_cast<uint8_t *>(s_dyn);  // [kStages][32 rows][kE4m3TileBytes]
     const int n_chunks = static_cast<int>((p.k1 + kE4m3Chunk - 1) / kE4m3Chunk);
@@ -1360,6 +1370,7 @@ __device__ __forceinline__ void cp_async_wait_pending() { asm volatile("cp.async
 
 template <Op kOp, int kMF, int kNF, int kWR, bool kXChunk>
 __global__ void __launch_bounds__(kThreads, kMF == 1 ? 2 : 1) gemm_bf16_kernel(const ProductParams p) {
+    pdl_enter();
     constexpr int kRows = tile_rows(kMF, kWR);
     constexpr int kTok = tile_tokens(kNF, kWR);
     constexpr int kXQ = kTok * (kMmaSpan / 4) / kThreads;  // float4 groups of a span's x per thread
@@ -1387,7 +1398,8 @@ __global__ void __launch_bounds__(kThreads, kMF == 1 ? 2 : 1) gemm_bf16_kernel(c
     int64_t t_hi = 0;
     const uint8_t *wdata = nullptr;  // [rows, ld] bf16: the matrix, or the run's expert
     if (!block_tokens<kOp>(p, blockIdx.x, kTok, &t_lo, &t_hi, &wdata)) return;  // the whole block alike
-    const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRows;
+    const StreamGroup sg = stream_group<kOp>(p, blockIdx.y, kRows / 16, wdata - p.data);  // the block's rows
+    const int64_t row0 = sg.row0;
     const int64_t seg_len = kOp == Op::kCanonical ? p.block_size : p.k1 - p.k0;
     const int n_segs = kOp == Op::kCanonical ? static_cast<int>(p.n_blocks) : 1;
     const int per_seg = static_cast<int>((seg_len + kMmaChunk - 1) / kMmaChunk);
@@ -1406,9 +1418,9 @@ __global__ void __launch_bounds__(kThreads, kMF == 1 ? 2 : 1) gemm_bf16_kernel(c
             const int piece = v % (kMmaChunk / 8);
             const int64_t n = row0 + r;
             const int64_t i = ch.begin - p.k_begin + piece * 8;
-            const bool in = n < p.rows && i < end;
+            const bool in = n < sg.rows && i < end;
             uint16_t *dst = sw + tile_offset<kStride>(r, piece);
-            const uint8_t *row = wdata + (in ? n : 0) * p.ld * 2;
+            const uint8_t *row = sg.data + (in ? n : 0) * p.ld * 2;
             if (p.vec) {
                 cp_async16_zfill(dst, row + (in ? i : 0) * 2, in ? 16 : 0);
             } else {
@@ -1540,7 +1552,7 @@ __global__ void __launch_bounds__(kThreads, kMF == 1 ? 2 : 1) gemm_bf16_kernel(c
             for (int e = 0; e < 4; ++e) {
                 const int64_t n = row0 + wr * 16 * kMF + 16 * m + g + 8 * (e / 2);
                 const int64_t t = t_lo + wt * 8 * kNF + 8 * j + 2 * q + e % 2;
-                if (n < p.rows && t < t_hi) p.y[t * p.y_ld + n] = run[m][j][e];
+                if (n < sg.rows && t < t_hi) sg.y[t * sg.y_ld + n] = run[m][j][e];
             }
         }
     }
@@ -1553,7 +1565,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 cudaError_t launch(void (*kernel)(ProductParams), const ProductParams &p, cudaStream_t stream) {
     const int64_t blocks = p.items < kMaxBlocks ? p.items : kMaxBlocks;
-    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+    launch_kernel(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, p);
     return cudaGetLastError();
 }
 
@@ -1568,7 +1580,7 @@ cudaError_t launch_narrow(void (*kernel)(ProductParams), ProductParams p, cudaSt
     p.row_tiles = ceil_div(p.rows, rows);
     p.items = p.n_tokens * p.row_tiles;
     const int64_t blocks = p.items < kMaxBlocks ? p.items : kMaxBlocks;
-    kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(rows * kLanes), 0, stream>>>(p);
+    launch_kernel(kernel, static_cast<unsigned>(blocks), static_cast<unsigned>(rows * kLanes), 0, stream, p);
     return cudaGetLastError();
 }
 
@@ -1588,10 +1600,18 @@ cudaError_t launch_exact_chunks(DType dtype, ProductParams p, cudaStream_t strea
     const auto blocks = static_cast<unsigned>(p.items < kMaxBlocks ? p.items : kMaxBlocks);
     const size_t smem = static_cast<size_t>(chunks) * sizeof(float);
     switch (dtype) {
-        case DType::kF32: exact_chunks_kernel<DType::kF32><<<blocks, kThreads, smem, stream>>>(p, chunks); break;
-        case DType::kBF16: exact_chunks_kernel<DType::kBF16><<<blocks, kThreads, smem, stream>>>(p, chunks); break;
-        case DType::kF16: exact_chunks_kernel<DType::kF16><<<blocks, kThreads, smem, stream>>>(p, chunks); break;
-        case DType::kF8E4M3: exact_chunks_kernel<DType::kF8E4M3><<<blocks, kThreads, smem, stream>>>(p, chunks); break;
+        case DType::kF32:
+            launch_kernel(exact_chunks_kernel<DType::kF32>, blocks, kThreads, smem, stream, p, chunks);
+            break;
+        case DType::kBF16:
+            launch_kernel(exact_chunks_kernel<DType::kBF16>, blocks, kThreads, smem, stream, p, chunks);
+            break;
+        case DType::kF16:
+            launch_kernel(exact_chunks_kernel<DType::kF16>, blocks, kThreads, smem, stream, p, chunks);
+            break;
+        case DType::kF8E4M3:
+            launch_kernel(exact_chunks_kernel<DType::kF8E4M3>, blocks, kThreads, smem, stream, p, chunks);
+            break;
         default: return cudaErrorInvalidValue;
     }
     return cudaGetLastError();
@@ -1610,15 +1630,29 @@ cudaError_t raise_smem_limit(void (*kernel)(ProductParams), size_t bytes, std::a
     return e;
 }
 
-// Launches mma_bf16_kernel<kNT, kKW, kOp>: row tiles by token tiles of 8 kNT (grouped: by the runs of one
-// expert within a token tile, one block each).
+// Numbers the row groups of group_rows rows of every part one part after the other (parts[i].groups_end; a
+// single matrix becomes part 0) and returns their count: the row blocks of a bf16 product's launch.
+int64_t part_groups(ProductParams &p, int64_t group_rows) {
+    if (p.n_parts == 1) p.parts[0] = {p.data, p.y, p.rows, p.y_ld, 0};
+    int64_t groups = 0;
+    for (int i = 0; i < p.n_parts; ++i) {
+        groups += ceil_div(p.parts[i].rows, group_rows);
+        p.parts[i].groups_end = groups;
+    }
+    return groups;
+}
+
+// Launches mma_bf16_kernel<kNT, kKW, kOp>: row tiles (of every part) by token tiles of 8 kNT (grouped: by the
+// runs of one expert within a token tile, one block each).
 template <int kNT, int kKW, Op kOp>
-cudaError_t launch_mma_tokens(const ProductParams &p, cudaStream_t stream) {
+cudaError_t launch_mma_tokens(ProductParams p, cudaStream_t stream) {
     constexpr int64_t kRows = 16 * (kMmaWarps / kKW);
     constexpr int64_t kCols = 8 * kNT;
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kRows)), static_cast<unsigned>(ceil_div(p.n_tokens, kCols)),
+    const int64_t row_blocks = part_groups(p, kRows);
+    if (row_blocks > INT32_MAX) return cudaErrorInvalidValue;
+    const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(ceil_div(p.n_tokens, kCols)),
                     kOp == Op::kGrouped ? static_cast<unsigned>(kCols) : 1u);
-    mma_bf16_kernel<kNT, kKW, kOp><<<grid, kThreads, 0, stream>>>(p);
+    launch_kernel(mma_bf16_kernel<kNT, kKW, kOp>, grid, kThreads, 0, stream, p);
     return cudaGetLastError();
 }
 
@@ -1681,22 +1715,17 @@ cudaError_t launch_stream(ProductParams p, cudaStream_t stream) {
     p.phase_chunks = phase;
     const int64_t token_tiles = ceil_div(p.n_tokens, tokens);
     const int64_t runs = kOp == Op::kGrouped ? tokens : 1;
-    if (p.n_parts == 1) p.parts[0] = {p.data, p.y, p.rows, p.y_ld, 0};
-    int64_t groups = 0;
-    for (int i = 0; i < p.n_parts; ++i) {
-        groups += ceil_div(ceil_div(p.parts[i].rows, 16), sh.tiles);
-        p.parts[i].groups_end = groups;
-    }
+    const int64_t groups = part_groups(p, 16 * int64_t{sh.tiles});
     const int64_t gx = std::clamp<int64_t>(ceil_div(dev.sms * per_sm, token_tiles * runs), 1, groups);
     const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(token_tiles), static_cast<unsigned>(runs));
-    kernel<<<grid, kThreads, static_cast<size_t>(smem), stream>>>(p);
+    launch_kernel(kernel, grid, kThreads, static_cast<size_t>(smem), stream, p);
     return cudaGetLastError();
 }
 
 // Launches gemm_bf16_kernel<kOp, kMF, kNF, kWR>: token tiles (x, so the token tiles of a row tile run side by side
 // and its weights come from HBM once) by row tiles (y); grouped: by the runs of one expert within a token tile (z).
 template <Op kOp, int kMF, int kNF, int kWR, bool kXChunk>
-cudaError_t launch_gemm(const ProductParams &p, cudaStream_t stream) {
+cudaError_t launch_gemm(ProductParams p, cudaStream_t stream) {
     constexpr int kRows = tile_rows(kMF, kWR);
     constexpr int kTok = tile_tokens(kNF, kWR);
     constexpr auto kernel = gemm_bf16_kernel<kOp, kMF, kNF, kWR, kXChunk>;
@@ -1704,10 +1733,11 @@ cudaError_t launch_gemm(const ProductParams &p, cudaStream_t stream) {
         tile_smem_bytes(kRows, kTok, kTileStages<kXChunk>, kTileStride<kXChunk>, kOp == Op::kCanonical));
     static std::atomic<uint64_t> raised{0};
     if (cudaError_t e = raise_smem_limit(kernel, smem, raised); e != cudaSuccess) return e;
-    if (ceil_div(p.rows, kRows) > 65535) return cudaErrorInvalidValue;
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.n_tokens, kTok)), static_cast<unsigned>(ceil_div(p.rows, kRows)),
+    const int64_t row_blocks = part_groups(p, kRows);
+    if (row_blocks > 65535) return cudaErrorInvalidValue;
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.n_tokens, kTok)), static_cast<unsigned>(row_blocks),
                     kOp == Op::kGrouped ? static_cast<unsigned>(kTok) : 1u);
-    kernel<<<grid, kThreads, smem, stream>>>(p);
+    launch_kernel(kernel, grid, kThreads, smem, stream, p);
     return cudaGetLastError();
 }
 
@@ -1748,7 +1778,8 @@ cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
         StreamDevice dev;
         if (cudaError_t e = stream_device(&dev); e != cudaSuccess) return e;
         const auto per_sm = [&](int rows, int tokens) {
-            return ceil_div(ceil_div(p.rows, rows) * ceil_div(p.n_tokens, tokens), dev.sms);
+            ProductParams q = p;
+            return ceil_div(part_groups(q, rows) * ceil_div(p.n_tokens, tokens), dev.sms);
         };
         const int64_t small = per_sm(tile_rows(1, 4), tile_tokens(4, 4));
         const int64_t large = per_sm(tile_rows(4, 2), tile_tokens(4, 2));
@@ -1773,7 +1804,7 @@ cudaError_t launch_skinny_e4m3(const ProductParams &p, cudaStream_t stream) {
         raise_smem_limit(skinny_e4m3_kernel<kOp>, skinny_e4m3_smem_bytes(kSkinnyE4m3MaxK), raised);
     if (raise != cudaSuccess) return raise;
     const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kE4m3Rows)), static_cast<unsigned>(p.n_tokens));
-    skinny_e4m3_kernel<kOp><<<grid, kThreads, skinny_e4m3_smem_bytes(p.k1), stream>>>(p);
+    launch_kernel(skinny_e4m3_kernel<kOp>, grid, kThreads, skinny_e4m3_smem_bytes(p.k1), stream, p);
     return cudaGetLastError();
 }
 
@@ -1859,7 +1890,7 @@ cudaError_t cuda_matmul(const CudaMatrix &w, const float *x, int64_t n_tokens, f
 
 cudaError_t cuda_matmul_multi(const CudaMatrix *const *w, float *const *y, int n, const float *x, int64_t n_tokens,
                               cudaStream_t stream) {
-    if (n < 1 || n > kMaxMultiParts || n_tokens < 1 || n_tokens > 8 || x == nullptr) return cudaErrorNotSupported;
+    if (n < 1 || n > kMaxMultiParts || n_tokens < 1 || x == nullptr) return cudaErrorNotSupported;
     for (int i = 0; i < n; ++i) {
         const CudaMatrix &m = *w[i];
         if (m.dtype != DType::kBF16 || m.act != ActRounding::kBf16 || m.rows <= 0 || m.cols != w[0]->cols ||
@@ -1874,8 +1905,7 @@ cudaError_t cuda_matmul_multi(const CudaMatrix *const *w, float *const *y, int n
     for (int i = 0; i < n; ++i) {
         p.parts[i] = {static_cast<const uint8_t *>(w[i]->data), y[i], w[i]->rows, w[i]->rows, 0};
     }
-    p.vec = mma_vec<Op::kMatmul>(p);
-    return launch_stream<Op::kMatmul>(p, stream);
+    return launch_mma<Op::kMatmul>(p, stream);
 }
 
 bool cuda_canonical_blocks(const CudaMatrix &w, int64_t *block_begin, int64_t *block_end) {

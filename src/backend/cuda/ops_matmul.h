@@ -75,8 +75,10 @@ struct CudaBank {
 cudaError_t cuda_matmul(const CudaMatrix &w, const float *x, int64_t n_tokens, float *y, cudaStream_t stream);
 
 // cuda_matmul(*w[i], x, n_tokens, y[i]) for i < n, bit for bit, as one launch: up to kMaxMultiParts BF16
-// matrices (kBf16 activations) of one K, every K column held, 1 to 8 tokens. cudaErrorNotSupported where they
-// cannot be one launch (then nothing ran: the caller runs them one by one).
+// matrices (kBf16 activations) of one K, every K column held, any number of tokens (the kernel cuda_matmul would
+// pick for the token count, its row blocks walking the matrices one after the other), so that a step makes the
+// same launches at every batch size. cudaErrorNotSupported where they cannot be one launch (then nothing ran: the
+// caller runs them one by one).
 constexpr int kMaxMultiParts = 4;
 cudaError_t cuda_matmul_multi(const CudaMatrix *const *w, float *const *y, int n, const float *x, int64_t n_tokens,
                               cudaStream_t stream);

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/arg_first.cuh"
+#include "backend/cuda/launch.cuh"
 #include "core/float_formats.h"
 #include "core/math.h"
 
@@ -39,6 +40,7 @@ __device__ void raise_flag(int32_t *flag) {
 __global__ void router_topk_kernel(const float *glogits, const float *gbias, int64_t n_tokens, int n_experts,
                                    int top_k, bool renormalize, float scaling_factor, int32_t *gids,
                                    float *gweights) {
+    pdl_enter();
     extern __shared__ float s_score[];
     const int warp = static_cast<int>(threadIdx.x) / kWarp;
     const int lane = static_cast<int>(threadIdx.x) % kWarp;
@@ -104,6 +106,7 @@ __global__ void router_topk_kernel(const float *glogits, const float *gbias, int
 __global__ void __launch_bounds__(kSortThreads)
     moe_sort_pairs_kernel(const int32_t *gids, int64_t n_pairs, int n_experts, int32_t *goffsets, int32_t *gsorted,
                           int32_t *grow_of, int32_t *flag) {
+    pdl_enter();
     extern __shared__ int32_t s_cursor[];
     __shared__ int32_t s_ids[kSortTile];  // one tile of expert ids, staged for the placement warp
     const int tid = static_cast<int>(threadIdx.x);
@@ -176,6 +179,7 @@ __global__ void __launch_bounds__(kThreads)
     moe_permute_kernel(const float *gx, int64_t n_tokens, int64_t d, const int32_t *gsorted, const int32_t *goffsets,
                        int64_t expert_begin, int64_t expert_end, int64_t top_k, float *gx_own, int64_t x_own_rows,
                        int32_t *flag) {
+    pdl_enter();
     const int64_t r0 = goffsets[expert_begin];
     const int64_t r1 = goffsets[expert_end];
     if (r0 < 0 || r1 < r0 || r1 > n_tokens * top_k || r1 - r0 > x_own_rows) {
@@ -214,6 +218,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void moe_source_rows_kernel(const int32_t *gids, const int32_t *grow_of, int64_t n_pairs,
                                        const int32_t *goffsets, int64_t n_experts, int64_t per_owner,
                                        int64_t capacity, int32_t *gsrc, int32_t *flag) {
+    pdl_enter();
     for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < n_pairs;
          q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t e = gids[q];
@@ -245,10 +250,9 @@ cudaError_t router_topk(const float *logits, const float *bias, int64_t n_tokens
     warps = warps < kRouterMaxWarps ? warps : kRouterMaxWarps;
     const int64_t blocks = (n_tokens + warps - 1) / warps;
     if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-    router_topk_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(warps * kWarp),
-                         static_cast<size_t>(warps * row_bytes), stream>>>(
-        logits, bias, n_tokens, static_cast<int>(n_experts), static_cast<int>(top_k), renormalize, scaling_factor,
-        expert_ids, weights);
+    launch_kernel(router_topk_kernel, static_cast<unsigned>(blocks), static_cast<unsigned>(warps * kWarp),
+                  static_cast<size_t>(warps * row_bytes), stream, logits, bias, n_tokens, static_cast<int>(n_experts),
+                  static_cast<int>(top_k), renormalize, scaling_factor, expert_ids, weights);
     return cudaGetLastError();
 }
 
@@ -264,9 +268,8 @@ cudaError_t moe_sort_pairs(const int32_t *expert_ids, int64_t n_tokens, int64_t 
         return cudaErrorInvalidValue;
     }
     // Launched even without pairs: the offsets are still written (all zero).
-    moe_sort_pairs_kernel<<<1, kSortThreads, static_cast<size_t>(n_experts) * sizeof(int32_t), stream>>>(
-        expert_ids, n_pairs, static_cast<int>(n_experts), offsets, sorted_pair, row_of_pair,
-        error_flag);
+    launch_kernel(moe_sort_pairs_kernel, 1, kSortThreads, static_cast<size_t>(n_experts) * sizeof(int32_t), stream,
+                  expert_ids, n_pairs, static_cast<int>(n_experts), offsets, sorted_pair, row_of_pair, error_flag);
     return cudaGetLastError();
 }
 
@@ -280,8 +283,8 @@ cudaError_t moe_permute(const float *x, int64_t n_tokens, int64_t d, const int32
     if (x_own_rows == 0 || expert_begin == expert_end) return cudaSuccess;  // nothing can be copied
     if (x == nullptr || sorted_pair == nullptr || x_own == nullptr) return cudaErrorInvalidValue;
     const int64_t blocks = x_own_rows < kMaxBlocks ? x_own_rows : kMaxBlocks;
-    moe_permute_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        x, n_tokens, d, sorted_pair, offsets, expert_begin, expert_end, top_k, x_own, x_own_rows, error_flag);
+    launch_kernel(moe_permute_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, x, n_tokens, d, sorted_pair,
+                  offsets, expert_begin, expert_end, top_k, x_own, x_own_rows, error_flag);
     return cudaGetLastError();
 }
 
@@ -297,8 +300,8 @@ cudaError_t moe_source_rows(const int32_t *expert_ids, const int32_t *row_of_pai
     }
     const int64_t blocks_needed = (n_pairs + kThreads - 1) / kThreads;
     const int64_t blocks = blocks_needed < kMaxBlocks ? blocks_needed : kMaxBlocks;
-    moe_source_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        expert_ids, row_of_pair, n_pairs, offsets, n_experts, n_experts / n_owners, capacity, src_row, error_flag);
+    launch_kernel(moe_source_rows_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, expert_ids, row_of_pair,
+                  n_pairs, offsets, n_experts, n_experts / n_owners, capacity, src_row, error_flag);
     return cudaGetLastError();
 }
 

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/launch.cuh"
 #include "core/float_formats.h"
 #include "core/math.h"
 
@@ -45,6 +46,7 @@ __device__ void raise_flag(int32_t *flag) {
 // gtable: [vocab, d] f32 or bf16; gids: [n] i32; gout: [n, d] f32.
 __global__ void embedding_kernel(const void *gtable, bool bf16, int64_t vocab, int64_t d, const int32_t *gids,
                                  int64_t n, float *gout, int32_t *flag) {
+    pdl_enter();
     const int64_t total = n * d;
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
         const int64_t t = i / d;
@@ -117,6 +119,7 @@ __device__ void warp_norm_row(const float *x, int64_t d, const void *gw, bool w_
 // The row loop is warp-uniform, so the shuffles always see the full warp.
 __global__ void rms_norm_kernel(const float *gx, float *gy, int64_t n_items, int64_t per_token, int64_t token_stride,
                                 int64_t d, const void *gw, bool w_bf16, float eps) {
+    pdl_enter();
     const int64_t warp = threadIdx.x / kWarp;
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; item < n_items;
          item += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
@@ -130,6 +133,7 @@ __global__ void rms_norm_kernel(const float *gx, float *gy, int64_t n_items, int
 // gx, gr, gh, gy: [n_rows, d] f32.
 __global__ void add_rms_norm_kernel(const float *gx, const float *gr, int64_t n_rows, int64_t d, const void *gw,
                                     bool w_bf16, float eps, float *gh, float *gy) {
+    pdl_enter();
     const int64_t warp = threadIdx.x / kWarp;
     for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; row < n_rows;
          row += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
@@ -152,6 +156,7 @@ constexpr int kNormPer = static_cast<int>(kBlockNormMax / kThreads);
 __global__ void __launch_bounds__(kThreads) block_norm_kernel(const float *gx, const float *gr, int64_t n_rows,
                                                               int64_t d, const void *gw, bool w_bf16, float eps,
                                                               float *gh, float *gy) {
+    pdl_enter();
     extern __shared__ float s_row[];  // [d]
     __shared__ float s_inv;
     const auto elem = [&](int k) { return static_cast<int64_t>(threadIdx.x) + int64_t{k} * kThreads; };
@@ -199,6 +204,7 @@ size_t block_norm_smem(int64_t d) { return static_cast<size_t>(d) * sizeof(float
 // ---- Element-wise -------------------------------------------------------------------------------------
 
 __global__ void residual_add_kernel(const float *ga, const float *gb, int64_t n, float *gout) {
+    pdl_enter();
     for (int64_t i = first_index(); i < n; i += grid_stride()) gout[i] = ga[i] + gb[i];
 }
 
@@ -217,6 +223,7 @@ __device__ void rope_pair(float *row, int64_t j, int64_t half, const float *cos_
 __global__ void rope_kernel(const float *gcos, const float *gsin, int64_t n_positions, int64_t half, float *gx,
                             int64_t n_tokens, int64_t token_stride, int64_t n_heads, int64_t head_dim,
                             const int64_t *gpos, int32_t *flag) {
+    pdl_enter();
     const int64_t total = n_tokens * n_heads * half;
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
         const int64_t j = i % half;
@@ -248,6 +255,7 @@ struct HeadRows {
 __global__ void qk_norm_rope_kernel(HeadRows q, HeadRows k, int64_t n_tokens, int64_t head_dim, float eps,
                                     const float *gcos, const float *gsin, int64_t n_positions, int64_t half,
                                     const int64_t *gpos, int32_t *flag) {
+    pdl_enter();
     const int64_t per_token = q.n_heads + k.n_heads;
     const int64_t warp = threadIdx.x / kWarp;
     const int64_t lane = threadIdx.x % kWarp;
@@ -273,6 +281,7 @@ __global__ void qk_norm_rope_kernel(HeadRows q, HeadRows k, int64_t n_tokens, in
 // min/max instruction would turn a NaN into the limit; nvcc keeps the selects without fast-math).
 __global__ void swiglu_kernel(const float *ggate, const float *gup, int64_t in_stride, int64_t n_rows, int64_t d_ff,
                               float limit, float *gout) {
+    pdl_enter();
     const int64_t total = n_rows * d_ff;
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
         const int64_t t = i / d_ff;
@@ -289,6 +298,7 @@ __global__ void swiglu_kernel(const float *ggate, const float *gup, int64_t in_s
 
 // gsums: [tp, n]; gout: [n]: cpu balanced_tree (matmul.cpp) per element.
 __global__ void canonical_combine_kernel(const float *gsums, int tp, int64_t n, float *gout) {
+    pdl_enter();
     for (int64_t i = first_index(); i < n; i += grid_stride()) {
         const float *p = gsums + i;
         float s;
@@ -313,6 +323,7 @@ constexpr int kCombineSlots = 8;
 __global__ void moe_combine_kernel(const float *gh, const float *gexp, int64_t expert_rows, const int32_t *gsrc,
                                    const float *gw, const float *gshared, int64_t n_tokens, int64_t top_k, int64_t d,
                                    float *gout, int32_t *flag) {
+    pdl_enter();
     const int64_t total = n_tokens * d;
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
         const int64_t t = i / d;
@@ -356,6 +367,7 @@ __global__ void moe_combine_kernel(const float *gh, const float *gexp, int64_t e
 template <class Unit>
 __global__ void gather_rows_kernel(const Unit *gsrc, int64_t src_rows, const int32_t *grows, int64_t n_out,
                                    int64_t row_units, Unit *gdst, int32_t *flag) {
+    pdl_enter();
     const int64_t total = n_out * row_units;
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
         const int64_t r = i / row_units;
@@ -374,6 +386,7 @@ __global__ void gather_rows_kernel(const Unit *gsrc, int64_t src_rows, const int
 template <class Unit>
 __global__ void scatter_rows_kernel(const Unit *gsrc, const int32_t *grows, int64_t n, int64_t row_units, Unit *gdst,
                                     int64_t dst_rows, int32_t *flag) {
+    pdl_enter();
     const int64_t total = n * row_units;
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
         const int64_t r = i / row_units;
@@ -392,6 +405,7 @@ __global__ void scatter_rows_kernel(const Unit *gsrc, const int32_t *grows, int6
 template <class Unit>
 __global__ void concat_cols_kernel(const Unit *ga, int64_t ua, const Unit *gb, int64_t ub, int64_t n_rows,
                                    Unit *gout) {
+    pdl_enter();
     const int64_t row_units = ua + ub;
     const int64_t total = n_rows * row_units;
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
@@ -405,6 +419,7 @@ __global__ void concat_cols_kernel(const Unit *ga, int64_t ua, const Unit *gb, i
 template <class Unit>
 __global__ void join_col_shards_kernel(const Unit *gshards, int64_t n_shards, int64_t n_rows, int64_t wu,
                                        Unit *gout) {
+    pdl_enter();
     const int64_t row_units = n_shards * wu;
     const int64_t total = n_rows * row_units;
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
@@ -421,6 +436,7 @@ __global__ void join_col_shards_kernel(const Unit *gshards, int64_t n_shards, in
 __global__ void scatter_ids_kernel(const unsigned char *gtokens, int64_t n_tokens, int64_t token_bytes,
                                    const int32_t *gpairs, int64_t n_pairs, int32_t *gdst, int64_t n_dst,
                                    int32_t *flag) {
+    pdl_enter();
     for (int64_t i = first_index(); i < n_pairs; i += grid_stride()) {
         const int64_t src = gpairs[2 * i];
         const int64_t dst = gpairs[2 * i + 1];
@@ -490,8 +506,8 @@ cudaError_t embedding(const void *table, DType dtype, int64_t vocab_size, int64_
         return cudaErrorInvalidValue;
     }
     if (n_tokens == 0) return cudaSuccess;
-    embedding_kernel<<<grid_elems(n_tokens * d_model), kThreads, 0, stream>>>(table, dtype == DType::kBF16, vocab_size,
-                                                                              d_model, ids, n_tokens, out, error_flag);
+    launch_kernel(embedding_kernel, grid_elems(n_tokens * d_model), kThreads, 0, stream, table, dtype == DType::kBF16,
+                  vocab_size, d_model, ids, n_tokens, out, error_flag);
     return launch_status();
 }
 
@@ -500,11 +516,11 @@ cudaError_t rms_norm(const float *x, int64_t n_rows, int64_t d, DType w_dtype, c
     if (d <= 0 || !norm_dtype_ok(w_dtype) || bad_ptrs(n_rows, {x, w, y})) return cudaErrorInvalidValue;
     if (n_rows == 0) return cudaSuccess;
     if (d <= kBlockNormMax) {
-        block_norm_kernel<<<grid_blocks(n_rows), kThreads, block_norm_smem(d), stream>>>(
-            x, nullptr, n_rows, d, w, w_dtype == DType::kBF16, eps, nullptr, y);
+        launch_kernel(block_norm_kernel, grid_blocks(n_rows), kThreads, block_norm_smem(d), stream, x, nullptr, n_rows,
+                      d, w, w_dtype == DType::kBF16, eps, nullptr, y);
     } else {
-        rms_norm_kernel<<<grid_rows(n_rows), kThreads, 0, stream>>>(x, y, n_rows, 1, d, d, w, w_dtype == DType::kBF16,
-                                                                     eps);
+        launch_kernel(rms_norm_kernel, grid_rows(n_rows), kThreads, 0, stream, x, y, n_rows, 1, d, d, w,
+                      w_dtype == DType::kBF16, eps);
     }
     return launch_status();
 }
@@ -517,8 +533,8 @@ cudaError_t rms_norm_heads(float *x, int64_t n_tokens, int64_t token_stride, int
     }
     if (n_tokens == 0) return cudaSuccess;
     const int64_t n_items = n_tokens * n_heads;
-    rms_norm_kernel<<<grid_rows(n_items), kThreads, 0, stream>>>(x, x, n_items, n_heads, token_stride, head_dim, w,
-                                                                  w_dtype == DType::kBF16, eps);
+    launch_kernel(rms_norm_kernel, grid_rows(n_items), kThreads, 0, stream, x, x, n_items, n_heads, token_stride,
+                  head_dim, w, w_dtype == DType::kBF16, eps);
     return launch_status();
 }
 
@@ -539,8 +555,8 @@ cudaError_t qk_norm_rope(const QkHeads &q, const QkHeads &k, int64_t n_tokens, i
     if (n_tokens == 0) return cudaSuccess;
     const HeadRows hq{q.x, q.token_stride, q.n_heads, q.w, q.w_dtype == DType::kBF16};
     const HeadRows hk{k.x, k.token_stride, k.n_heads, k.w, k.w_dtype == DType::kBF16};
-    qk_norm_rope_kernel<<<grid_rows(n_tokens * (q.n_heads + k.n_heads)), kThreads, 0, stream>>>(
-        hq, hk, n_tokens, head_dim, eps, cos_table, sin_table, n_positions, half, positions, error_flag);
+    launch_kernel(qk_norm_rope_kernel, grid_rows(n_tokens * (q.n_heads + k.n_heads)), kThreads, 0, stream, hq, hk,
+                  n_tokens, head_dim, eps, cos_table, sin_table, n_positions, half, positions, error_flag);
     return launch_status();
 }
 
@@ -550,11 +566,11 @@ cudaError_t add_rms_norm(const float *x, const float *r, int64_t n_rows, int64_t
     if (n_rows > 0 && h == y) return cudaErrorInvalidValue;
     if (n_rows == 0) return cudaSuccess;
     if (d <= kBlockNormMax) {
-        block_norm_kernel<<<grid_blocks(n_rows), kThreads, block_norm_smem(d), stream>>>(
-            x, r, n_rows, d, w, w_dtype == DType::kBF16, eps, h, y);
+        launch_kernel(block_norm_kernel, grid_blocks(n_rows), kThreads, block_norm_smem(d), stream, x, r, n_rows, d, w,
+                      w_dtype == DType::kBF16, eps, h, y);
     } else {
-        add_rms_norm_kernel<<<grid_rows(n_rows), kThreads, 0, stream>>>(x, r, n_rows, d, w, w_dtype == DType::kBF16,
-                                                                         eps, h, y);
+        launch_kernel(add_rms_norm_kernel, grid_rows(n_rows), kThreads, 0, stream, x, r, n_rows, d, w,
+                      w_dtype == DType::kBF16, eps, h, y);
     }
     return launch_status();
 }
@@ -562,7 +578,7 @@ cudaError_t add_rms_norm(const float *x, const float *r, int64_t n_rows, int64_t
 cudaError_t residual_add(const float *a, const float *b, int64_t n_rows, int64_t d, float *out, cudaStream_t stream) {
     if (d <= 0 || bad_ptrs(n_rows, {a, b, out})) return cudaErrorInvalidValue;
     if (n_rows == 0) return cudaSuccess;
-    residual_add_kernel<<<grid_elems(n_rows * d), kThreads, 0, stream>>>(a, b, n_rows * d, out);
+    launch_kernel(residual_add_kernel, grid_elems(n_rows * d), kThreads, 0, stream, a, b, n_rows * d, out);
     return launch_status();
 }
 
@@ -574,8 +590,8 @@ cudaError_t rope(const float *cos_table, const float *sin_table, int64_t n_posit
         return cudaErrorInvalidValue;
     }
     if (n_tokens == 0) return cudaSuccess;
-    rope_kernel<<<grid_elems(n_tokens * n_heads * half), kThreads, 0, stream>>>(
-        cos_table, sin_table, n_positions, half, x, n_tokens, token_stride, n_heads, head_dim, positions, error_flag);
+    launch_kernel(rope_kernel, grid_elems(n_tokens * n_heads * half), kThreads, 0, stream, cos_table, sin_table,
+                  n_positions, half, x, n_tokens, token_stride, n_heads, head_dim, positions, error_flag);
     return launch_status();
 }
 
@@ -585,14 +601,16 @@ cudaError_t swiglu(const float *gate, const float *up, int64_t in_stride, int64_
         return cudaErrorInvalidValue;
     }
     if (n_rows == 0) return cudaSuccess;
-    swiglu_kernel<<<grid_elems(n_rows * d_ff), kThreads, 0, stream>>>(gate, up, in_stride, n_rows, d_ff, limit, out);
+    launch_kernel(swiglu_kernel, grid_elems(n_rows * d_ff), kThreads, 0, stream, gate, up, in_stride, n_rows, d_ff,
+                  limit, out);
     return launch_status();
 }
 
 cudaError_t canonical_combine(const float *subtree_sums, int64_t tp, int64_t n, float *out, cudaStream_t stream) {
     if (!(tp == 1 || tp == 2 || tp == 4 || tp == 8) || bad_ptrs(n, {subtree_sums, out})) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
-    canonical_combine_kernel<<<grid_elems(n), kThreads, 0, stream>>>(subtree_sums, static_cast<int>(tp), n, out);
+    launch_kernel(canonical_combine_kernel, grid_elems(n), kThreads, 0, stream, subtree_sums, static_cast<int>(tp), n,
+                  out);
     return launch_status();
 }
 
@@ -604,8 +622,8 @@ cudaError_t moe_combine(const float *h, const float *expert_out, int64_t expert_
     }
     if (n_tokens > 0 && expert_rows > 0 && expert_out == nullptr) return cudaErrorInvalidValue;
     if (n_tokens == 0) return cudaSuccess;
-    moe_combine_kernel<<<grid_elems(n_tokens * d), kThreads, 0, stream>>>(
-        h, expert_out, expert_rows, src_row, weights, shared, n_tokens, top_k, d, out, error_flag);
+    launch_kernel(moe_combine_kernel, grid_elems(n_tokens * d), kThreads, 0, stream, h, expert_out, expert_rows,
+                  src_row, weights, shared, n_tokens, top_k, d, out, error_flag);
     return launch_status();
 }
 
@@ -619,8 +637,9 @@ cudaError_t gather_rows(const void *src, int64_t src_rows, const int32_t *rows, 
     const int64_t row_units = row_bytes / unit;
     with_unit(unit, [&](auto tag) {
         using Unit = decltype(tag);
-        gather_rows_kernel<Unit><<<grid_elems(n_out * row_units), kThreads, 0, stream>>>(
-            static_cast<const Unit *>(src), src_rows, rows, n_out, row_units, static_cast<Unit *>(dst), error_flag);
+        launch_kernel(gather_rows_kernel<Unit>, grid_elems(n_out * row_units), kThreads, 0, stream,
+                      static_cast<const Unit *>(src), src_rows, rows, n_out, row_units, static_cast<Unit *>(dst),
+                      error_flag);
     });
     return launch_status();
 }
@@ -635,8 +654,9 @@ cudaError_t scatter_rows(const void *src, const int32_t *rows, int64_t n, int64_
     const int64_t row_units = row_bytes / unit;
     with_unit(unit, [&](auto tag) {
         using Unit = decltype(tag);
-        scatter_rows_kernel<Unit><<<grid_elems(n * row_units), kThreads, 0, stream>>>(
-            static_cast<const Unit *>(src), rows, n, row_units, static_cast<Unit *>(dst), dst_rows, error_flag);
+        launch_kernel(scatter_rows_kernel<Unit>, grid_elems(n * row_units), kThreads, 0, stream,
+                      static_cast<const Unit *>(src), rows, n, row_units, static_cast<Unit *>(dst), dst_rows,
+                      error_flag);
     });
     return launch_status();
 }
@@ -651,9 +671,9 @@ cudaError_t scatter_ids(const void *tokens, int64_t n_tokens, int64_t token_byte
         return cudaErrorInvalidValue;
     }
     if (n_pairs == 0) return cudaSuccess;
-    scatter_ids_kernel<<<grid_elems(n_pairs), kThreads, 0, stream>>>(static_cast<const unsigned char *>(tokens),
-                                                                     n_tokens, token_bytes, pairs, n_pairs, dst, n_dst,
-                                                                     error_flag);
+    launch_kernel(scatter_ids_kernel, grid_elems(n_pairs), kThreads, 0, stream,
+                  static_cast<const unsigned char *>(tokens), n_tokens, token_bytes, pairs, n_pairs, dst, n_dst,
+                  error_flag);
     return launch_status();
 }
 
@@ -669,8 +689,9 @@ cudaError_t concat_cols(const void *a, int64_t da, const void *b, int64_t db, in
     const int64_t ub = b_bytes / unit;
     with_unit(unit, [&](auto tag) {
         using Unit = decltype(tag);
-        concat_cols_kernel<Unit><<<grid_elems(n_rows * (ua + ub)), kThreads, 0, stream>>>(
-            static_cast<const Unit *>(a), ua, static_cast<const Unit *>(b), ub, n_rows, static_cast<Unit *>(out));
+        launch_kernel(concat_cols_kernel<Unit>, grid_elems(n_rows * (ua + ub)), kThreads, 0, stream,
+                      static_cast<const Unit *>(a), ua, static_cast<const Unit *>(b), ub, n_rows,
+                      static_cast<Unit *>(out));
     });
     return launch_status();
 }
@@ -684,8 +705,8 @@ cudaError_t join_col_shards(const void *shards, int64_t n_shards, int64_t n_rows
     const int64_t wu = piece / unit;
     with_unit(unit, [&](auto tag) {
         using Unit = decltype(tag);
-        join_col_shards_kernel<Unit><<<grid_elems(n_rows * n_shards * wu), kThreads, 0, stream>>>(
-            static_cast<const Unit *>(shards), n_shards, n_rows, wu, static_cast<Unit *>(out));
+        launch_kernel(join_col_shards_kernel<Unit>, grid_elems(n_rows * n_shards * wu), kThreads, 0, stream,
+                      static_cast<const Unit *>(shards), n_shards, n_rows, wu, static_cast<Unit *>(out));
     });
     return launch_status();
 }

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/arg_first.cuh"
+#include "backend/cuda/launch.cuh"
 #include "core/float_formats.h"
 #include "core/math.h"
 
@@ -392,6 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const SampleRow *grows, int64_t n_rows, const int32_t *ghistory, int64_t history_size,
                   const LogitBias *gbias, int64_t bias_size, SampledToken *gout, unsigned char *gworkspace,
                   int64_t slot_bytes, int64_t work_bytes, int32_t vocab, int32_t *flag) {
+    pdl_enter();
     __shared__ Shared sh;
     unsigned char *slot = gworkspace + static_cast<int64_t>(blockIdx.x) * slot_bytes;
     auto *gwork = reinterpret_cast<float *>(slot);
@@ -468,10 +470,10 @@ cudaError_t sample(const float *logits, int64_t n_logit_rows, int64_t row_stride
     }
     const int64_t blocks = n_rows < slots ? n_rows : slots;
     const int64_t grid = blocks < INT32_MAX ? blocks : INT32_MAX;
-    sample_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-        logits, n_logit_rows, row_stride, n_valid, rows, n_rows, history, history_size, bias, bias_size, out,
-        static_cast<unsigned char *>(workspace), slot_bytes, work_bytes_for(workspace_vocab), workspace_vocab,
-        error_flag);
+    launch_kernel(sample_kernel, static_cast<unsigned>(grid), kThreads, 0, stream, logits, n_logit_rows, row_stride,
+                  n_valid, rows, n_rows, history, history_size, bias, bias_size, out,
+                  static_cast<unsigned char *>(workspace), slot_bytes, work_bytes_for(workspace_vocab), workspace_vocab,
+                  error_flag);
     return cudaGetLastError();
 }
 
