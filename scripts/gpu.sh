@@ -10,6 +10,7 @@
 #                holds the tree and two of .deps/root, .deps/wheels (the server's tests) and .deps/llama.cpp.tar.gz)
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
 #   MEMRA_GPU_E128=0 leaves out the Step-3.5-E128 runs.
+#   MEMRA_GPU_E128_CONTEXT=1 adds E128 at the E table's contexts: decode at 4K (batch 1, 32, 128) and 64K, prefill 8K.
 #   MEMRA_GPU_QUICK=1 leaves out verify and the benchmarks: build, GPU tests, run, the server's tests and load tests.
 #   MEMRA_GPU_SERVE=0 leaves out the server's tests and load tests.
 #   MEMRA_GPU_TESTS=0 leaves out the GPU tests, the CLI's device tests, the collectives and verify (a benchmark run).
@@ -209,6 +210,17 @@ e128_rc=$?
 MEMRA_CUDA_PROFILE=1 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 512 -r 1 \
     >/dev/null 2>"$out/op_times_e128.log"
 fi
+# The E table's contexts (PERFORMANCE.md 8.2): E1 / E3 / E4 decode at 4K (batch 1, 32, 128) and E2 at 64K, each
+# sequence's context filled with seeded rows (--fill-depth: its prefill would take minutes at today's prefill
+# speed), and E5, one 8K prompt prefilled. MEMRA_GPU_E128_CONTEXT=1 adds them (about 5 minutes: three loads).
+if [ "${MEMRA_GPU_E128_CONTEXT:-0}" = 1 ]; then
+$memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 4096 --fill-depth -r 2 -ub 128 \
+    --parallel 32,128 -o json >"$out/bench_e128_4k.json" 2>"$out/bench_e128_4k.log"
+$memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 65536 --fill-depth -r 2 -o json \
+    >"$out/bench_e128_64k.json" 2>"$out/bench_e128_64k.log"
+$memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 8192 -n 0 -r 1 -o json \
+    >"$out/bench_e128_8k.json" 2>"$out/bench_e128_8k.log"
+fi
 # Per-op times (each op synchronised; launch + kernel), one prefill of 512 and 16 decode steps on the release preset.
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 512 -n 0 -r 1 >/dev/null 2>"$out/op_times_prefill.log"
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 0 -n 16 -r 1 >/dev/null 2>"$out/op_times_decode.log"
@@ -257,7 +269,10 @@ echo "| run default cuda (rc $run_rc) | same text as cpu: $run_same; $(grep -E '
 echo "| run release cuda (rc $run_release_rc) | $(grep -E 'eval time' "$out/run_release.log" | tail -1 | cut -c1-100) |"
 echo "| verify default cuda (rc $verify_rc) | $(tail -1 "$out/verify_cuda.log" 2>/dev/null) |"
 echo "| verify release cuda (rc $verify_release_rc, $((t4 - t3)) s incl. runs) | $(tail -1 "$out/verify_release.log" 2>/dev/null) |"
-for f in bench_release_8 bench_release_64 bench_release_eager bench_default bench_e128; do bench_rows "$out/$f.json"; done
+for f in bench_release_8 bench_release_64 bench_release_eager bench_default bench_e128 bench_e128_4k bench_e128_64k \
+         bench_e128_8k; do
+    bench_rows "$out/$f.json"
+done
 python3 - "$out" <<'EOF' 2>/dev/null
 import csv, json, os, sys
 out = sys.argv[1]
@@ -280,6 +295,9 @@ for line in open(os.path.join(out, "bench_cuda_peers.jsonl")):
     p = json.loads(line)
     if "rows" in p:
         peers[(p["rows"], p["K"], p["tokens"])] = p
+    if "attention" in p:
+        print(f"| decode attention peer: {p['peer']} x{p['batch']}, {p['positions']} positions, {p['heads']} heads | "
+              f"{p['us']:.1f} us, {p['KV_GB/s']:.0f} GB/s of K and V |")
 for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchmarks"]:
     if not b["name"].startswith("bm_bf16_product") or "weight_GB/s" not in b:
         continue
@@ -300,10 +318,11 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
         print(f"| K1 {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us {b['weight_GB/s']:.0f} GB/s "
               f"({100 * b['vs_copy']:.0f} % of copy) |")
     if b["name"].startswith("bm_decode_attention"):
-        a = dict(kv.split(":") for kv in b["name"].split("/")[1:6])
+        a = dict(kv.split(":") for kv in b["name"].split("/")[1:7])
         kv = "q8_0/q5_1" if a["q8q5"] == "1" else "bf16"
-        print(f"| K9/K10 decode attention {a['positions']} positions, {a['heads']} heads, window {a['window']}, "
-              f"split {a['split']}, KV {kv} | {b['real_time']:.1f} us, {b['KV_GB/s']:.0f} GB/s of K and V |")
+        k = "K8" if a["batch"] != "1" else "K9/K10"
+        print(f"| {k} decode attention x{a['batch']}, {a['positions']} positions, {a['heads']} heads, window "
+              f"{a['window']}, split {a['split']}, KV {kv} | {b['real_time']:.1f} us, {b['KV_GB/s']:.0f} GB/s of K and V |")
     if b["name"].startswith("bm_add_rms_norm"):
         print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")
 EOF

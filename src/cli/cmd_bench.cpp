@@ -1,16 +1,16 @@
-// `memra bench [MODEL_DIR]`: llama-bench's two speed tests on the engine (runtime/engine.h; GPU or CPU, --device). ppN prefills
-// N prompt tokens into a fresh sequence in steps of the row budget (-ub; one step at the default 512) and
+// `memra bench [MODEL_DIR]`: llama-bench's two speed tests on the engine (runtime/engine.h; GPU or CPU, --device). ppN
+// prefills N prompt tokens into a fresh sequence in steps of the row budget (-ub; one step at the default 512) and
 // samples after the last; tgN decodes N tokens from a fresh sequence, one step each, feeding the token the
 // engine sampled (greedy). With -d D every test's sequence first holds D context tokens, prefilled untimed (as
-// llama-bench's -d: "pp512 @ d4096"). --synthetic PRESET runs a model generated in memory instead of a
-// MODEL_DIR (token ids only: it has no tokenizer). With --spec-draft K a second tg test decodes the same tokens
-// with the MTP layers drafting up to K per step (speculation), side by side, with the acceptance rate per draft
-// position and the tokens per step. Each test runs once untimed (warm-up), then REPS timed runs; the table
-// (Markdown or JSON) gives the mean and sample stddev of tokens/s over those runs and the peak resident memory.
-// Only the engine steps are timed: sequences are created (and filled to the depth) outside the clock.
-// `memra bench --experts` instead times one MoE layer's routed experts (model::MoeState: refresh + run) on
-// seeded hidden rows, on tp CPU ranks (experts whole on their owners), and checks that the output's checksum
-// never changes.
+// llama-bench's -d: "pp512 @ d4096"), or with --fill-depth written as seeded K/V rows without a forward
+// (Engine::fill_context: decode at 64K without minutes of prefill; "tg32 @ d65536 (filled)"). --synthetic PRESET runs a
+// model generated in memory instead of a MODEL_DIR (token ids only: it has no tokenizer). With --spec-draft K a second
+// tg test decodes the same tokens with the MTP layers drafting up to K per step (speculation), side by side, with the
+// acceptance rate per draft position and the tokens per step. Each test runs once untimed (warm-up), then REPS timed
+// runs; the table (Markdown or JSON) gives the mean and sample stddev of tokens/s over those runs and the peak resident
+// memory. Only the engine steps are timed: sequences are created (and filled to the depth) outside the clock.
+// `memra bench --experts` instead times one MoE layer's routed experts (model::MoeState: refresh + run) on seeded
+// hidden rows, on tp CPU ranks (experts whole on their owners), and checks that the output's checksum never changes.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -55,6 +55,7 @@ struct BenchOptions {
     int n_prompt = 512;  // pp test size; 0 skips it
     int n_gen = 128;     // tg test size; 0 skips it
     int n_depth = 0;     // context tokens every test's sequence holds before its timed steps
+    bool fill_depth = false;  // the depth's rows written with seeded values (Engine::fill_context), not prefilled
     int reps = 5;        // timed runs per test
     int threads = 1;
     Numerics numerics = Numerics::kDevice;
@@ -68,7 +69,7 @@ struct BenchOptions {
     bool print_tokens = false;
     int spec_draft = 0;
     int spec_accept = -1;  // >= 0: drafts forced so that this many are accepted per step
-    int parallel = 1;      // tg: sequences decoding together, one step for all of them
+    std::vector<int> parallel = {1};  // tg: each B > 1 also times B sequences decoding together, one step for all
 
     // --experts: the routed-experts test instead of pp / tg.
     bool experts = false;
@@ -113,14 +114,26 @@ BenchTokens bench_tokens(uint64_t seed, int n_prompt, int n_depth, int32_t n_rea
     return t;
 }
 
-// A fresh sequence holding the depth context, prefilled (untimed, in steps of the row budget) when there is one.
+// How a test's sequence comes to hold the depth context (untimed).
+struct Depth {
+    std::span<const int32_t> tokens;
+    bool fill = false;  // seeded rows written without a forward (Engine::fill_context), else prefilled
+    uint64_t seed = 0;  // fill's
+};
+
+// A fresh sequence holding the depth context when there is one: prefilled in steps of the row budget, or filled.
 Result<std::unique_ptr<runtime::Sequence>> depth_sequence(runtime::Engine &engine, const runtime::SequenceOptions &so,
-                                                          std::span<const int32_t> depth) {
+                                                          const Depth &depth) {
     auto seq = engine.create_sequence(so);
     if (!seq) return tl::unexpected(seq.error());
-    if (depth.empty()) return seq;
-    (*seq)->tokens.assign(depth.begin(), depth.end());
-    if (auto fed = runtime::feed(engine, **seq); !fed) return wrap_error("depth prefill", fed.error());
+    if (depth.tokens.empty()) return seq;
+    (*seq)->tokens.assign(depth.tokens.begin(), depth.tokens.end());
+    if (depth.fill) {
+        const auto rows = static_cast<int64_t>(depth.tokens.size());
+        if (auto ok = engine.fill_context(**seq, rows, depth.seed); !ok) return wrap_error("depth fill", ok.error());
+    } else if (auto fed = runtime::feed(engine, **seq); !fed) {
+        return wrap_error("depth prefill", fed.error());
+    }
     return seq;
 }
 
@@ -130,7 +143,7 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 // One pp run: a fresh sequence at the depth, then the timed steps over the whole prompt (chunked by the row
 // budget) and the sampling after its last token. Returns the milliseconds of those steps.
-Result<double> time_prompt(runtime::Engine &engine, const runtime::SequenceOptions &so, std::span<const int32_t> depth,
+Result<double> time_prompt(runtime::Engine &engine, const runtime::SequenceOptions &so, const Depth &depth,
                            std::span<const int32_t> prompt) {
     auto seq = depth_sequence(engine, so, depth);
     if (!seq) return tl::unexpected(seq.error());
@@ -154,9 +167,9 @@ struct Forcing {
     int32_t vocab = 0;
 };
 
-Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceOptions &so,
-                               std::span<const int32_t> depth, int32_t first, int64_t n_gen, int draft,
-                               runtime::SpecStats &stats, std::vector<int32_t> &tokens, const Forcing &forcing) {
+Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceOptions &so, const Depth &depth,
+                               int32_t first, int64_t n_gen, int draft, runtime::SpecStats &stats,
+                               std::vector<int32_t> &tokens, const Forcing &forcing) {
     auto seq = depth_sequence(engine, so, depth);
     if (!seq) return tl::unexpected(seq.error());
     runtime::Sequence &s = **seq;
@@ -185,9 +198,8 @@ Result<double> time_generation(runtime::Engine &engine, const runtime::SequenceO
 // tg at `parallel` > 1 sequences: each starts at the depth from `first` and decodes n_gen tokens, all of them in one
 // engine step per token (batched decode); the time of those steps. tokens: sequence 0's tokens (every sequence
 // decodes the same ones: batch invariance).
-Result<double> time_batched_generation(runtime::Engine &engine, const runtime::SequenceOptions &so,
-                                       std::span<const int32_t> depth, int32_t first, int64_t n_gen, int parallel,
-                                       std::vector<int32_t> &tokens) {
+Result<double> time_batched_generation(runtime::Engine &engine, const runtime::SequenceOptions &so, const Depth &depth,
+                                       int32_t first, int64_t n_gen, int parallel, std::vector<int32_t> &tokens) {
     std::vector<std::unique_ptr<runtime::Sequence>> seqs;
     for (int i = 0; i < parallel; ++i) {
         auto seq = depth_sequence(engine, so, depth);
@@ -227,6 +239,7 @@ struct TestResult {
     int n_prompt = 0;
     int n_gen = 0;
     int n_depth = 0;   // context tokens before the timed steps
+    bool depth_filled = false;  // ... written as seeded rows (--fill-depth), not prefilled
     int parallel = 1;  // sequences decoding together (tg)
     int spec_draft = 0;
     runtime::SpecStats spec;  // the timed runs' decode steps
@@ -352,6 +365,7 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
                            {"n_prompt", t.n_prompt},
                            {"n_gen", t.n_gen},
                            {"n_depth", t.n_depth},
+                           {"depth_filled", t.depth_filled},
                            {"parallel", t.parallel},
                            {"reps", reps},
                            {"samples_ms", t.samples_ms},
@@ -639,6 +653,14 @@ int run_bench(const BenchOptions &opt) {
     const std::filesystem::path &dir = in->dir;
     const model::Step35Config &cfg = in->cfg;
     // Positions one sequence of each test reaches: the depth, then the prompt or the generated tokens.
+    if (opt.fill_depth && opt.n_depth == 0) {
+        return report_error("--fill-depth fills the -d context: give -d N > 0");
+    }
+    if (opt.fill_depth && opt.spec_draft > 0) {
+        return report_error(
+            "--fill-depth with --spec-draft: the MTP layers read the context's hidden rows, which a "
+            "fill does not make; prefill the depth (leave out --fill-depth)");
+    }
     const std::string depth_flag = opt.n_depth > 0 ? fmt::format("-d {} ", opt.n_depth) : "";
     for (const auto &[flag, n] : {std::pair{"-p", opt.n_prompt}, std::pair{"-n", opt.n_gen}}) {
         const int64_t positions = int64_t{opt.n_depth} + n;
@@ -650,12 +672,13 @@ int run_bench(const BenchOptions &opt) {
     }
     // The KV cache holds every sequence of a test at once: tg's hold their first token and N more.
     const int64_t pp_positions = opt.n_prompt > 0 ? int64_t{opt.n_depth} + opt.n_prompt : 0;
-    const int64_t tg_positions = opt.n_gen > 0 ? (int64_t{opt.n_depth} + opt.n_gen + 1) * opt.parallel : 0;
+    const int max_parallel = *std::max_element(opt.parallel.begin(), opt.parallel.end());
+    const int64_t tg_positions = opt.n_gen > 0 ? (int64_t{opt.n_depth} + opt.n_gen + 1) * max_parallel : 0;
     const int64_t positions = std::max({pp_positions, tg_positions, int64_t{1}});
     if (opt.ctx_size > 0 && opt.ctx_size < positions) {
         const bool pp = pp_positions >= tg_positions;
         const std::string depth = opt.n_depth > 0 ? fmt::format("{} depth + ", opt.n_depth) : "";
-        const std::string seqs = opt.parallel > 1 ? fmt::format(", x{} sequences", opt.parallel) : "";
+        const std::string seqs = max_parallel > 1 ? fmt::format(", x{} sequences", max_parallel) : "";
         const std::string test = pp ? fmt::format("{} prompt", opt.n_prompt)
                                     : fmt::format("{} + 1 generated{}", opt.n_gen, seqs);
         return report_error(fmt::format("-c {}: the KV cache is smaller than the {} positions the {} test needs "
@@ -696,7 +719,7 @@ int run_bench(const BenchOptions &opt) {
     eo.k_format = in->k_format;
     eo.v_format = in->v_format;
     eo.ctx_size = opt.ctx_size > 0 ? opt.ctx_size : positions;
-    eo.max_seqs = opt.parallel;
+    eo.max_seqs = max_parallel;
     eo.step_rows = opt.step_rows;
     eo.sample_vocab = n_real;
     if (auto ok = enable_speculation(eo, cfg, opt.spec_draft, true); !ok) return report_error(ok.error().message);
@@ -720,16 +743,19 @@ int run_bench(const BenchOptions &opt) {
     so.sampling.temperature = 0.0f;  // greedy: the same tokens every run
 
     // As llama-bench names a test at a depth: "pp512 @ d4096".
-    const std::string depth_suffix = opt.n_depth > 0 ? fmt::format(" @ d{}", opt.n_depth) : "";
+    const std::string depth_suffix =
+        opt.n_depth > 0 ? fmt::format(" @ d{}{}", opt.n_depth, opt.fill_depth ? " (filled)" : "") : "";
+    const Depth depth{tokens.depth, opt.fill_depth, opt.seed};
     std::vector<TestResult> tests;
     if (opt.n_prompt > 0) {
         TestResult t;
         t.name = fmt::format("pp{}", opt.n_prompt) + depth_suffix;
         t.n_prompt = opt.n_prompt;
         t.n_depth = opt.n_depth;
+        t.depth_filled = opt.fill_depth;
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {  // rep -1: the warm-up
-            auto ms = time_prompt(engine, so, tokens.depth, tokens.prompt);
+            auto ms = time_prompt(engine, so, depth, tokens.prompt);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) t.samples_ms.push_back(*ms);
         }
@@ -748,6 +774,7 @@ int run_bench(const BenchOptions &opt) {
         if (draft > 0 && opt.spec_accept >= 0) t.name += fmt::format(" accept{}", opt.spec_accept);
         t.name += depth_suffix;
         t.n_depth = opt.n_depth;
+        t.depth_filled = opt.fill_depth;
         Forcing forcing;
         if (draft > 0 && opt.spec_accept >= 0) forcing = Forcing{&draft_forcing, &plain_tokens, opt.spec_accept, n_real};
         t.n_gen = opt.n_gen;
@@ -757,7 +784,7 @@ int run_bench(const BenchOptions &opt) {
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         for (int rep = -1; rep < opt.reps; ++rep) {
             runtime::SpecStats stats;
-            auto ms = time_generation(engine, gso, tokens.depth, tokens.gen_first, opt.n_gen, draft, stats,
+            auto ms = time_generation(engine, gso, depth, tokens.gen_first, opt.n_gen, draft, stats,
                                       draft == 0 ? plain_tokens : spec_tokens, forcing);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) {
@@ -779,17 +806,18 @@ int run_bench(const BenchOptions &opt) {
         tests.push_back(std::move(t));
     }
 
-    if (opt.n_gen > 0 && opt.parallel > 1) {
+    for (const int parallel : opt.parallel) {
+        if (opt.n_gen == 0 || parallel == 1) continue;  // B = 1: the plain tg test
         TestResult t;
-        t.name = fmt::format("tg{} x{}", opt.n_gen, opt.parallel) + depth_suffix;
+        t.name = fmt::format("tg{} x{}", opt.n_gen, parallel) + depth_suffix;
         t.n_gen = opt.n_gen;
         t.n_depth = opt.n_depth;
-        t.parallel = opt.parallel;
+        t.depth_filled = opt.fill_depth;
+        t.parallel = parallel;
         std::fprintf(stderr, "memra bench: %s: warm-up + %d runs\n", t.name.c_str(), opt.reps);
         std::vector<int32_t> batched_tokens;
         for (int rep = -1; rep < opt.reps; ++rep) {
-            auto ms = time_batched_generation(engine, so, tokens.depth, tokens.gen_first, opt.n_gen, opt.parallel,
-                                              batched_tokens);
+            auto ms = time_batched_generation(engine, so, depth, tokens.gen_first, opt.n_gen, parallel, batched_tokens);
             if (!ms) return report_error(fmt::format("{}: {}", t.name, ms.error().message));
             if (rep >= 0) t.samples_ms.push_back(*ms);
         }
@@ -838,10 +866,18 @@ Command add_bench_command(CLI::App &app) {
         ->envname("MEMRA_N_DEPTH")
         ->check(CLI::Range(0, kMaxInt))
         ->capture_default_str();
+    sub->add_flag("--fill-depth", opt->fill_depth,
+                  "Write the -d context's KV rows with seeded values (uniform on [-1, 1)) instead of prefilling "
+                  "them: decode timed at a depth whose prefill would take minutes. Attention reads the same bytes, "
+                  "but the rows are not the tokens', so the generated tokens mean nothing (test names \"tg32 @ "
+                  "d65536 (filled)\"; JSON depth_filled). Not with --spec-draft")
+        ->envname("MEMRA_FILL_DEPTH");
     sub->add_option("--parallel", opt->parallel,
-                    "tgN at B sequences: also time B sequences decoding N tokens together, one engine step per token "
-                    "(batched decode; tokens/s counts every sequence's tokens)")
+                    "tgN at B sequences: for each B > 1 of the list (as 32,128) also time B sequences decoding N "
+                    "tokens together, one engine step per token (batched decode; tokens/s counts every sequence's "
+                    "tokens); the KV cache is sized for the largest B")
         ->envname("MEMRA_BENCH_PARALLEL")
+        ->delimiter(',')
         ->check(CLI::Range(1, 4096))
         ->capture_default_str();
     sub->add_option("-r,--repetitions", opt->reps, "Timed runs per test, after one untimed warm-up run")
@@ -912,7 +948,7 @@ Command add_bench_command(CLI::App &app) {
             ->capture_default_str(),
     };
     for (CLI::Option *o : needs_experts) o->needs(experts);
-    for (const char *name : {"--n-prompt", "--n-gen", "--n-depth", "--repetitions", "--kv-k", "--kv-v",
+    for (const char *name : {"--n-prompt", "--n-gen", "--n-depth", "--fill-depth", "--repetitions", "--kv-k", "--kv-v",
                              "--ctx-size", "--ubatch-size"}) {
         experts->excludes(sub->get_option(name));
     }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include <fmt/format.h>
@@ -68,6 +69,17 @@ struct Engine::Rank {
     TensorView sample_rows, history, bias;
     int64_t d2h_at_run_end = 0;  // the backend's d2h count when run() returned (counters' d2h_before_finish)
     int64_t d2h_at_plan = 0;     // ... and when plan() began
+    // fill_context's seeded rows: K and V of [fill chunk, heads * head_dim] f32 per distinct KV head range of the
+    // rank's trunk layers, and the chunk's slots (the full pool's, then the sliding pool's); made by the first fill.
+    struct FillRows {
+        parallel::Range heads;
+        int head_dim = 0;
+        TensorView k, v;
+    };
+    std::vector<FillRows> fill;
+    std::vector<int> fill_of_layer;     // [config layer] its entry of fill, -1: none (no rows stored, an MTP layer)
+    TensorView fill_slots;              // [2 * fill chunk] i32
+    std::optional<uint64_t> fill_seed;  // the seed fill's values are drawn with
 };
 
 Engine::~Engine() = default;
@@ -374,6 +386,129 @@ Result<int64_t> Engine::reuse_prefix(Sequence &seq) {
 }
 
 void Engine::clear_prefix_cache() { prefix_.clear(full_, swa_); }
+
+namespace {
+
+// fill_context's rows per chunk at most (fewer when a step's row budget is smaller: the sliding pool holds a
+// window plus two steps' rows per sequence).
+constexpr int64_t kFillRows = 512;
+// Marks fill_context's Philox stream ("fill"); K's values use it, V's the next.
+constexpr uint32_t kFillStream = 0x66696c6cu;
+
+// Rows [0, rows) of fill_context's values of KV heads `heads` (whole-model indices), head_dim each: row-major
+// [rows, heads * head_dim]; which = 0 for K, 1 for V. Value (r, h, d) is word d % 4 of Philox4x32-10 at counter
+// (r, h, d / 4, kFillStream + which) under key (seed low, seed high): its top 24 bits scaled to [-1, 1).
+std::vector<float> fill_values(uint64_t seed, uint32_t which, int64_t rows, parallel::Range heads, int head_dim) {
+    std::vector<float> out;
+    out.reserve(static_cast<size_t>(rows * heads.size() * head_dim));
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int h = heads.begin; h < heads.end; ++h) {
+            for (int d = 0; d < head_dim; d += 4) {
+                const std::array<uint32_t, 4> w =
+                    philox4x32_10({static_cast<uint32_t>(r), static_cast<uint32_t>(h), static_cast<uint32_t>(d / 4),
+                                   kFillStream + which},
+                                  {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
+                for (int j = 0; j < 4 && d + j < head_dim; ++j) {
+                    out.push_back(static_cast<float>(w[static_cast<size_t>(j)] >> 8) * (1.0f / 8388608.0f) - 1.0f);
+                }
+            }
+        }
+    }
+    return out;
+}
+
+}  // namespace
+
+Result<void> Engine::prepare_fill(Rank &rk, int rank, int64_t chunk, uint64_t seed) {
+    Backend &be = *rk.backend;
+    be.bind_thread();
+    if (rk.fill_slots.data == nullptr) {
+        auto slots = be.alloc(DType::kI32, {2 * chunk});
+        if (!slots) return wrap_error(fmt::format("fill: rank {}", rank), slots.error());
+        rk.fill_of_layer.assign(cfg_.layers.size(), -1);
+        for (size_t l = 0; l < cfg_.layers.size(); ++l) {
+            const model::LayerGeometry &g = cfg_.layers[l];
+            if (pools_.pool_layer[l] < 0 || g.is_mtp) continue;
+            const parallel::Range heads = options_.tp > 1 ? plan_.ranks[static_cast<size_t>(rank)].layers[l].kv_heads
+                                                          : parallel::Range{0, g.n_kv_heads};
+            auto same = std::find_if(rk.fill.begin(), rk.fill.end(), [&](const Rank::FillRows &f) {
+                return f.heads == heads && f.head_dim == g.head_dim;
+            });
+            if (same == rk.fill.end()) {
+                const int64_t width = int64_t{heads.size()} * g.head_dim;
+                auto k = be.alloc(DType::kF32, {chunk, width});
+                auto v = be.alloc(DType::kF32, {chunk, width});
+                if (!k || !v) return wrap_error(fmt::format("fill: rank {}", rank), (k ? v : k).error());
+                same = rk.fill.insert(rk.fill.end(), Rank::FillRows{heads, g.head_dim, *k, *v});
+            }
+            rk.fill_of_layer[l] = static_cast<int>(same - rk.fill.begin());
+        }
+        rk.fill_slots = *slots;
+    }
+    if (rk.fill_seed != seed) {
+        for (const Rank::FillRows &f : rk.fill) {
+            be.copy_from_host(fill_values(seed, 0, chunk, f.heads, f.head_dim).data(), f.k);
+            be.copy_from_host(fill_values(seed, 1, chunk, f.heads, f.head_dim).data(), f.v);
+        }
+        rk.fill_seed = seed;
+    }
+    return {};
+}
+
+Result<void> Engine::fill_context(Sequence &seq, int64_t rows, uint64_t seed) {
+    if (seq.engine_ != this) return make_error("fill: the sequence belongs to another engine");
+    if (phase_ != Phase::kIdle) return make_error("fill: a step is planned; finish or abandon it first");
+    if (seq.kv_.length(0) != 0 || seq.kv_.in_txn()) {
+        return make_error("fill: the sequence already holds {} rows, expected a fresh one", seq.kv_.length(0));
+    }
+    if (seq.n_streams() != 1) {
+        return make_error(
+            "fill: the sequence has {} MTP streams, whose layers read hidden rows of the context that a "
+            "fill does not make; prefill it instead",
+            seq.n_streams() - 1);
+    }
+    const auto n_tokens = static_cast<int64_t>(seq.tokens.size());
+    if (rows < 1 || rows > n_tokens) {
+        return make_error("fill: {} rows, expected 1 .. the sequence's {} tokens", rows, n_tokens);
+    }
+    if (rows > seq_shape_.max_positions) {
+        return make_error("fill: {} rows, past the {} positions a sequence reaches", rows, seq_shape_.max_positions);
+    }
+    const int64_t chunk = std::min(options_.step_rows, kFillRows);
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+        if (auto ok = prepare_fill(*ranks_[i], first_rank_ + static_cast<int>(i), chunk, seed); !ok) return ok;
+    }
+    seq.published_ = -1;  // not the tokens' rows: never in the prefix cache
+    std::vector<int32_t> slots(static_cast<size_t>(2 * chunk), 0);
+    for (int64_t p = 0; p < rows; p += chunk) {
+        const int64_t n = std::min(chunk, rows - p);
+        const std::array<int64_t, 1> staged = {n};
+        auto txn = seq.kv_.begin(staged, full_, swa_);
+        if (!txn) return wrap_error(fmt::format("fill: positions {} .. {}", p, p + n - 1), txn.error());
+        for (int64_t i = 0; i < n; ++i) {
+            const auto at = static_cast<size_t>(i);
+            if (seq_shape_.trunk_full) slots[at] = seq.kv_.slot(kv::PoolKind::kFull, p + i);
+            if (seq_shape_.trunk_sliding)
+                slots[static_cast<size_t>(chunk) + at] = seq.kv_.slot(kv::PoolKind::kSwa, p + i);
+        }
+        for (const std::unique_ptr<Rank> &rk : ranks_) {
+            Backend &be = *rk->backend;
+            be.bind_thread();
+            be.copy_from_host(slots.data(), rk->fill_slots);
+            for (size_t l = 0; l < cfg_.layers.size(); ++l) {
+                const int f = rk->fill_of_layer[l];
+                if (f < 0) continue;
+                const Rank::FillRows &rows_of = rk->fill[static_cast<size_t>(f)];
+                const bool swa = pools_.in_swa[l];
+                const int64_t s0 = swa ? chunk : 0;
+                be.kv_write(swa ? rk->kv.swa : rk->kv.full, pools_.pool_layer[l], rows_of.k.row_slice(0, n),
+                            rows_of.v.row_slice(0, n), rk->fill_slots.row_slice(s0, s0 + n));
+            }
+        }
+        if (auto ok = seq.kv_.commit(*txn, staged, full_, swa_); !ok) return wrap_error("fill", ok.error());
+    }
+    return {};
+}
 
 void Engine::publish(Sequence &seq) {
     const int64_t whole = seq.kv_.length(0) / kKvPageRows;

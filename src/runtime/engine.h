@@ -229,6 +229,19 @@ public:
     Result<int64_t> reuse_prefix(Sequence &seq);
     // Drops every cached block (pages free once no sequence holds them).
     void clear_prefix_cache();
+
+    // Benchmarks only: commits the first `rows` of a fresh sequence's tokens with seeded K and V values written
+    // straight into its pages instead of computing them (no forward), so decode can be timed at a depth whose
+    // prefill would take minutes. Attention reads these rows as it reads computed ones — the same bytes, the
+    // same work — but they are not the tokens' rows, so what the sequence samples after them means nothing, and
+    // they are never published to the prefix cache. Value (K or V, position, KV head, dimension) is uniform on
+    // [-1, 1) from Philox keyed by the seed, by the position modulo the fill's chunk (min(step_rows, 512)) and by
+    // the head's index in the whole model, the same on every layer, so every TP degree holds the same rows.
+    // Refused, the sequence unchanged: a sequence of another engine, with rows, with MTP streams (their layers
+    // read hidden rows a fill does not make) or in a planned step; rows outside 1 .. its tokens or past
+    // max_positions(). Pools out of pages: refused at the chunk that finds them empty (the chunks before it stay
+    // committed).
+    Result<void> fill_context(Sequence &seq, int64_t rows, uint64_t seed);
     const kv::PrefixCache &prefix_cache() const { return prefix_; }
 
     // ---- The step ----
@@ -338,6 +351,8 @@ private:
     // Publishes the sequence's committed whole blocks not yet in its chain (finish, after the commit).
     void publish(Sequence &seq);
     void count(int64_t before);
+    // fill_context's rows on a rank: its buffers at the first call, the seeded values whenever the seed changes.
+    Result<void> prepare_fill(Rank &rk, int rank, int64_t chunk, uint64_t seed);
 
     model::Step35Config cfg_;
     EngineOptions options_;

@@ -1238,8 +1238,9 @@ TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
     for (size_t i = 0; i < tests.size(); ++i) {
         const Json &t = report[i];
         const auto &[name, n_prompt, n_gen] = tests[i];
-        EXPECT_EQ(t.size(), 19u) << t.dump();
+        EXPECT_EQ(t.size(), 20u) << t.dump();
         EXPECT_EQ(t.at("n_depth"), 0);
+        EXPECT_EQ(t.at("depth_filled"), false);
         EXPECT_EQ(t.at("tp"), 1);
         EXPECT_EQ(t.at("parallel"), 1);
         EXPECT_EQ(t.at("numerics"), "device");
@@ -1308,6 +1309,19 @@ TEST_F(CliTest, BenchParallelAddsABatchedDecodeRow) {
     EXPECT_NEAR(report[1].at("avg_ts").get<double>(), 18 * 1000.0 / ms, 1e-6 * report[1].at("avg_ts").get<double>());
     const RunResult bad = run_memra({"bench", "-n", "2", "--parallel", "0"}, tiny_env());
     EXPECT_EQ(bad.exit_code, 2) << describe(bad);
+    const RunResult bad_item = run_memra({"bench", "-n", "2", "--parallel", "2,0"}, tiny_env());
+    EXPECT_EQ(bad_item.exit_code, 2) << describe(bad_item);
+    // A list: a row per B > 1, in the list's order, from one engine sized for the largest.
+    const RunResult list = run_memra(
+        {"bench", "-p", "0", "-n", "3", "-r", "1", "-t", "2", "--parallel", "4,1,2", "-o", "json"}, tiny_env());
+    ASSERT_EQ(list.exit_code, 0) << describe(list);
+    const std::vector<std::pair<std::string, int>> want = {{"tg3", 1}, {"tg3 x4", 4}, {"tg3 x2", 2}};
+    const Json rows = Json::parse(list.out);
+    ASSERT_EQ(rows.size(), want.size()) << list.out;
+    for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(rows[i].at("test"), want[i].first) << list.out;
+        EXPECT_EQ(rows[i].at("parallel"), want[i].second) << list.out;
+    }
 }
 
 TEST_F(CliTest, BenchSkipsATestOfSizeZero) {
@@ -1420,20 +1434,29 @@ TEST_F(CliTest, BenchRefusesBadFlagValues) {
 
 // ---- bench -d/--n-depth and --synthetic ----
 
-// -d D: every test's sequence first holds D context tokens (prefilled untimed), named as llama-bench names them.
-TEST_F(CliTest, BenchDepthTimesEachTestAfterItsContext) {
-    const RunResult r = run_memra({"bench", "-p", "8", "-n", "4", "-d", "70", "-ub", "32", "-r", "1", "-t", "1",
-                                   "--parallel", "2", "-o", "json"},
-                                  tiny_env());
+// `bench -p 8 -n 4 -d DEPTH --parallel 2` with `extra` flags gives the pp, tg and batched tg rows at the depth, named
+// as llama-bench names them (then `suffix`), with n_depth and depth_filled.
+void expect_rows_at_depth(int depth, const std::vector<std::string> &extra, const std::string &suffix, bool filled) {
+    std::vector<std::string> args = {"bench", "-p", "8", "-n", "4", "-d", std::to_string(depth), "-ub", "32", "-r", "1",
+                                     "-t", "1", "--parallel", "2", "-o", "json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const RunResult r = run_memra(args, tiny_env());
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     const Json report = Json::parse(r.out);
     ASSERT_EQ(report.size(), 3u) << r.out;
-    const std::vector<std::string> names = {"pp8 @ d70", "tg4 @ d70", "tg4 x2 @ d70"};
+    const std::string at = fmt::format(" @ d{}{}", depth, suffix);
+    const std::vector<std::string> names = {"pp8" + at, "tg4" + at, "tg4 x2" + at};
     for (size_t i = 0; i < names.size(); ++i) {
         EXPECT_EQ(report[i].at("test"), names[i]) << r.out;
-        EXPECT_EQ(report[i].at("n_depth"), 70) << r.out;
+        EXPECT_EQ(report[i].at("n_depth"), depth) << r.out;
+        EXPECT_EQ(report[i].at("depth_filled"), filled) << r.out;
         EXPECT_GT(report[i].at("avg_ts").get<double>(), 0.0) << r.out;
     }
+}
+
+// -d D: every test's sequence first holds D context tokens (prefilled untimed), named as llama-bench names them.
+TEST_F(CliTest, BenchDepthTimesEachTestAfterItsContext) {
+    expect_rows_at_depth(70, {}, "", false);
     // Markdown: the depth is in the test's name; tokens/s count the timed tokens only.
     const RunResult md = run_memra({"bench", "-p", "0", "-n", "3", "-d", "5", "-r", "1", "-t", "1"}, tiny_env());
     ASSERT_EQ(md.exit_code, 0) << describe(md);
@@ -1449,7 +1472,13 @@ TEST_F(CliTest, BenchDepthTimesEachTestAfterItsContext) {
     for (size_t i = 0; i < 3; ++i) EXPECT_EQ(ids.at("depth")[i], all.at("prompt")[4 + i]);
 }
 
-TEST_F(CliTest, BenchDepthRefusesAContextItDoesNotFit) {
+// --fill-depth: the context written as seeded rows (Engine::fill_context) instead of prefilled; the batched test
+// still decodes the plain test's tokens (every sequence holds the same rows).
+TEST_F(CliTest, BenchFillDepthWritesTheContextInsteadOfPrefillingIt) {
+    expect_rows_at_depth(300, {"--fill-depth"}, " (filled)", true);
+}
+
+TEST_F(CliTest, BenchDepthRefusesAContextItDoesNotFitOrCannotFill) {
     const std::vector<Case> cases = {
         {{"-p", "8", "-n", "4", "-d", "100", "-c", "64"}, 1,
          "error: -c 64: the KV cache is smaller than the 108 positions the pp test needs (100 depth + 8 prompt); "
@@ -1463,6 +1492,10 @@ TEST_F(CliTest, BenchDepthRefusesAContextItDoesNotFit) {
         {{"-p", "0", "-n", "16", "-d", "4090"}, 1, "error: -d 4090 -n 16: the test needs 4106 positions"},
         {{"-d", "-1"}, 2, "--n-depth"},
         {{"--experts", "-d", "4"}, 2, "--n-depth"},
+        {{"-p", "0", "-n", "4", "--fill-depth"}, 1, "error: --fill-depth fills the -d context: give -d N > 0\n"},
+        {{"-p", "0", "-n", "4", "-d", "8", "--fill-depth", "--spec-draft", "1"}, 1,
+         "error: --fill-depth with --spec-draft: the MTP layers read the context's hidden rows"},
+        {{"--experts", "--fill-depth"}, 2, "--fill-depth"},
     };
     for (const Case &c : cases) {
         std::vector<std::string> args = {"bench", "-r", "1", "-t", "1"};
@@ -1654,19 +1687,75 @@ TEST_F(CliTest, BenchExpertsRefusesBadRequests) {
 }
 
 TEST_F(CliTest, BenchHelpListsEveryFlagWithDefaultsAndEnvironmentMirrors) {
-    const RunResult r = expect_help_lists(
-        "bench", {"Usage: memra bench", "MODEL_DIR", "MEMRA_MODEL", "-p,--n-prompt", "MEMRA_N_PROMPT", "=512",
-                  "-n,--n-gen", "MEMRA_N_GEN", "=128", "-r,--repetitions", "MEMRA_REPETITIONS", "=5", "-t,--threads",
-                  "MEMRA_THREADS", "--kv-k,--cache-type-k", "MEMRA_KV_K", "--kv-v,--cache-type-v", "MEMRA_KV_V", "-ctk",
-                  "-ctv", "=bf16", "-s,--seed", "MEMRA_SEED", "-o,--output", "MEMRA_OUTPUT", "=md", "--print-tokens",
-                  "MEMRA_PRINT_TOKENS", "--experts", "MEMRA_EXPERTS", "--layer", "MEMRA_LAYER", "--tokens",
-                  "MEMRA_TOKENS", "=64", "--tp,--tensor-parallel-size", "MEMRA_TP", "--warmup", "MEMRA_WARMUP", "=3",
-                  "--iterations", "MEMRA_ITERATIONS", "=20", "-c,--ctx-size", "MEMRA_CTX_SIZE", "--ubatch-size", "-ub",
-                  "MEMRA_UBATCH", "--spec-draft,--draft", "MEMRA_SPEC_DRAFT", "--spec-accept", "MEMRA_SPEC_ACCEPT",
-                  "--parallel", "MEMRA_BENCH_PARALLEL", "--device", "MEMRA_DEVICE", "-d,--n-depth", "MEMRA_N_DEPTH",
-                  "--synthetic", "e128", "--synthetic-seed", "--synthetic-dtype", "--synthetic-experts",
-                  "--synthetic-layers", "--synthetic-mtp-layers", "--synthetic-moe-intermediate-size",
-                  "--synthetic-sliding-window"});
+    const RunResult r = expect_help_lists("bench", {"Usage: memra bench",
+                                                    "MODEL_DIR",
+                                                    "MEMRA_MODEL",
+                                                    "-p,--n-prompt",
+                                                    "MEMRA_N_PROMPT",
+                                                    "=512",
+                                                    "-n,--n-gen",
+                                                    "MEMRA_N_GEN",
+                                                    "=128",
+                                                    "-r,--repetitions",
+                                                    "MEMRA_REPETITIONS",
+                                                    "=5",
+                                                    "-t,--threads",
+                                                    "MEMRA_THREADS",
+                                                    "--kv-k,--cache-type-k",
+                                                    "MEMRA_KV_K",
+                                                    "--kv-v,--cache-type-v",
+                                                    "MEMRA_KV_V",
+                                                    "-ctk",
+                                                    "-ctv",
+                                                    "=bf16",
+                                                    "-s,--seed",
+                                                    "MEMRA_SEED",
+                                                    "-o,--output",
+                                                    "MEMRA_OUTPUT",
+                                                    "=md",
+                                                    "--print-tokens",
+                                                    "MEMRA_PRINT_TOKENS",
+                                                    "--experts",
+                                                    "MEMRA_EXPERTS",
+                                                    "--layer",
+                                                    "MEMRA_LAYER",
+                                                    "--tokens",
+                                                    "MEMRA_TOKENS",
+                                                    "=64",
+                                                    "--tp,--tensor-parallel-size",
+                                                    "MEMRA_TP",
+                                                    "--warmup",
+                                                    "MEMRA_WARMUP",
+                                                    "=3",
+                                                    "--iterations",
+                                                    "MEMRA_ITERATIONS",
+                                                    "=20",
+                                                    "-c,--ctx-size",
+                                                    "MEMRA_CTX_SIZE",
+                                                    "--ubatch-size",
+                                                    "-ub",
+                                                    "MEMRA_UBATCH",
+                                                    "--spec-draft,--draft",
+                                                    "MEMRA_SPEC_DRAFT",
+                                                    "--spec-accept",
+                                                    "MEMRA_SPEC_ACCEPT",
+                                                    "--parallel",
+                                                    "MEMRA_BENCH_PARALLEL",
+                                                    "--device",
+                                                    "MEMRA_DEVICE",
+                                                    "-d,--n-depth",
+                                                    "MEMRA_N_DEPTH",
+                                                    "--fill-depth",
+                                                    "MEMRA_FILL_DEPTH",
+                                                    "--synthetic",
+                                                    "e128",
+                                                    "--synthetic-seed",
+                                                    "--synthetic-dtype",
+                                                    "--synthetic-experts",
+                                                    "--synthetic-layers",
+                                                    "--synthetic-mtp-layers",
+                                                    "--synthetic-moe-intermediate-size",
+                                                    "--synthetic-sliding-window"});
     EXPECT_FALSE(contains(r.out, "--ep")) << describe(r);
 }
 

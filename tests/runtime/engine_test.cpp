@@ -4,6 +4,7 @@
 // partial commits, an abandoned step leaving the cache byte-identical, the MTP chain, sampling (restricted
 // ids, seeds, choices, log-probabilities), the per-step work (launches independent of the batch, one copy each
 // way, no allocation) and refusals that change nothing. Every comparison is on raw bits.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -806,6 +807,115 @@ TEST_P(EngineTest, PoolsRunOutWithAClearErrorAndSequencesGiveTheirPagesBack) {
     EXPECT_EQ(e.page_pool(kv::PoolKind::kSwa).n_free(), 2);
     EXPECT_TRUE(feed(e, *extra).has_value());
     EXPECT_TRUE(e.check_pages().has_value());
+}
+
+// fill_context (the bench's --fill-depth): seeded rows in every stored layer without a forward. On an f32 cache
+// the rows are the seeded values themselves, the same on two engines and on every TP degree (keyed by the
+// model's KV head), another seed's elsewhere; the decode step after them reads them (its logits follow the
+// seed); they never enter the prefix cache; pages stay accounted.
+TEST_P(EngineTest, AFilledContextHoldsSeededRowsThatDecodeReads) {
+    const std::vector<int32_t> context = make_tokens(40, 300, 1024);
+    const auto filled = [&](Engine &e, uint64_t seed) {
+        auto s = new_seq(e);
+        s->tokens = context;
+        auto ok = e.fill_context(*s, 300, seed);  // three chunks of the 128-row step budget, the last one partial
+        EXPECT_TRUE(ok.has_value()) << ok.error().message;
+        EXPECT_EQ(s->length(), 300);
+        EXPECT_EQ(s->pending(), 0);
+        EXPECT_TRUE(e.check_pages().has_value());
+        return s;
+    };
+    EngineOptions o = options();
+    o.prefix_cache = true;
+    Loaded a = load(o), b = load(o);
+    auto s1 = filled(*a.engine, 7), s2 = filled(*b.engine, 7), s3 = filled(*a.engine, 8);
+    const std::vector<std::byte> c1 = kv_contents(*a.engine, *s1), c3 = kv_contents(*a.engine, *s3);
+    ASSERT_FALSE(c1.empty());
+    EXPECT_TRUE(c1 == kv_contents(*b.engine, *s2)) << "the same seed, another engine";
+    EXPECT_FALSE(c1 == c3) << "another seed";
+    std::vector<float> values(c1.size() / sizeof(float));
+    std::memcpy(values.data(), c1.data(), values.size() * sizeof(float));
+    const auto [lo, hi] = std::minmax_element(values.begin(), values.end());
+    EXPECT_GE(*lo, -1.0f);
+    EXPECT_LT(*hi, 1.0f);
+    EXPECT_LT(*lo, -0.99f);
+    EXPECT_GT(*hi, 0.99f);
+
+    for (Sequence *s : {s1.get(), s2.get(), s3.get()}) s->tokens.push_back(5);
+    const std::vector<float> want = step_all(*a.engine, *s1, 1);
+    EXPECT_EQ(bit_mismatches(want, step_all(*b.engine, *s2, 1)), 0);
+    EXPECT_GT(bit_mismatches(want, step_all(*a.engine, *s3, 1)), 0) << "the step attends over the filled rows";
+
+    // Not the tokens' rows: a fresh sequence of the same tokens finds nothing cached and computes them.
+    auto fresh = new_seq(*a.engine);
+    fresh->tokens = context;
+    EXPECT_EQ(*a.engine->reuse_prefix(*fresh), 0);
+
+    // Every TP degree holds the same rows, so its step gives the single rank's bits.
+    for (const int tp : {2, 4}) {
+        EngineOptions ot = options(2);
+        ot.tp = tp;
+        Loaded l = load(ot);
+        auto s = filled(*l.engine, 7);
+        s->tokens.push_back(5);
+        EXPECT_EQ(bit_mismatches(want, step_all(*l.engine, *s, 1)), 0) << "tp " << tp;
+        for (int r = 1; r < tp; ++r) {
+            EXPECT_EQ(bit_mismatches(want, l.engine->rank_logits(r)), 0) << "tp " << tp << " rank " << r;
+        }
+    }
+}
+
+TEST_P(EngineTest, FillingRefusesWhatItCannotFillAndChangesNothing) {
+    EngineOptions o = options();
+    Loaded l = load(o), other = load(o);
+    Engine &e = *l.engine;
+    const auto refused = [&](Engine &engine, Sequence &s, int64_t rows, const std::string &needle) {
+        const int64_t length = s.length();
+        auto ok = engine.fill_context(s, rows, 1);
+        ASSERT_FALSE(ok.has_value()) << needle;
+        EXPECT_NE(ok.error().message.find(needle), std::string::npos) << ok.error().message;
+        EXPECT_EQ(s.length(), length);
+        EXPECT_TRUE(e.check_pages().has_value());
+    };
+    auto s = new_seq(e);
+    s->tokens = make_tokens(41, 100, 1024);
+    refused(e, *s, 0, "0 rows, expected 1 .. the sequence's 100 tokens");
+    refused(e, *s, 101, "101 rows, expected 1 .. the sequence's 100 tokens");
+    refused(*other.engine, *s, 10, "another engine");
+    auto mtp = new_seq(e, 1);
+    mtp->tokens = s->tokens;
+    refused(e, *mtp, 10, "1 MTP streams");
+    auto longer = new_seq(e);
+    longer->tokens = make_tokens(42, 1100, 1024);
+    refused(e, *longer, 1100, "1100 rows, past the 1024 positions");
+    // A planned step: no fill until it finishes.
+    auto fed = new_seq(e);
+    fed->tokens = make_tokens(43, 10, 1024);
+    StepItem it;
+    it.seq = fed.get();
+    it.rows = 10;
+    ASSERT_TRUE(e.plan(std::span(&it, 1)).has_value());
+    refused(e, *s, 10, "a step is planned");
+    e.abandon();
+    ASSERT_TRUE(feed(e, *fed).has_value());
+    refused(e, *fed, 10, "already holds 10 rows");
+    ASSERT_TRUE(e.fill_context(*s, 100, 1).has_value());
+
+    // Pools that run out refuse at the chunk that finds them empty; the chunks before it stay.
+    EngineOptions small = options();
+    small.ctx_size = 128;  // 3 full pages
+    small.max_seqs = 1;
+    small.step_rows = 64;
+    Loaded tight = load(small);
+    auto first = new_seq(*tight.engine), second = new_seq(*tight.engine);
+    first->tokens = second->tokens = make_tokens(44, 128, 1024);
+    ASSERT_TRUE(tight.engine->fill_context(*first, 128, 1).has_value());
+    auto ok = tight.engine->fill_context(*second, 128, 1);
+    ASSERT_FALSE(ok.has_value());
+    EXPECT_NE(ok.error().message.find("fill: positions 64 .. 127"), std::string::npos) << ok.error().message;
+    EXPECT_NE(ok.error().message.find("out of pages"), std::string::npos) << ok.error().message;
+    EXPECT_EQ(second->length(), 64);
+    EXPECT_TRUE(tight.engine->check_pages().has_value());
 }
 
 TEST_P(EngineTest, AKvBudgetSizesThePoolsWithinIt) {
