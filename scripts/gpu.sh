@@ -10,7 +10,8 @@
 #                holds the tree and two of .deps/root, .deps/wheels (the server's tests) and .deps/llama.cpp.tar.gz)
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
 #   MEMRA_GPU_E128=0 leaves out the Step-3.5-E128 runs.
-#   MEMRA_GPU_E128_CONTEXT=1 adds E128 at the E table's contexts: decode at 4K (batch 1, 32, 128) and 64K, prefill 8K.
+#   MEMRA_GPU_E128_CONTEXT=1 adds E128 at the E table's contexts: decode at 4K (batch 1, 32, 128) and 64K, prefill 8K,
+#   MTP-3 speculation at 4K.
 #   MEMRA_GPU_QUICK=1 leaves out verify and the benchmarks: build, GPU tests, run, the server's tests and load tests.
 #   MEMRA_GPU_SERVE=0 leaves out the server's tests and load tests.
 #   MEMRA_GPU_TESTS=0 leaves out the GPU tests, the CLI's device tests, the collectives and verify (a benchmark run).
@@ -212,7 +213,8 @@ MEMRA_CUDA_PROFILE=1 $memra bench --synthetic e128 --synthetic-dtype fp8 --devic
 fi
 # The E table's contexts (PERFORMANCE.md 8.2): E1 / E3 / E4 decode at 4K (batch 1, 32, 128) and E2 at 64K, each
 # sequence's context filled with seeded rows (--fill-depth: its prefill would take minutes at today's prefill
-# speed), and E5, one 8K prompt prefilled. MEMRA_GPU_E128_CONTEXT=1 adds them (about 5 minutes: three loads).
+# speed), E5, one 8K prompt prefilled, and E6, MTP-3 after a 4K prompt. MEMRA_GPU_E128_CONTEXT=1 adds them (about
+# 7 minutes: four loads).
 if [ "${MEMRA_GPU_E128_CONTEXT:-0}" = 1 ]; then
 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 4096 --fill-depth -r 2 -ub 128 \
     --parallel 32,128 -o json >"$out/bench_e128_4k.json" 2>"$out/bench_e128_4k.log"
@@ -220,6 +222,10 @@ $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 
     >"$out/bench_e128_64k.json" 2>"$out/bench_e128_64k.log"
 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 8192 -n 0 -r 1 -o json \
     >"$out/bench_e128_8k.json" 2>"$out/bench_e128_8k.log"
+# E6: MTP-3 at batch 1 after a 4K prompt (prefilled: the MTP layers need its hidden rows), drafts forced so that 2
+# of 3 stand per step (3 tokens per step: the goal's mean accept length of 2.8 and more), beside plain decode.
+$memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 64 -d 4096 --spec-draft 3 --spec-accept 2 \
+    -r 1 -o json >"$out/bench_e128_spec.json" 2>"$out/bench_e128_spec.log"
 fi
 # Per-op times (each op synchronised; launch + kernel), one prefill of 512 and 16 decode steps on the release preset.
 MEMRA_CUDA_PROFILE=1 $memra bench "$release" --device cuda -p 512 -n 0 -r 1 >/dev/null 2>"$out/op_times_prefill.log"
@@ -254,7 +260,8 @@ bench_rows() {  # file -> "| bench <model> <test> | t/s |" rows
     python3 - "$1" <<'EOF' 2>/dev/null
 import json, sys
 for t in json.load(open(sys.argv[1])):
-    print(f"| bench {t['model'].split('/')[-1]} {t['test']} | {t['avg_ts']:.1f} t/s (sd {t['stddev_ts']:.1f}) |")
+    roof = f", {100 * t['vs_ceiling']:.0f} % of the {t['ceiling_ts']:.0f} t/s roofline" if "ceiling_ts" in t else ""
+    print(f"| bench {t['model'].split('/')[-1]} {t['test']} | {t['avg_ts']:.1f} t/s (sd {t['stddev_ts']:.1f}){roof} |")
 EOF
 }
 
@@ -270,7 +277,7 @@ echo "| run release cuda (rc $run_release_rc) | $(grep -E 'eval time' "$out/run_
 echo "| verify default cuda (rc $verify_rc) | $(tail -1 "$out/verify_cuda.log" 2>/dev/null) |"
 echo "| verify release cuda (rc $verify_release_rc, $((t4 - t3)) s incl. runs) | $(tail -1 "$out/verify_release.log" 2>/dev/null) |"
 for f in bench_release_8 bench_release_64 bench_release_eager bench_default bench_e128 bench_e128_4k bench_e128_64k \
-         bench_e128_8k; do
+         bench_e128_8k bench_e128_spec; do
     bench_rows "$out/$f.json"
 done
 python3 - "$out" <<'EOF' 2>/dev/null

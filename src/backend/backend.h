@@ -332,6 +332,12 @@ public:
         return body();
     }
 
+    // The bytes per second a copy of `bytes` bytes within the backend's memory moves, reads and writes counted
+    // (2 x bytes per copy), best of three after a warm-up: the memory ceiling a memory-bound step is held against
+    // (`memra bench`'s roofline). Allocates and frees its buffers: never on the hot path, never inside a recorded
+    // step. Refused: bytes < 1, buffers that cannot be allocated.
+    virtual Result<double> copy_bandwidth(int64_t bytes) = 0;
+
     // ---- Counters ----
     virtual BackendCounters counters() const = 0;
     virtual void reset_counters() = 0;

@@ -8,7 +8,9 @@
 // tg test decodes the same tokens with the MTP layers drafting up to K per step (speculation), side by side, with the
 // acceptance rate per draft position and the tokens per step. Each test runs once untimed (warm-up), then REPS timed
 // runs; the table (Markdown or JSON) gives the mean and sample stddev of tokens/s over those runs and the peak resident
-// memory. Only the engine steps are timed: sequences are created (and filled to the depth) outside the clock.
+// memory; plain and batched tg rows on one rank also give the ratio to the memory roofline (the bytes a step must
+// read, model::decode_traffic, at the copy bandwidth measured on the backend after the tests). Only the engine steps
+// are timed: sequences are created (and filled to the depth) outside the clock.
 // `memra bench --experts` instead times one MoE layer's routed experts (model::MoeState: refresh + run) on seeded
 // hidden rows, on tp CPU ranks (experts whole on their owners), and checks that the output's checksum never changes.
 #include <sys/resource.h>
@@ -246,6 +248,7 @@ struct TestResult {
     std::vector<double> samples_ms;  // one per timed run
     double avg_ts = 0.0;             // mean of the runs' tokens/s
     double stddev_ts = 0.0;          // their sample standard deviation (0 for one run)
+    double ceiling_ts = 0.0;         // tg: the memory roofline's tokens/s (Roofline), 0: none
     int64_t peak_rss = 0;            // the process's peak resident bytes after the test
 };
 
@@ -343,9 +346,13 @@ std::string markdown_table(const BenchFacts &f, const std::vector<TestResult> &t
         header.insert(header.end(), {"accept/pos", "tok/step"});
         right.insert(right.end(), {true, true});
     }
-    header.push_back("numerics");
-    right.push_back(false);
-    for (auto &row : rows) row.push_back(numerics_cell(f));
+    header.insert(header.end(), {"roofline", "numerics"});
+    right.insert(right.end(), {true, false});
+    for (size_t i = 0; i < rows.size(); ++i) {
+        const TestResult &t = tests[i];
+        rows[i].push_back(t.ceiling_ts > 0.0 ? fmt::format("{:.0f} %", 100.0 * t.avg_ts / t.ceiling_ts) : "-");
+        rows[i].push_back(numerics_cell(f));
+    }
     return format_table(header, right, rows);
 }
 
@@ -372,6 +379,10 @@ Json json_report(const BenchFacts &f, const std::vector<TestResult> &tests, int 
                            {"avg_ts", t.avg_ts},
                            {"stddev_ts", t.stddev_ts},
                            {"peak_rss_bytes", t.peak_rss}});
+        if (t.ceiling_ts > 0.0) {
+            out.back()["ceiling_ts"] = t.ceiling_ts;
+            out.back()["vs_ceiling"] = t.avg_ts / t.ceiling_ts;
+        }
         if (t.spec_draft > 0) {
             std::vector<double> rates;
             for (int j = 0; j < t.spec_draft; ++j) rates.push_back(t.spec.rate(j));
@@ -642,6 +653,45 @@ int run_experts_bench(const BenchOptions &opt) {
     return kExitOk;
 }
 
+// The memory roofline of tg tests: a decode step cannot beat the bytes it must read (model::decode_traffic: weights,
+// the expected distinct experts of its batch, every sequence's KV rows) over the copy bandwidth measured on the
+// engine's backend in the same run. One rank only (TP ranks read replicated parts more than once).
+struct Roofline {
+    double copy_bytes_per_s = 0.0;  // 0: not measured
+};
+
+// Buffers of the copy: past any CPU cache; past the GPU's L2 (60 MB on an H200) by far.
+constexpr int64_t kRooflineCopyBytesCpu = int64_t{64} << 20;
+constexpr int64_t kRooflineCopyBytesGpu = int64_t{512} << 20;
+
+Roofline measure_roofline(runtime::Engine &engine, const BenchOptions &opt, Device device) {
+    Roofline r;
+    if (opt.tp != 1 || opt.n_gen == 0) return r;
+    auto bw = engine.backend(engine.local_ranks().first)
+                  .copy_bandwidth(device == Device::kCuda ? kRooflineCopyBytesGpu : kRooflineCopyBytesCpu);
+    if (!bw) {
+        std::fprintf(stderr, "memra bench: no roofline: %s\n", bw.error().message.c_str());
+        return r;
+    }
+    r.copy_bytes_per_s = *bw;
+    std::fprintf(stderr, "memra bench: copy bandwidth %.1f GB/s (the tg tests' roofline)\n", 1e-9 * *bw);
+    return r;
+}
+
+// t's ceiling: its sequences' tokens per step over the step's bytes at the copy bandwidth, at the mean context of
+// its steps (the depth, then 1 .. n_gen generated positions).
+void set_ceiling(TestResult &t, const Roofline &r, const model::Step35Config &cfg, const io::TensorStore &store,
+                 KvFormat k_format, KvFormat v_format) {
+    if (r.copy_bytes_per_s <= 0.0) return;
+    const double context = t.n_depth + (t.n_gen + 1) / 2.0;
+    auto traffic = model::decode_traffic(cfg, store, t.parallel, context, k_format, v_format);
+    if (!traffic) {
+        std::fprintf(stderr, "memra bench: %s: no roofline: %s\n", t.name.c_str(), traffic.error().message.c_str());
+        return;
+    }
+    t.ceiling_ts = t.parallel * r.copy_bytes_per_s / traffic->total_bytes();
+}
+
 int run_bench(const BenchOptions &opt) {
     if (opt.experts) return run_experts_bench(opt);
     if (opt.n_prompt == 0 && opt.n_gen == 0) {
@@ -830,6 +880,11 @@ int run_bench(const BenchOptions &opt) {
         tests.push_back(std::move(t));
     }
 
+    // After the tests, so that the copy's buffers stay out of their peak memory.
+    const Roofline roofline = measure_roofline(engine, opt, *device);
+    for (TestResult &t : tests) {
+        if (t.n_gen > 0 && t.spec_draft == 0) set_ceiling(t, roofline, cfg, *loaded->store, in->k_format, in->v_format);
+    }
     const std::string report =
         opt.output == "json" ? json_report(facts, tests, opt.reps).dump(2) + "\n" : markdown_table(facts, tests);
     std::fwrite(report.data(), 1, report.size(), stdout);

@@ -2,6 +2,10 @@
 // parser refuses configs describing more than kMaxConfigParams parameters.
 #include "model/step35_stats.h"
 
+#include <algorithm>
+#include <cmath>
+#include <string>
+
 #include "model/step35_weights.h"
 
 namespace memra::model {
@@ -70,6 +74,42 @@ ModelStats compute_model_stats(const Step35Config &cfg, std::span<const io::Tens
         s.checkpoint_bytes += bytes;
     }
     return s;
+}
+
+Result<DecodeTraffic> decode_traffic(const Step35Config &cfg, const io::TensorStore &store, int64_t batch,
+                                     double context, KvFormat k_format, KvFormat v_format) {
+    if (batch < 1 || !(context >= 1.0)) {
+        return make_error("decode traffic: batch {} and context {}, expected both >= 1", batch, context);
+    }
+    DecodeTraffic t;
+    for (const ExpectedTensor &e : expected_tensors(cfg)) {
+        if (e.role == TensorRole::kFp8Scale) continue;  // counted with its weight
+        if (e.layer >= 0 && cfg.layers[static_cast<size_t>(e.layer)].is_mtp) continue;
+        const io::TensorInfo *info = store.find(e.name);
+        if (info == nullptr) return make_error("decode traffic: the store has no tensor {}", e.name);
+        double bytes = static_cast<double>(info->n_bytes());
+        if (const io::TensorInfo *scale = store.find(e.name + std::string(kFp8ScaleSuffix)); scale != nullptr) {
+            bytes += static_cast<double>(scale->n_bytes());
+        }
+        if (e.role == TensorRole::kEmbedding && !cfg.tie_word_embeddings) {
+            bytes *= std::min(1.0, static_cast<double>(batch) / static_cast<double>(e.shape.front()));
+        } else if (e.role == TensorRole::kRoutedExperts) {
+            const auto n = static_cast<double>(e.shape.front());
+            const LayerGeometry &g = cfg.layers[static_cast<size_t>(e.layer)];
+            t.experts_per_layer = n * (1.0 - std::pow(1.0 - g.top_k / n, static_cast<double>(batch)));
+            bytes *= t.experts_per_layer / n;
+        }
+        t.weight_bytes += bytes;
+    }
+    for (const LayerGeometry &g : cfg.layers) {
+        if (g.is_mtp) continue;
+        auto k = kv_row_bytes(k_format, g.n_kv_heads, g.head_dim);
+        auto v = kv_row_bytes(v_format, g.n_kv_heads, g.head_dim);
+        if (!k || !v) return wrap_error(fmt::format("decode traffic: layer {}", g.index), (k ? v : k).error());
+        const double seen = g.window > 0 ? std::min(context, static_cast<double>(g.window)) : context;
+        t.kv_bytes += static_cast<double>(batch) * seen * static_cast<double>(*k + *v);
+    }
+    return t;
 }
 
 }  // namespace memra::model

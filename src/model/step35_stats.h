@@ -8,7 +8,10 @@
 #include <span>
 
 #include "core/dtype.h"
+#include "core/kv_format.h"
+#include "core/result.h"
 #include "io/safetensors.h"
+#include "io/tensor_store.h"
 #include "model/step35_config.h"
 
 namespace memra::model {
@@ -42,5 +45,25 @@ struct ModelStats {
 // Counts from the config; bytes_by_dtype and checkpoint_bytes from `tensors` (only dtype, data_begin and
 // data_end are read).
 ModelStats compute_model_stats(const Step35Config &cfg, std::span<const io::TensorInfo> tensors = {});
+
+// What one decode step of `batch` sequences, each attending over `context` positions, reads from memory: the
+// floor of the step's time where memory bandwidth bounds it (PERFORMANCE.md section 7). Every trunk weight once —
+// attention, norms, routers, dense and shared MLPs, the final norm, the LM head — except the routed experts, of
+// which each MoE layer reads its expected distinct experts under uniform routing, n_experts (1 - (1 - top_k /
+// n_experts)^batch), and the embedding, of which each sequence reads one row (the whole matrix once when tied, as
+// the LM head). Bytes as the store holds them (FP8 block scales with their weights); MTP layers, which a plain step
+// does not run, are not counted. KV: each sequence's K and V rows in the cache formats, `context` of each
+// full-attention layer and min(context, window) of each sliding one.
+struct DecodeTraffic {
+    double weight_bytes = 0.0;
+    double kv_bytes = 0.0;
+    double experts_per_layer = 0.0;  // expected distinct routed experts read per MoE layer (0 without any)
+
+    double total_bytes() const { return weight_bytes + kv_bytes; }
+};
+
+// Refused: batch or context < 1, a catalogue tensor the store lacks, KV formats the layers cannot hold.
+Result<DecodeTraffic> decode_traffic(const Step35Config &cfg, const io::TensorStore &store, int64_t batch,
+                                     double context, KvFormat k_format, KvFormat v_format);
 
 }  // namespace memra::model

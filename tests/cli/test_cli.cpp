@@ -1192,19 +1192,18 @@ TEST_F(CliTest, BenchPrintsALlamaBenchMarkdownTable) {
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     const std::vector<std::string> lines = lines_of(r.out);
     ASSERT_EQ(lines.size(), 4u) << describe(r);
-    EXPECT_EQ(table_cells(lines[0]),
-              (std::vector<std::string>{"model", "params", "dtype", "tp", "threads", "kv", "test", "t/s", "peak MiB",
-                                        "numerics"}));
+    EXPECT_EQ(table_cells(lines[0]), (std::vector<std::string>{"model", "params", "dtype", "tp", "threads", "kv",
+                                                               "test", "t/s", "peak MiB", "roofline", "numerics"}));
     // Numbers right-aligned, text left-aligned, every row as wide as the header.
     EXPECT_EQ(table_cells(lines[1])[1].back(), ':') << lines[1];
     EXPECT_EQ(table_cells(lines[1])[2].back(), '-') << lines[1];
     const std::vector<std::string> tests = {"pp8", "tg4"};
     for (size_t i = 0; i < tests.size(); ++i) {
         const std::vector<std::string> cells = table_cells(lines[2 + i]);
-        ASSERT_EQ(cells.size(), 10u) << lines[2 + i];
-        EXPECT_TRUE(cells[9] == "device (avx512-bf16)" || cells[9] == "device (avx2-fma)" ||
-                    cells[9] == "device (portable)")
-            << cells[9];
+        ASSERT_EQ(cells.size(), 11u) << lines[2 + i];
+        EXPECT_TRUE(cells[10] == "device (avx512-bf16)" || cells[10] == "device (avx2-fma)" ||
+                    cells[10] == "device (portable)")
+            << cells[10];
         EXPECT_EQ(cells[0], tiny_model().string());
         EXPECT_EQ(cells[1], "8.86 M");  // the 8860672 parameters make-tiny reports
         EXPECT_EQ(cells[2], "bf16");
@@ -1220,8 +1219,17 @@ TEST_F(CliTest, BenchPrintsALlamaBenchMarkdownTable) {
         EXPECT_EQ(cells[7][pm - 3], '.') << cells[7];
         // The process's peak resident memory after the test, in MiB: the model's mapping and more.
         EXPECT_GT(std::stod(cells[8]), 10.0) << cells[8];
+        // tg's tokens/s against the memory roofline (the tiny model's weights sit in a cache: it may pass 100 %);
+        // none for prefill.
+        if (i == 0) {
+            EXPECT_EQ(cells[9], "-");
+        } else {
+            EXPECT_EQ(cells[9].substr(cells[9].size() - 2), " %") << cells[9];
+            EXPECT_GT(std::stod(cells[9]), 0.0) << cells[9];
+        }
         EXPECT_EQ(lines[2 + i].size(), lines[0].size() + 1) << "the row's one '±' is two bytes wide";
     }
+    EXPECT_TRUE(contains(r.err, "GB/s (the tg tests' roofline)\n")) << describe(r);
     EXPECT_TRUE(contains(r.err, "memra bench: pp8: warm-up + 2 runs\n")) << describe(r);
     EXPECT_TRUE(contains(r.err, "memra bench: tg4: warm-up + 2 runs\n")) << describe(r);
 }
@@ -1238,7 +1246,13 @@ TEST_F(CliTest, BenchJsonHasOneObjectPerTestWithConsistentStatistics) {
     for (size_t i = 0; i < tests.size(); ++i) {
         const Json &t = report[i];
         const auto &[name, n_prompt, n_gen] = tests[i];
-        EXPECT_EQ(t.size(), 20u) << t.dump();
+        // tg: its memory roofline (above zero; the tiny model may beat it from a cache) and the ratio to it.
+        EXPECT_EQ(t.size(), n_gen > 0 ? 22u : 20u) << t.dump();
+        if (n_gen > 0) {
+            EXPECT_GT(t.at("ceiling_ts").get<double>(), 0.0);
+            EXPECT_DOUBLE_EQ(t.at("vs_ceiling").get<double>(),
+                             t.at("avg_ts").get<double>() / t.at("ceiling_ts").get<double>());
+        }
         EXPECT_EQ(t.at("n_depth"), 0);
         EXPECT_EQ(t.at("depth_filled"), false);
         EXPECT_EQ(t.at("tp"), 1);
@@ -1376,9 +1390,10 @@ TEST_F(CliTest, BenchSpecDraftRunsTgSideBySideWithAcceptance) {
     const std::vector<std::string> lines = lines_of(r.out);
     ASSERT_EQ(lines.size(), 4u) << describe(r);
     const std::vector<std::string> header = table_cells(lines[0]);
-    ASSERT_EQ(header.size(), 12u) << describe(r);
+    ASSERT_EQ(header.size(), 13u) << describe(r);
     EXPECT_EQ(header[9], "accept/pos");
     EXPECT_EQ(header[10], "tok/step");
+    EXPECT_EQ(header[11], "roofline");
     const std::vector<std::string> plain = table_cells(lines[2]);
     const std::vector<std::string> spec = table_cells(lines[3]);
     EXPECT_EQ(plain[6], "tg12");
@@ -1386,6 +1401,8 @@ TEST_F(CliTest, BenchSpecDraftRunsTgSideBySideWithAcceptance) {
     EXPECT_EQ(spec[6], "tg12 spec2");
     EXPECT_EQ(std::count(spec[9].begin(), spec[9].end(), ' '), 1) << spec[9];  // "0.62 0.41": two rates
     EXPECT_GE(std::stod(spec[10]), 1.0);
+    EXPECT_EQ(spec[11], "-") << "no roofline for a drafting step";
+    EXPECT_NE(plain[11], "-");
     // JSON: the acceptance per position and tokens per step; forced acceptance on the random tiny checkpoint
     // (its one MTP layer's drafts forced to stand) gives exactly 1.0, and 2 tokens per step after the first.
     const RunResult j = run_memra({"bench", "-p", "0", "-n", "9", "-r", "2", "-t", "1", "--spec-draft", "1",

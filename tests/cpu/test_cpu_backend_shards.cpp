@@ -41,6 +41,20 @@ std::vector<float> download(CpuBackend &be, TensorView v) {
     return out;
 }
 
+// The copy bandwidth bench's roofline divides by: a positive rate on any thread count; no bytes refused.
+TEST(CpuBackendShards, CopyBandwidthIsPositiveAndRefusesNoBytes) {
+    for (const int threads : {1, 2}) {
+        cpu::CpuBackend be(threads, Numerics::kDevice);
+        auto bw = be.copy_bandwidth(int64_t{8} << 20);
+        ASSERT_TRUE(bw.has_value()) << bw.error().message;
+        EXPECT_GT(*bw, 1e8) << threads << " threads";
+    }
+    cpu::CpuBackend be(1, Numerics::kDevice);
+    auto none = be.copy_bandwidth(0);
+    ASSERT_FALSE(none.has_value());
+    EXPECT_EQ(none.error().message, "cpu copy bandwidth: 0 bytes, expected >= 1");
+}
+
 TEST(CpuBackendShards, WindowUploadsAreValidated) {
     CpuBackend be(1, Numerics::kExact);
     const std::vector<uint16_t> w = bf16_weights(8 * 64, 1);

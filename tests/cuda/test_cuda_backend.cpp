@@ -1,5 +1,6 @@
 // CudaBackend's refusals: what it cannot compute (exact numerics), a GPU that does not exist, and memory it cannot
-// get (the message names what was needed and what is free), each a clear error instead of a crash.
+// get (the message names what was needed and what is free), each a clear error instead of a crash; its copy
+// bandwidth.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -43,6 +44,30 @@ TEST(CudaBackend, AnAllocationLargerThanTheGpuNamesNeededAndFreeMemory) {
     std::vector<float> out(16, 1.0f);
     (*be)->copy_to_host(*small, out.data());
     for (const float v : out) EXPECT_EQ(v, 0.0f);  // zero-filled
+}
+
+// The copy bandwidth bench's roofline divides by: within an H200's reach (4.8 TB/s of HBM3e, reads and writes
+// counted: a copy reaches about 4.3), far above a host copy; refusals leave the backend working.
+TEST(CudaBackend, CopyBandwidthIsTheDevicesAndRefusalsAreClear) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    auto be = cuda::CudaBackend::create(0, Numerics::kDevice);
+    ASSERT_TRUE(be.has_value()) << be.error().message;
+    auto bw = (*be)->copy_bandwidth(int64_t{256} << 20);
+    ASSERT_TRUE(bw.has_value()) << bw.error().message;
+    EXPECT_GT(*bw, 1e12);
+    EXPECT_LT(*bw, 10e12);
+    auto none = (*be)->copy_bandwidth(0);
+    ASSERT_FALSE(none.has_value());
+    EXPECT_EQ(none.error().message, "cuda copy bandwidth: 0 bytes, expected >= 1");
+    auto huge = (*be)->copy_bandwidth(int64_t{1} << 42);  // 4 TiB each
+    ASSERT_FALSE(huge.has_value());
+    EXPECT_TRUE(contains(huge.error().message, "cuda copy bandwidth of 2 x 4398046511104 bytes: "))
+        << huge.error().message;
+    auto small = (*be)->alloc(DType::kF32, {16});
+    ASSERT_TRUE(small.has_value()) << small.error().message;
+    std::vector<float> out(16, 1.0f);
+    (*be)->copy_to_host(*small, out.data());  // no error left behind by the refused allocation
+    for (const float v : out) EXPECT_EQ(v, 0.0f);
 }
 
 }  // namespace

@@ -1,8 +1,14 @@
 // Parameter and byte accounting: the release config's counts pinned (and compared with STEP35.md's
 // published figures), a tiny config checked against a hand-written formula, and bytes per dtype.
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <optional>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -11,6 +17,8 @@
 #include "model/step35_config.h"
 #include "model/step35_stats.h"
 #include "model/step35_weights.h"
+#include "make_tiny/synthetic_store.h"
+#include "make_tiny/tiny_presets.h"
 
 namespace memra::model {
 namespace {
@@ -136,6 +144,83 @@ TEST(Step35Stats, BytesByDtypeFromList) {
     EXPECT_EQ(s.bytes_by_dtype.at(DType::kU8), 3u);
     EXPECT_EQ(s.bytes_by_dtype.size(), 3u);
     EXPECT_EQ(s.checkpoint_bytes, 31u);
+}
+
+// A synthetic preset's store (nothing generated: decode_traffic reads names, dtypes and sizes) and its config.
+struct SyntheticModel {
+    std::unique_ptr<tools::SyntheticStore> store;
+    Step35Config cfg;
+};
+SyntheticModel synthetic(const std::string &preset, bool fp8) {
+    const std::optional<tools::TinyPreset> p = tools::find_tiny_preset(preset);
+    EXPECT_TRUE(p.has_value()) << preset;
+    SyntheticModel m;
+    m.store = std::make_unique<tools::SyntheticStore>(*p, 1, fp8, 1);
+    auto cfg = parse_step35_config(m.store->config_json());
+    EXPECT_TRUE(cfg.has_value()) << cfg.error().message;
+    m.cfg = *cfg;
+    return m;
+}
+
+// PERFORMANCE.md section 8's decode ceilings of Step-3.5-E128 (official FP8 layout, 4K context per sequence, BF16
+// KV, 4.27 TB/s of copy bandwidth): batch 1, 8, 32, 64, 128 at 238, 703, 1,441, 2,421, 4,156 tok/s.
+TEST(Step35Stats, DecodeTrafficGivesThePublishedE128Ceilings) {
+    const SyntheticModel m = synthetic("e128", true);
+    for (const auto &[batch, ceiling] :
+         std::vector<std::pair<int64_t, double>>{{1, 238}, {8, 703}, {32, 1441}, {64, 2421}, {128, 4156}}) {
+        auto t = decode_traffic(m.cfg, *m.store, batch, 4096, KvFormat::kBf16, KvFormat::kBf16);
+        ASSERT_TRUE(t.has_value()) << t.error().message;
+        const double tok_s = static_cast<double>(batch) * 4.27e12 / t->total_bytes();
+        EXPECT_NEAR(tok_s, ceiling, 0.01 * ceiling) << "batch " << batch;
+    }
+    auto one = decode_traffic(m.cfg, *m.store, 1, 4096, KvFormat::kBf16, KvFormat::kBf16);
+    ASSERT_TRUE(one.has_value());
+    EXPECT_DOUBLE_EQ(one->experts_per_layer, 8.0);
+    // 12 full layers x 8 heads x 128 x (K, V) x 2 bytes = 48 KiB per position, 33 sliding layers over 512 of them.
+    EXPECT_DOUBLE_EQ(one->kv_bytes, 4096.0 * 12 * 8 * 128 * 4 + 512.0 * 33 * 8 * 128 * 4);
+}
+
+// The tiny model recounted by name: the embedding row per sequence, top_k of n_experts routed-expert bytes (FP8
+// scales included), everything else but the MTP layer once; KV formats and the sliding window.
+TEST(Step35Stats, DecodeTrafficRecountsTheTinyModelByName) {
+    const SyntheticModel m = synthetic("tiny", true);
+    const Step35Config &cfg = m.cfg;
+    const auto want = [&](int batch) {
+        double sum = 0.0;
+        for (const std::string &name : m.store->names()) {
+            const auto bytes = static_cast<double>(m.store->find(name)->n_bytes());
+            if (name.rfind("model.layers.", 0) == 0 && std::stoi(name.substr(13)) >= cfg.n_layers) continue;  // MTP
+            if (name.find(".moe.gate_proj") != std::string::npos || name.find(".moe.up_proj") != std::string::npos ||
+                name.find(".moe.down_proj") != std::string::npos) {
+                sum += bytes * (1.0 - std::pow(1.0 - 8.0 / 16.0, batch));  // distinct experts of 16, top 8
+            } else if (name == "model.embed_tokens.weight") {
+                sum += bytes * batch / cfg.vocab_size;
+            } else {
+                sum += bytes;
+            }
+        }
+        return sum;
+    };
+    auto t = decode_traffic(cfg, *m.store, 1, 100, KvFormat::kBf16, KvFormat::kBf16);
+    auto three = decode_traffic(cfg, *m.store, 3, 100, KvFormat::kBf16, KvFormat::kBf16);
+    ASSERT_TRUE(t && three);
+    EXPECT_NEAR(t->weight_bytes, want(1), 1e-9 * want(1));
+    EXPECT_NEAR(three->weight_bytes, want(3), 1e-9 * want(3));
+    EXPECT_DOUBLE_EQ(three->experts_per_layer, 14.0);
+    // f32 rows are twice bf16's; below the window of 16 every layer sees the whole context.
+    auto f32 = decode_traffic(cfg, *m.store, 1, 100, KvFormat::kF32, KvFormat::kF32);
+    auto short_ctx = decode_traffic(cfg, *m.store, 1, 8, KvFormat::kBf16, KvFormat::kBf16);
+    ASSERT_TRUE(f32 && short_ctx);
+    EXPECT_DOUBLE_EQ(f32->kv_bytes, 2.0 * t->kv_bytes);
+    int full = 0, sliding = 0;
+    for (const LayerGeometry &g : cfg.layers) {
+        if (!g.is_mtp) (g.window > 0 ? sliding : full) += 1;
+    }
+    const double row = 2.0 * cfg.layers[0].n_kv_heads * cfg.layers[0].head_dim * 2;  // K and V, bf16
+    EXPECT_DOUBLE_EQ(t->kv_bytes, row * (100.0 * full + 16.0 * sliding));
+    EXPECT_DOUBLE_EQ(short_ctx->kv_bytes, row * 8.0 * (full + sliding));
+    EXPECT_FALSE(decode_traffic(cfg, *m.store, 0, 100, KvFormat::kBf16, KvFormat::kBf16).has_value());
+    EXPECT_FALSE(decode_traffic(cfg, *m.store, 1, 0.5, KvFormat::kBf16, KvFormat::kBf16).has_value());
 }
 
 }  // namespace

@@ -3,7 +3,10 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/op_checks.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <memory>
 #include <new>
 
 #include "backend/cpu/ops.h"
@@ -51,6 +54,25 @@ const int32_t *grouped_offsets(const char *op, TensorView x, const WeightBankRef
 CpuBackend::CpuBackend(int n_threads, Numerics numerics) : pool_(n_threads), numerics_(numerics) {}
 
 CpuBackend::~CpuBackend() = default;
+
+Result<double> CpuBackend::copy_bandwidth(int64_t bytes) {
+    if (bytes < 1) return make_error("cpu copy bandwidth: {} bytes, expected >= 1", bytes);
+    const auto n = static_cast<size_t>(bytes);
+    // Value-initialized: every page touched before the timed copies.
+    std::unique_ptr<std::byte[]> src(new (std::nothrow) std::byte[n]());
+    std::unique_ptr<std::byte[]> dst(new (std::nothrow) std::byte[n]());
+    if (!src || !dst) return make_error("cpu copy bandwidth: out of memory allocating 2 x {} bytes", bytes);
+    double best = 0.0;
+    for (int rep = 0; rep < 4; ++rep) {  // rep 0: the warm-up
+        const auto t0 = std::chrono::steady_clock::now();
+        pool_.parallel_for(
+            bytes, [&](int64_t b, int64_t e) { std::memcpy(dst.get() + b, src.get() + b, static_cast<size_t>(e - b)); },
+            int64_t{1} << 20);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (rep > 0 && s > 0.0) best = std::max(best, 2.0 * static_cast<double>(bytes) / s);
+    }
+    return best;
+}
 
 Result<TensorView> CpuBackend::alloc(DType dtype, std::initializer_list<int64_t> shape) {
     if (shape.size() < 1 || shape.size() > kTensorMaxRank) {

@@ -85,6 +85,8 @@ public:
     void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView bias,
                 TensorView out) override;
 
+    // A copy split over the backend's threads in ranges of 1 MiB or more.
+    Result<double> copy_bandwidth(int64_t bytes) override;
     BackendCounters counters() const override { return counters_; }
     void reset_counters() override { counters_ = {}; }
 

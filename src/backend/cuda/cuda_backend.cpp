@@ -218,6 +218,44 @@ Result<void *> CudaBackend::device_alloc(size_t bytes, const std::string &what) 
     return p;
 }
 
+Result<double> CudaBackend::copy_bandwidth(int64_t bytes) {
+    MEMRA_CHECK(!capturing_, "cuda: copy_bandwidth inside a recorded step");
+    if (bytes < 1) return make_error("cuda copy bandwidth: {} bytes, expected >= 1", bytes);
+    cudaSetDevice(device_);
+    const auto n = static_cast<size_t>(bytes);
+    void *src = nullptr;
+    void *dst = nullptr;
+    cudaEvent_t a = nullptr;
+    cudaEvent_t b = nullptr;
+    cudaError_t e = cudaMalloc(&src, n);
+    if (e == cudaSuccess) e = cudaMalloc(&dst, n);
+    if (e == cudaSuccess) e = cudaMemsetAsync(src, 0x3c, n, stream_);  // every page touched, no NaN pattern
+    if (e == cudaSuccess) e = cudaEventCreate(&a);
+    if (e == cudaSuccess) e = cudaEventCreate(&b);
+    double best = 0.0;
+    for (int rep = 0; rep < 4 && e == cudaSuccess; ++rep) {  // rep 0: the warm-up
+        e = cudaEventRecord(a, stream_);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream_);
+        if (e == cudaSuccess) e = cudaEventRecord(b, stream_);
+        if (e == cudaSuccess) e = cudaEventSynchronize(b);
+        float ms = 0.0f;
+        if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, a, b);
+        if (e == cudaSuccess && rep > 0 && ms > 0.0f) {
+            best = std::max(best, 2.0 * static_cast<double>(bytes) / (1e-3 * ms));
+        }
+    }
+    cudaStreamSynchronize(stream_);
+    if (a != nullptr) cudaEventDestroy(a);
+    if (b != nullptr) cudaEventDestroy(b);
+    cudaFree(src);  // null: a no-op
+    cudaFree(dst);
+    if (e != cudaSuccess) {
+        cudaGetLastError();  // an allocation failure is not sticky
+        return make_error("cuda copy bandwidth of 2 x {} bytes: {}", bytes, cuda_message(e));
+    }
+    return best;
+}
+
 void CudaBackend::launched(const char *op, int status) {
     ++counters_.launches;
     const auto e = static_cast<cudaError_t>(status);

@@ -131,6 +131,8 @@ public:
     int64_t graph_replays() const { return graph_replays_; }
     int64_t graph_captures() const { return graph_captures_; }
 
+    // A device-to-device cudaMemcpyAsync on the backend's stream, timed with events.
+    Result<double> copy_bandwidth(int64_t bytes) override;
     BackendCounters counters() const override { return counters_; }
     void reset_counters() override { counters_ = {}; }
 
