@@ -662,7 +662,7 @@ struct Roofline {
 
 // Buffers of the copy: past any CPU cache; past the GPU's L2 (60 MB on an H200) by far.
 constexpr int64_t kRooflineCopyBytesCpu = int64_t{64} << 20;
-constexpr int64_t kRooflineCopyBytesGpu = int64_t{512} << 20;
+constexpr int64_t kRooflineCopyBytesGpu = int64_t{256} << 20;
 
 Roofline measure_roofline(runtime::Engine &engine, const BenchOptions &opt, Device device) {
     Roofline r;
