@@ -305,6 +305,15 @@ for line in open(os.path.join(out, "bench_cuda_peers.jsonl")):
     if "attention" in p:
         print(f"| decode attention peer: {p['peer']} x{p['batch']}, {p['positions']} positions, {p['heads']} heads | "
               f"{p['us']:.1f} us, {p['KV_GB/s']:.0f} GB/s of K and V |")
+    if p.get("fp8") == "dense":
+        print(f"| K2 anchor: {p['peer']} [{p['rows']}, {p['K']}] x{p['tokens']} | {p['us']:.1f} us, "
+              f"{p['TFLOP/s']:.0f} TFLOP/s |")
+    if p.get("fp8") == "experts":
+        print(f"| K3 anchor: {p['peer']}, 8 experts [{p['rows']}, {p['K']}] x{p['tokens']} rows, 8 launches | "
+              f"{p['us']:.1f} us, {p['weight_GB/s']:.0f} GB/s |")
+    if "prefill_attention" in p:
+        print(f"| K7 peer: {p['peer']}, causal, {p['positions']} positions, {p['heads']} heads | "
+              f"{p['us'] / 1e3:.2f} ms, {p['TFLOP/s']:.0f} TFLOP/s |")
 for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchmarks"]:
     if not b["name"].startswith("bm_bf16_product") or "weight_GB/s" not in b:
         continue
@@ -324,9 +333,13 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
     if b["name"].startswith("bm_bf16_multi") and "weight_GB/s" in b:
         print(f"| K1 {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us {b['weight_GB/s']:.0f} GB/s "
               f"({100 * b['vs_copy']:.0f} % of copy) |")
-    if b["name"].startswith("bm_decode_attention"):
-        a = dict(kv.split(":") for kv in b["name"].split("/")[1:7])
+    if b["name"].startswith("bm_attention"):
+        a = dict(kv.split(":") for kv in b["name"].split("/")[1:8])
         kv = "q8_0/q5_1" if a["q8q5"] == "1" else "bf16"
+        if a["prefill"] == "1":
+            print(f"| K7 causal prefill attention, {a['positions']} positions, {a['heads']} heads | "
+                  f"{b['us'] / 1e3:.2f} ms, {b['TFLOP/s']:.1f} TFLOP/s |")
+            continue
         k = "K8" if a["batch"] != "1" else "K9/K10"
         print(f"| {k} decode attention x{a['batch']}, {a['positions']} positions, {a['heads']} heads, window "
               f"{a['window']}, split {a['split']}, KV {kv} | {b['real_time']:.1f} us, {b['KV_GB/s']:.0f} GB/s of K and V |")

@@ -4,8 +4,10 @@
 // (vs_copy: the copy reads and writes, so its bytes are counted twice). Shapes are the release architecture's
 // (d_model 4096): q/k/v/gate-width products, the dense MLP's 11264-row gate/up, the lm_head, the canonical
 // o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens (decode) and 512 (prefill; with TFLOP/s); the FP8
-// experts of one token (K3) and decode attention (K9, K10: one row; K8: 32 and 128 sequences). Random bf16 weights (the
-// values do not change the work), in copies that exceed the L2 and take turns, so every launch streams from HBM.
+// experts of one token (K3), decode attention (K9, K10: one row; K8: 32 and 128 sequences) and causal prefill
+// attention (K7: 512 and 2048 positions; longer ones take seconds per launch on today's CUDA-core kernel). Random bf16
+// weights (the values do not change the work), in copies that exceed the L2 and take turns, so every launch streams
+// from HBM.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -271,13 +273,15 @@ void bm_e4m3_grouped(benchmark::State &state) {
     time_and_report(state, launch, static_cast<double>(weight_bytes), 2.0 * static_cast<double>(pairs * rows * k));
 }
 
-// args: positions, query heads, window (0: full), split (0/1), q8q5 (0/1), batch. Decode rows of the release
-// architecture's attention (8 kv heads of 128 in 64-row pages, bf16 K and V, or q8_0 K and q5_1 V with q8q5), one
-// per sequence, each sequence `positions` long in pages of its own: K9 is one row of a full layer at 8K positions
-// (33.5 MB of bf16 K and V), K10 a sliding layer of 96 heads over its 512-position window, K8 32 or 128 sequences
-// at 4K (537 MB / 2.1 GB of bf16 K and V). split 1 gives the split-KV launches their workspace; split 0 runs one
-// cluster per work item over every split (the same bits). KV_GB/s: the K and V bytes the rows see.
-void bm_decode_attention(benchmark::State &state) {
+// args: positions, query heads, window (0: full), split (0/1), q8q5 (0/1), batch, prefill (0/1). The release
+// architecture's attention (8 kv heads of 128 in 64-row pages, bf16 K and V, or q8_0 K and q5_1 V with q8q5) over
+// `batch` sequences, each `positions` long in pages of its own. Decode (prefill 0): one row per sequence, at its last
+// position; K9 is a full layer at 8K positions (33.5 MB of bf16 K and V), K10 a sliding layer of 96 heads over its
+// 512-position window, K8 32 or 128 sequences at 4K (537 MB / 2.1 GB of bf16 K and V). Prefill (1): every position's
+// row of one sequence, causal (K7), with TFLOP/s over the causal products (4 head_dim heads S (S + 1) / 2). split 1
+// gives the split-KV launches their workspace; split 0 runs one cluster per work item over every split (the same
+// bits). KV_GB/s: the K and V bytes the rows see.
+void bm_attention(benchmark::State &state) {
     if (!gpu_present()) {
         state.SkipWithError("no CUDA device");
         return;
@@ -288,6 +292,9 @@ void bm_decode_attention(benchmark::State &state) {
     const bool split = state.range(3) != 0;
     const bool quant = state.range(4) != 0;  // q8_0 keys and q5_1 values instead of bf16 ones
     const int64_t batch = state.range(5);
+    const bool prefill = state.range(6) != 0;
+    const int64_t rows = prefill ? positions : 1;  // query rows per sequence
+    const int64_t n_q = batch * rows;
     constexpr int64_t kKvHeads = 8;
     constexpr int64_t kHeadDim = 128;
     constexpr int64_t kBlocks = kKvHeads * kHeadDim / kQuantBlock;  // of 32 values per row
@@ -310,30 +317,39 @@ void bm_decode_attention(benchmark::State &state) {
     std::vector<int32_t> table(static_cast<size_t>(pages));
     for (int64_t i = 0; i < pages; ++i) table[static_cast<size_t>(i)] = static_cast<int32_t>(i);
     const auto d_table = device_copy(table);
-    const auto d_pos = device_copy(std::vector<int64_t>(static_cast<size_t>(batch), positions - 1));
-    std::vector<int32_t> seqs(static_cast<size_t>(batch));
-    for (int64_t i = 0; i < batch; ++i) seqs[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+    // Query row i: sequence i / rows at position (positions - rows) + i % rows.
+    std::vector<int64_t> pos(static_cast<size_t>(n_q));
+    std::vector<int32_t> seqs(static_cast<size_t>(n_q));
+    for (int64_t i = 0; i < n_q; ++i) {
+        pos[static_cast<size_t>(i)] = positions - rows + i % rows;
+        seqs[static_cast<size_t>(i)] = static_cast<int32_t>(i / rows);
+    }
+    const auto d_pos = device_copy(pos);
     const auto d_seq = device_copy(seqs);
-    const auto q = random_activations(batch * heads * kHeadDim, 9);
-    DeviceBlock out(static_cast<size_t>(batch * heads * kHeadDim * 4), false);
+    const auto q = random_activations(n_q * heads * kHeadDim, 9);
+    DeviceBlock out(static_cast<size_t>(n_q * heads * kHeadDim * 4), false);
     cpu::AttentionShape shape{heads, kKvHeads, kHeadDim, window, 1.0f / 11.3137085f};
     shape.blocked = true;
-    const int64_t ws_floats = split ? cuda::paged_attention_split_floats(shape, batch, seq_pages) : 0;
+    const int64_t ws_floats = split ? cuda::paged_attention_split_floats(shape, n_q, seq_pages) : 0;
     DeviceBlock ws(static_cast<size_t>(std::max<int64_t>(ws_floats, 1)) * 4, false);
     size_t turn = 0;
     const auto launch = [&] {
         l.base = static_cast<std::byte *>(pools[turn++ % pools.size()]->ptr);
         const cudaError_t e = cuda::paged_attention(
             shape, static_cast<const float *>(q->ptr), heads * kHeadDim, static_cast<const int64_t *>(d_pos->ptr),
-            static_cast<const int32_t *>(d_seq->ptr), batch, l, static_cast<const int32_t *>(d_table->ptr), seq_pages,
+            static_cast<const int32_t *>(d_seq->ptr), n_q, l, static_cast<const int32_t *>(d_table->ptr), seq_pages,
             batch, 0, nullptr, 0, static_cast<float *>(out.ptr), nullptr, nullptr,
             split ? static_cast<float *>(ws.ptr) : nullptr, ws_floats);
         if (e != cudaSuccess) std::fprintf(stderr, "attention: %s\n", cudaGetErrorString(e));
     };
     const int64_t seen = window > 0 ? std::min(window, positions) : positions;
-    const double seconds = time_state(state, launch, 20);
+    const double seconds = time_state(state, launch, prefill ? 3 : 20);
     state.counters["us"] = seconds * 1e6;
     state.counters["KV_GB/s"] = static_cast<double>(batch * seen * (k_row + v_row)) / seconds * 1e-9;
+    if (prefill) {
+        const double pairs = static_cast<double>(positions) * static_cast<double>(positions + 1) / 2.0;
+        state.counters["TFLOP/s"] = 4.0 * kHeadDim * heads * pairs * batch / seconds * 1e-12;
+    }
 }
 
 // args: rows, d. add_rms_norm's h = x + r and y = rms_norm(h).
@@ -375,13 +391,14 @@ BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K", "experts", "pairs"})->Args({2
     ->Args({4096, 1280, 8, 8})->Args({1280, 4096, 128, 256})->Args({4096, 1280, 128, 256})
     ->Args({1280, 4096, 128, 4096})->Args({4096, 1280, 128, 4096})->UseManualTime()->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(bm_decode_attention)
-    ->ArgNames({"positions", "heads", "window", "split", "q8q5", "batch"})
-    ->ArgsProduct({{8192}, {64}, {0}, {0, 1}, {0, 1}, {1}})
-    ->Args({512, 96, 512, 1, 0, 1})
-    ->Args({512, 96, 512, 1, 1, 1})
-    ->Args({4096, 64, 0, 1, 1, 1})
-    ->ArgsProduct({{4096}, {64}, {0}, {1}, {0}, {32, 128}})
+BENCHMARK(bm_attention)
+    ->ArgNames({"positions", "heads", "window", "split", "q8q5", "batch", "prefill"})
+    ->ArgsProduct({{8192}, {64}, {0}, {0, 1}, {0, 1}, {1}, {0}})
+    ->Args({512, 96, 512, 1, 0, 1, 0})
+    ->Args({512, 96, 512, 1, 1, 1, 0})
+    ->Args({4096, 64, 0, 1, 1, 1, 0})
+    ->ArgsProduct({{4096}, {64}, {0}, {1}, {0}, {32, 128}, {0}})
+    ->ArgsProduct({{512, 2048}, {64}, {0}, {0}, {0}, {1}, {1}})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
