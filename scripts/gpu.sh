@@ -11,7 +11,8 @@
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
 #   MEMRA_GPU_E128=0 leaves out the Step-3.5-E128 runs.
 #   MEMRA_GPU_E128_CONTEXT=1 adds E128 at the E table's contexts: decode at 4K (batch 1, 32, 128) and 64K, prefill 8K,
-#   MTP-3 speculation at 4K.
+#   MTP-3 speculation at 4K; =decode or =prefill half of them. An E128-only call within 10 minutes:
+#   MEMRA_GPU_QUICK=1 MEMRA_GPU_TESTS=0 MEMRA_GPU_SERVE=0 MEMRA_GPU_E128=0 MEMRA_GPU_E128_CONTEXT=decode.
 #   MEMRA_GPU_QUICK=1 leaves out verify and the benchmarks: build, GPU tests, run, the server's tests and load tests.
 #   MEMRA_GPU_SERVE=0 leaves out the server's tests and load tests.
 #   MEMRA_GPU_TESTS=0 leaves out the GPU tests, the CLI's device tests, the collectives and verify (a benchmark run).
@@ -214,12 +215,15 @@ fi
 # The E table's contexts (PERFORMANCE.md 8.2): E1 / E3 / E4 decode at 4K (batch 1, 32, 128) and E2 at 64K, each
 # sequence's context filled with seeded rows (--fill-depth: its prefill would take minutes at today's prefill
 # speed), E5, one 8K prompt prefilled, and E6, MTP-3 after a 4K prompt. MEMRA_GPU_E128_CONTEXT=1 adds them (about
-# 7 minutes: four loads).
-if [ "${MEMRA_GPU_E128_CONTEXT:-0}" = 1 ]; then
+# 7 minutes: four loads); =decode only E1-E4, =prefill only E5 and E6 (two loads each, for calls of 10 minutes).
+context=${MEMRA_GPU_E128_CONTEXT:-0}
+if [ "$context" = 1 ] || [ "$context" = decode ]; then
 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 4096 --fill-depth -r 2 -ub 128 \
     --parallel 32,128 -o json >"$out/bench_e128_4k.json" 2>"$out/bench_e128_4k.log"
 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 0 -n 32 -d 65536 --fill-depth -r 2 -o json \
     >"$out/bench_e128_64k.json" 2>"$out/bench_e128_64k.log"
+fi
+if [ "$context" = 1 ] || [ "$context" = prefill ]; then
 $memra bench --synthetic e128 --synthetic-dtype fp8 --device cuda -p 8192 -n 0 -r 1 -o json \
     >"$out/bench_e128_8k.json" 2>"$out/bench_e128_8k.log"
 # E6: MTP-3 at batch 1 after a 4K prompt (prefilled: the MTP layers need its hidden rows), drafts forced so that 2

@@ -348,7 +348,7 @@ void bm_attention(benchmark::State &state) {
     state.counters["KV_GB/s"] = static_cast<double>(batch * seen * (k_row + v_row)) / seconds * 1e-9;
     if (prefill) {
         const double pairs = static_cast<double>(positions) * static_cast<double>(positions + 1) / 2.0;
-        state.counters["TFLOP/s"] = 4.0 * kHeadDim * heads * pairs * batch / seconds * 1e-12;
+        state.counters["TFLOP/s"] = 4.0 * static_cast<double>(kHeadDim * heads * batch) * pairs / seconds * 1e-12;
     }
 }
 
