@@ -347,6 +347,9 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
         k = "K8" if a["batch"] != "1" else "K9/K10"
         print(f"| {k} decode attention x{a['batch']}, {a['positions']} positions, {a['heads']} heads, window "
               f"{a['window']}, split {a['split']}, KV {kv} | {b['real_time']:.1f} us, {b['KV_GB/s']:.0f} GB/s of K and V |")
+    if b["name"].startswith("bm_routing"):
+        print(f"| K6 routing of one E128 MoE layer x{b['name'].split('tokens:')[1].split('/')[0]} tokens | "
+              f"{b['us']:.1f} us in {b['launches']:.0f} launches |")
     if b["name"].startswith("bm_add_rms_norm"):
         print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")
 EOF

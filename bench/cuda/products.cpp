@@ -5,7 +5,8 @@
 // (d_model 4096): q/k/v/gate-width products, the dense MLP's 11264-row gate/up, the lm_head, the canonical
 // o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens (decode) and 512 (prefill; with TFLOP/s); the FP8
 // experts of one token (K3), decode attention (K9, K10: one row; K8: 32 and 128 sequences) and causal prefill
-// attention (K7: 512 and 2048 positions; longer ones take seconds per launch on today's CUDA-core kernel). Random bf16
+// attention (K7: 512 and 2048 positions; longer ones take seconds per launch on today's CUDA-core kernel), and one
+// MoE layer's routing (K6). Random bf16
 // weights (the values do not change the work), in copies that exceed the L2 and take turns, so every launch streams
 // from HBM.
 #include <algorithm>
@@ -21,6 +22,7 @@
 
 #include "backend/cuda/ops_attention.h"
 #include "backend/cuda/ops_matmul.h"
+#include "backend/cuda/ops_route.h"
 #include "backend/cuda/ops_rows.h"
 #include "core/kv_page.h"
 #include "core/quant_blocks.h"
@@ -134,6 +136,11 @@ void time_and_report(benchmark::State &state, const F &launch, double weight_byt
     state.counters["vs_copy"] = (weight_bytes / seconds) / copy_rate;
 }
 
+// A whole [rows, k] matrix of `dtype` (its data set by the caller).
+cuda::CudaMatrix dense_matrix(DType dtype, int64_t rows, int64_t k, cuda::ActRounding act) {
+    return cuda::CudaMatrix{.dtype = dtype, .rows = rows, .cols = k, .full_rows = rows, .k_full = k, .act = act};
+}
+
 // Times a dense product [rows, k] of `dtype` weights (rotating copies) over `tokens` rows of x.
 void time_product(benchmark::State &state, DType dtype, cuda::ActRounding act, int64_t rows, int64_t k,
                   int64_t tokens, bool canonical) {
@@ -145,13 +152,7 @@ void time_product(benchmark::State &state, DType dtype, cuda::ActRounding act, i
     const auto w = rotating_weights(weight_bytes);
     const auto x = random_activations(tokens * k, 3);
     DeviceBlock y(static_cast<size_t>(tokens * rows * 4), false);
-    cuda::CudaMatrix m;
-    m.dtype = dtype;
-    m.rows = rows;
-    m.cols = k;
-    m.full_rows = rows;
-    m.k_full = k;
-    m.act = act;
+    cuda::CudaMatrix m = dense_matrix(dtype, rows, k, act);
     size_t turn = 0;
     const auto launch = [&] {
         m.data = w[turn++ % w.size()]->ptr;
@@ -192,13 +193,7 @@ void bm_bf16_multi(benchmark::State &state) {
         const auto r = rows[static_cast<size_t>(i)];
         w.push_back(rotating_weights(static_cast<size_t>(r * kK * 2)));
         y.push_back(std::make_unique<DeviceBlock>(static_cast<size_t>(tokens * r * 4), false));
-        cuda::CudaMatrix &mi = m[static_cast<size_t>(i)];
-        mi.dtype = DType::kBF16;
-        mi.rows = r;
-        mi.cols = kK;
-        mi.full_rows = r;
-        mi.k_full = kK;
-        mi.act = cuda::ActRounding::kBf16;
+        m[static_cast<size_t>(i)] = dense_matrix(DType::kBF16, r, kK, cuda::ActRounding::kBf16);
         weight_bytes += static_cast<double>(r * kK * 2);
     }
     const auto x = random_activations(tokens * kK, 3);
@@ -352,6 +347,65 @@ void bm_attention(benchmark::State &state) {
     }
 }
 
+// args: tokens. K6, one MoE layer's routing of E128 (128 experts, top 8, d 4096) as the forward runs it, timed as a
+// whole: the f32 router product, router_topk, moe_sort_pairs, moe_permute (every expert owned), moe_source_rows and
+// moe_combine (with a shared-expert row), back to back; launches: the ops this takes; routers in copies beyond the L2
+// (each layer has its own).
+void bm_routing(benchmark::State &state) {
+    if (!gpu_present()) {
+        state.SkipWithError("no CUDA device");
+        return;
+    }
+    constexpr int64_t kExperts = 128;
+    constexpr int64_t kTopK = 8;
+    constexpr int64_t kD = 4096;
+    const int64_t tokens = state.range(0);
+    const int64_t pairs = tokens * kTopK;
+    const auto routers = rotating_weights(static_cast<size_t>(kExperts * kD * 4));  // bf16 patterns read as f32
+    const auto x = random_activations(tokens * kD, 11);
+    const auto bias = random_activations(kExperts, 12);
+    const auto expert_out = random_activations(pairs * kD, 13);
+    const auto shared = random_activations(tokens * kD, 14);
+    DeviceBlock logits(static_cast<size_t>(tokens * kExperts * 4), false),
+        weights(static_cast<size_t>(pairs * 4), false);
+    DeviceBlock ids(static_cast<size_t>(pairs * 4), false), offsets(static_cast<size_t>((kExperts + 1) * 4), false);
+    DeviceBlock sorted(static_cast<size_t>(pairs * 4), false), row_of(static_cast<size_t>(pairs * 4), false);
+    DeviceBlock src(static_cast<size_t>(pairs * 4), false), x_own(static_cast<size_t>(pairs * kD * 4), false);
+    DeviceBlock out(static_cast<size_t>(tokens * kD * 4), false);
+    cuda::CudaMatrix m = dense_matrix(DType::kF32, kExperts, kD, cuda::ActRounding::kNone);
+    const auto f = [](const DeviceBlock &b) { return static_cast<float *>(b.ptr); };
+    const auto i = [](const DeviceBlock &b) { return static_cast<int32_t *>(b.ptr); };
+    const auto *xp = static_cast<const float *>(x->ptr);
+    size_t turn = 0;
+    const auto launch = [&] {
+        m.data = routers[turn++ % routers.size()]->ptr;
+        cudaError_t e = cuda::cuda_matmul(m, xp, tokens, f(logits), nullptr);
+        if (e == cudaSuccess) {
+            e = cuda::router_topk(f(logits), f(*bias), tokens, kExperts, kTopK, true, 3.0f, i(ids), f(weights),
+                                  nullptr);
+        }
+        if (e == cudaSuccess) {
+            e = cuda::moe_sort_pairs(i(ids), tokens, kTopK, kExperts, i(offsets), i(sorted), i(row_of), nullptr,
+                                     nullptr);
+        }
+        if (e == cudaSuccess) {
+            e = cuda::moe_permute(xp, tokens, kD, i(sorted), i(offsets), kExperts, 0, kExperts, kTopK, f(x_own), pairs,
+                                  nullptr, nullptr);
+        }
+        if (e == cudaSuccess) {
+            e = cuda::moe_source_rows(i(ids), i(row_of), pairs, i(offsets), kExperts, 1, pairs, i(src), nullptr,
+                                      nullptr);
+        }
+        if (e == cudaSuccess) {
+            e = cuda::moe_combine(xp, f(*expert_out), pairs, i(src), f(weights), f(*shared), tokens, kTopK, kD, f(out),
+                                  nullptr, nullptr);
+        }
+        if (e != cudaSuccess) std::fprintf(stderr, "routing: %s\n", cudaGetErrorString(e));
+    };
+    state.counters["us"] = time_state(state, launch, 20) * 1e6;
+    state.counters["launches"] = 6;
+}
+
 // args: rows, d. add_rms_norm's h = x + r and y = rms_norm(h).
 void bm_add_rms_norm(benchmark::State &state) {
     if (!gpu_present()) {
@@ -399,6 +453,15 @@ BENCHMARK(bm_attention)
     ->Args({4096, 64, 0, 1, 1, 1, 0})
     ->ArgsProduct({{4096}, {64}, {0}, {1}, {0}, {32, 128}, {0}})
     ->ArgsProduct({{512, 2048}, {64}, {0}, {0}, {0}, {1}, {1}})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_routing)
+    ->ArgName("tokens")
+    ->Arg(1)
+    ->Arg(8)
+    ->Arg(32)
+    ->Arg(64)
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
