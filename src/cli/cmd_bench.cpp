@@ -248,7 +248,7 @@ struct TestResult {
     std::vector<double> samples_ms;  // one per timed run
     double avg_ts = 0.0;             // mean of the runs' tokens/s
     double stddev_ts = 0.0;          // their sample standard deviation (0 for one run)
-    double ceiling_ts = 0.0;         // tg: the memory roofline's tokens/s (Roofline), 0: none
+    double ceiling_ts = 0.0;         // tg: the memory roofline's tokens/s (set_ceiling), 0: none
     int64_t peak_rss = 0;            // the process's peak resident bytes after the test
 };
 
@@ -656,40 +656,36 @@ int run_experts_bench(const BenchOptions &opt) {
 // The memory roofline of tg tests: a decode step cannot beat the bytes it must read (model::decode_traffic: weights,
 // the expected distinct experts of its batch, every sequence's KV rows) over the copy bandwidth measured on the
 // engine's backend in the same run. One rank only (TP ranks read replicated parts more than once).
-struct Roofline {
-    double copy_bytes_per_s = 0.0;  // 0: not measured
-};
 
 // Buffers of the copy: past any CPU cache; past the GPU's L2 (60 MB on an H200) by far.
 constexpr int64_t kRooflineCopyBytesCpu = int64_t{64} << 20;
 constexpr int64_t kRooflineCopyBytesGpu = int64_t{256} << 20;
 
-Roofline measure_roofline(runtime::Engine &engine, const BenchOptions &opt, Device device) {
-    Roofline r;
-    if (opt.tp != 1 || opt.n_gen == 0) return r;
+// The copy bandwidth in bytes per second; 0 when not measured (several ranks, no tg test, a refusal).
+double roofline_bandwidth(runtime::Engine &engine, const BenchOptions &opt, Device device) {
+    if (opt.tp != 1 || opt.n_gen == 0) return 0.0;
     auto bw = engine.backend(engine.local_ranks().first)
                   .copy_bandwidth(device == Device::kCuda ? kRooflineCopyBytesGpu : kRooflineCopyBytesCpu);
     if (!bw) {
         std::fprintf(stderr, "memra bench: no roofline: %s\n", bw.error().message.c_str());
-        return r;
+        return 0.0;
     }
-    r.copy_bytes_per_s = *bw;
     std::fprintf(stderr, "memra bench: copy bandwidth %.1f GB/s (the tg tests' roofline)\n", 1e-9 * *bw);
-    return r;
+    return *bw;
 }
 
-// t's ceiling: its sequences' tokens per step over the step's bytes at the copy bandwidth, at the mean context of
-// its steps (the depth, then 1 .. n_gen generated positions).
-void set_ceiling(TestResult &t, const Roofline &r, const model::Step35Config &cfg, const io::TensorStore &store,
+// t's ceiling: its sequences' tokens per step over the step's bytes at the copy bandwidth (bytes per second), at
+// the mean context of its steps (the depth, then 1 .. n_gen generated positions).
+void set_ceiling(TestResult &t, double bandwidth, const model::Step35Config &cfg, const io::TensorStore &store,
                  KvFormat k_format, KvFormat v_format) {
-    if (r.copy_bytes_per_s <= 0.0) return;
+    if (bandwidth <= 0.0) return;
     const double context = t.n_depth + (t.n_gen + 1) / 2.0;
     auto traffic = model::decode_traffic(cfg, store, t.parallel, context, k_format, v_format);
     if (!traffic) {
         std::fprintf(stderr, "memra bench: %s: no roofline: %s\n", t.name.c_str(), traffic.error().message.c_str());
         return;
     }
-    t.ceiling_ts = t.parallel * r.copy_bytes_per_s / traffic->total_bytes();
+    t.ceiling_ts = t.parallel * bandwidth / traffic->total_bytes();
 }
 
 int run_bench(const BenchOptions &opt) {
@@ -702,7 +698,6 @@ int run_bench(const BenchOptions &opt) {
     if (!in) return kExitInvalidInput;
     const std::filesystem::path &dir = in->dir;
     const model::Step35Config &cfg = in->cfg;
-    // Positions one sequence of each test reaches: the depth, then the prompt or the generated tokens.
     if (opt.fill_depth && opt.n_depth == 0) {
         return report_error("--fill-depth fills the -d context: give -d N > 0");
     }
@@ -711,6 +706,7 @@ int run_bench(const BenchOptions &opt) {
             "--fill-depth with --spec-draft: the MTP layers read the context's hidden rows, which a "
             "fill does not make; prefill the depth (leave out --fill-depth)");
     }
+    // Positions one sequence of each test reaches: the depth, then the prompt or the generated tokens.
     const std::string depth_flag = opt.n_depth > 0 ? fmt::format("-d {} ", opt.n_depth) : "";
     for (const auto &[flag, n] : {std::pair{"-p", opt.n_prompt}, std::pair{"-n", opt.n_gen}}) {
         const int64_t positions = int64_t{opt.n_depth} + n;
@@ -881,9 +877,10 @@ int run_bench(const BenchOptions &opt) {
     }
 
     // After the tests, so that the copy's buffers stay out of their peak memory.
-    const Roofline roofline = measure_roofline(engine, opt, *device);
+    const double bandwidth = roofline_bandwidth(engine, opt, *device);
     for (TestResult &t : tests) {
-        if (t.n_gen > 0 && t.spec_draft == 0) set_ceiling(t, roofline, cfg, *loaded->store, in->k_format, in->v_format);
+        if (t.n_gen > 0 && t.spec_draft == 0)
+            set_ceiling(t, bandwidth, cfg, *loaded->store, in->k_format, in->v_format);
     }
     const std::string report =
         opt.output == "json" ? json_report(facts, tests, opt.reps).dump(2) + "\n" : markdown_table(facts, tests);

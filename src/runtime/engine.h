@@ -229,6 +229,7 @@ public:
     Result<int64_t> reuse_prefix(Sequence &seq);
     // Drops every cached block (pages free once no sequence holds them).
     void clear_prefix_cache();
+    const kv::PrefixCache &prefix_cache() const { return prefix_; }
 
     // Benchmarks only: commits the first `rows` of a fresh sequence's tokens with seeded K and V values written
     // straight into its pages instead of computing them (no forward), so decode can be timed at a depth whose
@@ -242,7 +243,6 @@ public:
     // max_positions(). Pools out of pages: refused at the chunk that finds them empty (the chunks before it stay
     // committed).
     Result<void> fill_context(Sequence &seq, int64_t rows, uint64_t seed);
-    const kv::PrefixCache &prefix_cache() const { return prefix_; }
 
     // ---- The step ----
 
