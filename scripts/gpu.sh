@@ -82,7 +82,7 @@ cmp -s "$out/run_cuda.txt" "$out/run_cpu.txt" && run_same=yes || run_same=no
 $memra run "$release" -p "$prompt" -n 16 --temp 0 --ignore-eos --device cuda >"$out/run_release.txt" 2>"$out/run_release.log"
 run_release_rc=$?
 
-verify_rc=skipped verify_release_rc=skipped bench_rc=skipped bench64_rc=skipped
+verify_rc=skipped verify_release_rc=skipped verify_fp8_rc=skipped bench_rc=skipped bench64_rc=skipped
 t4=$(date +%s)
 if [ "${MEMRA_GPU_QUICK:-0}" != 1 ]; then
     if [ "$tests" = 1 ]; then
@@ -91,6 +91,11 @@ if [ "${MEMRA_GPU_QUICK:-0}" != 1 ]; then
         verify_rc=$?
         timeout 300 $memra verify "$release" --device cuda --tp 1,2,4,8 >"$out/verify_release.log" 2>&1
         verify_release_rc=$?
+        # The release architecture with FP8 experts (generated in memory): the tensor-core e4m3 products (wgmma)
+        # against the per-expert oracle, every batch size and slot, TP 1 and 2.
+        timeout 300 $memra verify --synthetic release --synthetic-dtype fp8 --device cuda --tp 1,2 --batch 16 \
+            >"$out/verify_fp8.log" 2>&1
+        verify_fp8_rc=$?
     fi
     t4=$(date +%s)
 
@@ -280,6 +285,7 @@ echo "| run default cuda (rc $run_rc) | same text as cpu: $run_same; $(grep -E '
 echo "| run release cuda (rc $run_release_rc) | $(grep -E 'eval time' "$out/run_release.log" | tail -1 | cut -c1-100) |"
 echo "| verify default cuda (rc $verify_rc) | $(tail -1 "$out/verify_cuda.log" 2>/dev/null) |"
 echo "| verify release cuda (rc $verify_release_rc, $((t4 - t3)) s incl. runs) | $(tail -1 "$out/verify_release.log" 2>/dev/null) |"
+echo "| verify release fp8 cuda (rc $verify_fp8_rc) | $(tail -1 "$out/verify_fp8.log" 2>/dev/null) |"
 for f in bench_release_8 bench_release_64 bench_release_eager bench_default bench_e128 bench_e128_4k bench_e128_64k \
          bench_e128_8k bench_e128_spec; do
     bench_rows "$out/$f.json"
@@ -421,4 +427,4 @@ grep -h -m2 -E "STEP_WORK" "$out/verify_release.log" 2>/dev/null | sed 's/^/| ve
     find . -maxdepth 1 -type f ! -name logs.tgz ! -name 'bench_*.json' -delete)
 passed() { [ "$1" = 0 ] || [ "$1" = skipped ]; }
 passed "$cuda_rc" && passed "$cli_rc" && [ $run_rc -eq 0 ] && passed "$verify_rc" &&
-    passed "$verify_release_rc" && [ $cpu_rc -eq 0 ] && passed "$serve_rc" && passed "$serve_stop_rc"
+    passed "$verify_release_rc" && passed "$verify_fp8_rc" && [ $cpu_rc -eq 0 ] && passed "$serve_rc" && passed "$serve_stop_rc"

@@ -250,6 +250,11 @@ void bm_e4m3_grouped(benchmark::State &state) {
     for (int64_t e = 0; e <= experts; ++e) offsets[static_cast<size_t>(e)] = static_cast<int32_t>(e * pairs / experts);
     const auto d_offsets = device_copy(offsets);
     DeviceBlock y(static_cast<size_t>(pairs * rows * 4), false);
+    // The backend's scratch for the quantized activations.
+    DeviceBlock codes(static_cast<size_t>(cuda::kE4m3ScratchCodeBytes), false);
+    DeviceBlock qscales(static_cast<size_t>(cuda::kE4m3ScratchScaleFloats) * 4, false);
+    const cuda::E4m3Scratch scratch{static_cast<uint8_t *>(codes.ptr), static_cast<float *>(qscales.ptr),
+                                    cuda::kE4m3ScratchCodeBytes, cuda::kE4m3ScratchScaleFloats};
     cuda::CudaBank b;
     b.dtype = DType::kF8E4M3;
     b.n_experts = experts;
@@ -262,7 +267,7 @@ void bm_e4m3_grouped(benchmark::State &state) {
         b.data = w[turn++ % w.size()]->ptr;
         const cudaError_t e = cuda::cuda_matmul_grouped(b, static_cast<const float *>(x->ptr), pairs,
                                                         static_cast<const int32_t *>(d_offsets->ptr), experts + 1,
-                                                        static_cast<float *>(y.ptr), nullptr);
+                                                        static_cast<float *>(y.ptr), scratch, nullptr);
         if (e != cudaSuccess) std::fprintf(stderr, "grouped: %s\n", cudaGetErrorString(e));
     };
     time_and_report(state, launch, static_cast<double>(weight_bytes), 2.0 * static_cast<double>(pairs * rows * k));

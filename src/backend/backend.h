@@ -233,6 +233,14 @@ public:
     // offsets[e0], cols]; offsets: [n_experts + 1] i32 over every expert of the layer, read by the op (no host
     // read); y: [x rows, rows held]. Rows past offsets[e1] - offsets[e0] are left untouched.
     virtual void matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) = 0;
+    // The routed experts' gate and up on one x: matmul_grouped(x, a, offsets, y_a) and (x, b, offsets, y_b) bit for
+    // bit, whatever the backend fuses (CUDA: e4m3 banks of one shape share one quantization and one launch). Here:
+    // one after the other.
+    virtual void matmul_grouped_pair(TensorView x, BankId a, BankId b, TensorView offsets, TensorView y_a,
+                                     TensorView y_b) {
+        matmul_grouped(x, a, offsets, y_a);
+        matmul_grouped(x, b, offsets, y_b);
+    }
     // Finishes row-parallel products from the TP ranks' subtree sums, gathered in rank order
     // (cpu::canonical_tree_combine): out = the canonical tree over them. subtree_sums: [tp, ...] with tp
     // 1, 2, 4 or 8, each rank's slot holding out.numel() values ([n, d] row-major); out: [n, d].

@@ -237,8 +237,7 @@ Result<void> MoeState::routed_experts(const MoeObserver &observe) {
     const auto seen = [&observe](MoeStage stage, TensorView v) {
         if (observe) observe(stage, v);
     };
-    be.matmul_grouped(x_own, w.moe.gate, offsets, e_gate);
-    be.matmul_grouped(x_own, w.moe.up, offsets, e_up);
+    be.matmul_grouped_pair(x_own, w.moe.gate, w.moe.up, offsets, e_gate, e_up);
     seen(MoeStage::kExpertGate, e_gate);
     seen(MoeStage::kExpertUp, e_up);
     // Over the whole capacity: the rows past the own pair count are stale and never read.

@@ -1,14 +1,16 @@
 // backend/cuda/ops_matmul: the GPU products against CpuBackend in device numerics on the same weights and
 // activations, compared as raw bits (a NaN result compares as NaN only: x86 propagates an operand's payload,
-// the GPU returns 0x7fffffff), except bf16 weights with bf16 activations: those run on the tensor cores in the
-// GPU's own order, held to a tolerance against the CPU (close_to_cpu) and to bits against themselves (rows of a
-// batch, TP windows, experts grouped or alone). Every weight dtype with every ActRounding the CPU gives it (bf16 weights: bf16
-// activations, or f32 ones for the router; F32 / F16 / F8 matrices: the exact loop; F8 banks with 128-wide
-// tiles: e4m3 groups of 128), fp8 tiles of 128 x 128 and of odd sizes with partial last tiles, row windows,
-// K windows at TP 2, 4 and 8, grouped products with empty experts and uneven offsets, batch sizes 1..140 (a
-// row's bits never depend on its batch), adversarial values where FTZ/DAZ and saturation decide the bits
-// (checked against every instruction path of this CPU), and perturbations that show the comparison can fail.
-// MatmulUpload.* runs without a GPU: the upload refusals, word for word those of the CPU backend.
+// the GPU returns 0x7fffffff), except the tensor-core products: bf16 weights with bf16 activations, and F8 banks
+// with e4m3 activations in 128 x 128 tiles (wgmma). Those run in the GPU's own order, held to a tolerance against
+// the CPU (close_to_cpu; e4m3: bit for bit where exact arithmetic leaves no room) and to bits against themselves
+// (rows of a batch, TP windows, experts grouped or alone, slices of the e4m3 scratch). Every weight dtype with
+// every ActRounding the CPU gives it (bf16 weights: bf16 activations, or f32 ones for the router; F32 / F16 / F8
+// matrices: the exact loop; F8 banks with 128-wide tiles: e4m3 groups of 128), fp8 tiles of 128 x 128 and of odd
+// sizes with partial last tiles, row windows, K windows at TP 2, 4 and 8, grouped products with empty experts and
+// uneven offsets, batch sizes 1..140 (a row's bits never depend on its batch), adversarial values where FTZ/DAZ
+// and saturation decide the bits (checked against every instruction path of this CPU), and perturbations that
+// show the comparison can fail. MatmulUpload.* runs without a GPU: the upload refusals, word for word those of the
+// CPU backend, and the launchers' refusals.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -26,6 +28,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/matmul.h"
 #include "backend/cuda/ops_matmul.h"
+#include "core/device_numerics.h"
 #include "core/float_formats.h"
 #include "core/fp8_block.h"
 #include "cuda/cuda_test_util.h"
@@ -269,13 +272,21 @@ void gpu_product(const CudaMatrix &w, Product kind, const Floats &x, int64_t n, 
     *y = from_device<float>(dy, sz(n * w.rows));
 }
 
+// The backend's e4m3 scratch (kE4m3ScratchRows rows of K 8192), allocated once.
+cuda::E4m3Scratch full_scratch() {
+    static const DeviceBuffer codes(sz(cuda::kE4m3ScratchCodeBytes));
+    static const DeviceBuffer scales(sz(cuda::kE4m3ScratchScaleFloats) * 4);
+    return {codes.as<uint8_t>(), scales.as<float>(), cuda::kE4m3ScratchCodeBytes, cuda::kE4m3ScratchScaleFloats};
+}
+
 void gpu_grouped(const CudaBank &w, const std::vector<int32_t> &offsets, const Floats &x, int64_t x_rows,
-                 const Floats &y_init, Floats *y) {
+                 const Floats &y_init, Floats *y, const cuda::E4m3Scratch &scratch = full_scratch()) {
     const DeviceBuffer dx = to_device(x);
     const DeviceBuffer dy = to_device(y_init);
     const DeviceBuffer doff = to_device(offsets);
-    const cudaError_t err = cuda::cuda_matmul_grouped(w, dx.as<float>(), x_rows, doff.as<int32_t>(),
-                                                      static_cast<int64_t>(offsets.size()), dy.as<float>(), nullptr);
+    const cudaError_t err =
+        cuda::cuda_matmul_grouped(w, dx.as<float>(), x_rows, doff.as<int32_t>(), static_cast<int64_t>(offsets.size()),
+                                  dy.as<float>(), scratch, nullptr);
     ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     *y = from_device<float>(dy, sz(x_rows * w.rows));
@@ -311,6 +322,49 @@ double tensor_core_bound(const Weights &w, int64_t e, int64_t row, const float *
     if (std::isnan(sum)) return sum;
     if (sum > static_cast<double>(FLT_MAX) / 2) return std::numeric_limits<double>::infinity();
     return std::ldexp(sum, -14) + daz + std::ldexp(1.0, -110);
+}
+
+// Whether a bank's grouped products run on the tensor cores: bf16 weights (bf16 activations), or F8_E4M3 ones
+// with e4m3 groups whose shapes take the wgmma kernel (scale tiles 128 wide and a multiple of 64 high, K a multiple
+// of 16 up to 8192).
+bool tensor_core_bank(const Weights &w) {
+    if (tensor_core(w)) return true;
+    return w.dtype == DType::kF8E4M3 && w.block_cols == 128 && w.block_rows % 64 == 0 && w.cols % 16 == 0 &&
+           w.cols <= 8192;
+}
+
+// How far a tensor-core e4m3 element may be from the CPU's. Both sides quantize x alike (e4m3_quantize_group) and
+// promote each 128-wide chunk's sum alike; inside a chunk the CPU adds the exact products in fp32, wgmma with its
+// coarser accumulation (CUDA.md 7 measured at most 1.6e-3 of the chunk's sum |q w|). So: 2^-8 of each chunk's
+// sum |q_k w_k| times |x scale * weight scale|, plus 2^-20 of their total (the promotions' roundings, and a chunk
+// sum's error carried through them), plus 2^-110. NaN where the total is NaN, Inf where it overflows (as
+// tensor_core_bound). Weight row `row` of expert `e`; x: the row's K values.
+double e4m3_bound(const Weights &w, int64_t e, int64_t row, const float *x) {
+    const int64_t chunks = ceil_div(w.cols, 128);
+    double bound = 0.0;
+    double all = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t n = std::min<int64_t>(128, w.cols - 128 * c);
+        float q[128];
+        const float xs = e4m3_quantize_group(x + 128 * c, n, q);
+        const float ws = w.scales[sz(e * w.tiles() + (row / w.block_rows) * chunks + c)];
+        double sum = 0.0;
+        for (int64_t k = 0; k < n; ++k) {
+            const float wv = fp8_e4m3_to_f32(w.bytes[sz((e * w.rows + row) * w.cols + 128 * c + k)]);
+            sum += std::fabs(static_cast<double>(q[k]) * static_cast<double>(wv));
+        }
+        const double scaled = sum * std::fabs(static_cast<double>(xs) * static_cast<double>(ws));
+        bound += std::ldexp(scaled, -8);
+        all += scaled;
+    }
+    if (std::isnan(all)) return all;
+    if (all > static_cast<double>(FLT_MAX) / 2) return std::numeric_limits<double>::infinity();
+    return bound + std::ldexp(all, -20) + std::ldexp(1.0, -110);
+}
+
+// How far a tensor-core element of a bank may be from the CPU's (row `row` of expert `e`; x: the row's K values).
+double bank_bound(const Weights &w, int64_t e, int64_t row, const float *x) {
+    return w.dtype == DType::kBF16 ? tensor_core_bound(w, e, row, x, 0, w.cols) : e4m3_bound(w, e, row, x);
 }
 
 // Bounds of a window's [n, rows] outputs (x: [n, the window's columns]).
@@ -507,11 +561,21 @@ TEST(MatmulUpload, LaunchersRefuseWhatTheCpuAbortsOn) {
     b.first_expert = 2;
     b.act = cuda::ActRounding::kE4m3x128;
     const auto *off = reinterpret_cast<const int32_t *>(uintptr_t{16384});
-    EXPECT_EQ(cuda::cuda_matmul_grouped(b, x, 3, off, 4, y, nullptr), cudaErrorInvalidValue);  // needs 5 offsets
+    EXPECT_EQ(cuda::cuda_matmul_grouped(b, x, 3, off, 4, y, {}, nullptr), cudaErrorInvalidValue);  // needs 5 offsets
     b.block_cols = 64;
-    EXPECT_EQ(cuda::cuda_matmul_grouped(b, x, 3, off, 5, y, nullptr), cudaErrorInvalidValue);  // e4m3 needs 128
+    EXPECT_EQ(cuda::cuda_matmul_grouped(b, x, 3, off, 5, y, {}, nullptr), cudaErrorInvalidValue);  // e4m3 needs 128
     b.block_cols = 128;
-    EXPECT_EQ(cuda::cuda_matmul_grouped(b, x, 0, off, 5, y, nullptr), cudaSuccess);  // no rows: nothing to launch
+    EXPECT_EQ(cuda::cuda_matmul_grouped(b, x, 0, off, 5, y, {}, nullptr), cudaSuccess);  // no rows: nothing to launch
+    // The tensor-core e4m3 kernel needs a scratch that holds at least one row (256 code bytes and 2 scales).
+    EXPECT_EQ(cuda::cuda_matmul_grouped(b, x, 3, off, 5, y, {}, nullptr), cudaErrorInvalidValue);
+    auto *fake_codes = reinterpret_cast<uint8_t *>(uintptr_t{20480});
+    auto *fake_scales = reinterpret_cast<float *>(uintptr_t{24576});
+    EXPECT_EQ(cuda::cuda_matmul_grouped(b, x, 3, off, 5, y, {fake_codes, fake_scales, 255, 2}, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::cuda_matmul_grouped_launches(b, 3, {fake_codes, fake_scales, 256, 2}), 6);  // a slice per row
+    EXPECT_EQ(cuda::cuda_matmul_grouped_launches(b, 3, {fake_codes, fake_scales, 512, 4}), 4);
+    b.block_rows = 16;  // the exact e4m3 loop: one launch, no scratch
+    EXPECT_EQ(cuda::cuda_matmul_grouped_launches(b, 3, {}), 1);
     CudaMatrix e4 = w;
     e4.scale_inv = x;
     e4.cols = 256;
@@ -648,8 +712,9 @@ TEST(CudaMatmulGrouped, EveryBankEqualsTheCpuWithEmptyExpertsAndUnevenOffsets) {
         int64_t block_rows, block_cols;
     };
     // bf16: bf16 activations (K 256: whole 32-wide groups, the skinny kernel; K 300: the 16-thread one); fp8
-    // with 128-wide tiles: e4m3 groups (304 = 2 groups + a partial 48, the skinny kernel; 300: a partial 44, K
-    // not a multiple of 16, the 16-thread one); fp8 with other tiles, F32 and F16: the exact loop.
+    // with 128-wide tiles: e4m3 groups (304 = 2 groups + a partial 48 in 128 x 128 tiles: wgmma, with 40 rows a
+    // partial 64-row tile; 256 in 16 x 128 tiles and 300, a partial 44, K not a multiple of 16: the 16-thread
+    // exact loop); fp8 with other tiles, F32 and F16: the exact loop.
     const Kind kinds[] = {{DType::kBF16, 300, 128, 128},   {DType::kBF16, 256, 128, 128},
                           {DType::kF8E4M3, 300, 128, 128},  {DType::kF8E4M3, 304, 128, 128},
                           {DType::kF8E4M3, 256, 16, 128},  {DType::kF8E4M3, 200, 64, 64},
@@ -684,7 +749,7 @@ TEST(CudaMatmulGrouped, EveryBankEqualsTheCpuWithEmptyExpertsAndUnevenOffsets) {
                                    std::to_string(win.expert_begin) + ", " + std::to_string(win.expert_end) +
                                    ") counts";
                 for (int32_t c : counts) what.append(" ").append(std::to_string(c));
-                if (!tensor_core(w)) {
+                if (!tensor_core_bank(w)) {
                     EXPECT_SAME_BITS(got, want, what);
                 } else {
                     // Against the CPU within the bound of each row's expert; against each row alone in its
@@ -695,7 +760,7 @@ TEST(CudaMatmulGrouped, EveryBankEqualsTheCpuWithEmptyExpertsAndUnevenOffsets) {
                         int64_t e = 0;
                         while (offsets[sz(e + 1)] <= v) ++e;
                         for (int64_t r = 0; r < rows; ++r) {
-                            bound[sz(t * rows + r)] = tensor_core_bound(w, e, r, x.data() + t * k.cols, 0, k.cols);
+                            bound[sz(t * rows + r)] = bank_bound(w, e, r, x.data() + t * k.cols);
                         }
                         std::vector<int32_t> alone(sz(n_layer_experts + 1));
                         for (int64_t j = 0; j <= n_layer_experts; ++j) alone[sz(j)] = j > e ? 1 : 0;
@@ -713,6 +778,119 @@ TEST(CudaMatmulGrouped, EveryBankEqualsTheCpuWithEmptyExpertsAndUnevenOffsets) {
                 }
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core e4m3 products (wgmma_e4m3_kernel).
+
+// The offsets of per-expert row counts.
+std::vector<int32_t> offsets_of(const std::vector<int32_t> &counts) {
+    std::vector<int32_t> off(counts.size() + 1, 0);
+    for (size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
+    return off;
+}
+
+// Exact arithmetic: weight codes of small integers, power-of-two scales, activation groups of integers up to 7 with
+// a 7 in each (scale 7 / 448 = 2^-6, codes 64 x), so every chunk sum is an integer below 2^17 that any accumulation
+// order gives exactly: the GPU must equal the CPU bit for bit, which only the right operand layouts, swizzles,
+// scale tiles and token and row indices give. K 1328 (a partial last chunk of 48), 136 rows (a partial 64-row
+// tile), token tiles of 8, 32 and 128 (by the rows per expert), experts of several tiles, empty experts.
+TEST(CudaMatmulE4m3, ExactArithmeticEqualsTheCpuBitForBit) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const int64_t rows = 136;
+    const int64_t k = 1328;
+    const int64_t n_experts = 4;
+    Weights w = make_weights(DType::kF8E4M3, n_experts, rows, k, 31);
+    std::mt19937 rng(32);
+    for (uint8_t &c : w.bytes)
+        c = f32_to_fp8_e4m3(static_cast<float>(static_cast<int>(rng() % 5) - 2), Fp8Saturation::kSaturate);
+    for (float &sc : w.scales) sc = std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4));
+    ASSERT_TRUE(tensor_core_bank(w));
+    GpuBank g;
+    ASSERT_NO_FATAL_FAILURE(gpu_upload(w.bank(), BankWindow::whole(w.bank()), &g));
+    for (const std::vector<int32_t> &counts :
+         std::vector<std::vector<int32_t>>{{1, 0, 3, 2}, {5, 0, 44, 9}, {150, 3, 0, 70}, {0, 0, 0, 1}}) {
+        const std::vector<int32_t> offsets = offsets_of(counts);
+        const int64_t n = offsets.back();
+        Floats x(sz(n * k));
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t i = 0; i < k; ++i) {
+                x[sz(t * k + i)] =
+                    i % 128 == (t * 5) % 48 ? 7.0f : static_cast<float>(static_cast<int>(rng() % 15) - 7);
+            }
+        }
+        const Floats y_init(sz(n * rows), 0.0f);
+        Floats want;
+        Floats got;
+        ASSERT_NO_FATAL_FAILURE(cpu_grouped(w.bank(), BankWindow::whole(w.bank()), offsets, x, n, y_init, &want));
+        ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, offsets, x, n, y_init, &got));
+        std::string what = "counts";
+        for (int32_t c : counts) what.append(" ").append(std::to_string(c));
+        EXPECT_SAME_BITS(got, want, what);
+    }
+}
+
+// The shapes of Step-3.5's routed experts (gate and up [1280, 4096] as one [2560, 4096] product, down [4096, 1280])
+// on random codes and scales: within e4m3_bound of the CPU; each row bit for bit its own one-row product; the same
+// bits when the scratch holds only 7 rows (slices of 7 rows, each quantized and multiplied on its own) and when the
+// bank runs as a pair with another (cuda_matmul_grouped_pair).
+TEST(CudaMatmulE4m3, ExpertShapesNearTheCpuAndRowsAlone) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    for (const auto &[rows, k] : {std::pair<int64_t, int64_t>{2560, 4096}, {4096, 1280}}) {
+        const int64_t n_experts = 4;
+        const Weights w = make_weights(DType::kF8E4M3, n_experts, rows, k, 41);
+        GpuBank g;
+        ASSERT_NO_FATAL_FAILURE(gpu_upload(w.bank(), BankWindow::whole(w.bank()), &g));
+        const std::vector<int32_t> counts = {3, 0, 12, 2};
+        const std::vector<int32_t> offsets = offsets_of(counts);
+        const int64_t n = offsets.back();
+        const Floats x = activations(n, k, 42);
+        const Floats y_init(sz(n * rows), 0.0f);
+        Floats want;
+        Floats got;
+        ASSERT_NO_FATAL_FAILURE(cpu_grouped(w.bank(), BankWindow::whole(w.bank()), offsets, x, n, y_init, &want));
+        ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, offsets, x, n, y_init, &got));
+        const std::string what = std::to_string(rows) + " x " + std::to_string(k);
+        std::vector<double> bound(sz(n * rows));
+        for (int64_t t = 0; t < n; ++t) {
+            int64_t e = 0;
+            while (offsets[sz(e + 1)] <= t) ++e;
+            for (int64_t r = 0; r < rows; ++r) bound[sz(t * rows + r)] = e4m3_bound(w, e, r, x.data() + t * k);
+            std::vector<int32_t> alone(sz(n_experts + 1));
+            for (int64_t j = 0; j <= n_experts; ++j) alone[sz(j)] = j > e ? 1 : 0;
+            Floats one;
+            ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, alone, Floats(x.begin() + t * k, x.begin() + (t + 1) * k), 1,
+                                                Floats(sz(rows), 0.0f), &one));
+            EXPECT_SAME_BITS(Floats(got.begin() + t * rows, got.begin() + (t + 1) * rows), one,
+                             what + " row " + std::to_string(t) + " alone");
+        }
+        EXPECT_CLOSE_TO_CPU(got, want, bound, what);
+        const int64_t n_chunks = ceil_div(k, 128);
+        const cuda::E4m3Scratch full = full_scratch();
+        const cuda::E4m3Scratch seven{full.codes, full.scales, 7 * n_chunks * 128, 7 * n_chunks};
+        EXPECT_EQ(cuda::cuda_matmul_grouped_launches(g.w, n, seven), 2 * ceil_div(n, 7));
+        Floats sliced;
+        ASSERT_NO_FATAL_FAILURE(gpu_grouped(g.w, offsets, x, n, y_init, &sliced, seven));
+        EXPECT_SAME_BITS(sliced, got, what + " in slices of 7 rows");
+        // As a pair with another bank of the shape (gate and up): one quantization, one launch, each bank's bits.
+        const Weights w2 = make_weights(DType::kF8E4M3, n_experts, rows, k, 43);
+        GpuBank g2;
+        ASSERT_NO_FATAL_FAILURE(gpu_upload(w2.bank(), BankWindow::whole(w2.bank()), &g2));
+        Floats got2;
+        ASSERT_NO_FATAL_FAILURE(gpu_grouped(g2.w, offsets, x, n, y_init, &got2));
+        EXPECT_EQ(cuda::cuda_matmul_grouped_pair_launches(g.w, g2.w, n, full), 2);
+        const DeviceBuffer dx = to_device(x);
+        const DeviceBuffer doff = to_device(offsets);
+        const DeviceBuffer dya = to_device(y_init);
+        const DeviceBuffer dyb = to_device(y_init);
+        ASSERT_EQ(cuda::cuda_matmul_grouped_pair(g.w, g2.w, dx.as<float>(), n, doff.as<int32_t>(),
+                                                 static_cast<int64_t>(offsets.size()), dya.as<float>(), dyb.as<float>(),
+                                                 full, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_SAME_BITS(from_device<float>(dya, sz(n * rows)), got, what + " first of a pair");
+        EXPECT_SAME_BITS(from_device<float>(dyb, sz(n * rows)), got2, what + " second of a pair");
     }
 }
 

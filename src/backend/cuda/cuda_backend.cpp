@@ -352,6 +352,15 @@ Result<BankId> CudaBackend::upload_bank_window(const HostBank &b, const BankWind
     if (!dst) return tl::unexpected(dst.error());
     auto up = upload_cuda_bank(b, w, *dst, stream_);
     if (!up) return tl::unexpected(up.error());
+    if (up->act == ActRounding::kE4m3x128 && e4m3_scratch_.codes == nullptr) {  // the first such bank
+        auto codes = device_alloc(static_cast<size_t>(kE4m3ScratchCodeBytes), "the e4m3 activation codes");
+        if (!codes) return tl::unexpected(codes.error());
+        auto scales =
+            device_alloc(static_cast<size_t>(kE4m3ScratchScaleFloats) * sizeof(float), "the e4m3 activation scales");
+        if (!scales) return tl::unexpected(scales.error());
+        e4m3_scratch_ = {static_cast<uint8_t *>(*codes), static_cast<float *>(*scales), kE4m3ScratchCodeBytes,
+                         kE4m3ScratchScaleFloats};
+    }
     banks_.push_back(*up);
     if (upload_observer_) upload_observer_(bytes);
     return BankId{static_cast<int32_t>(banks_.size() - 1)};
@@ -593,11 +602,23 @@ void CudaBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, Tenso
     launched_product("matmul_canonical", cuda_matmul_canonical(m, f32(x), x.rows(), f32(y), stream()), m, x.rows());
 }
 
+void CudaBackend::matmul_grouped_pair(TensorView x, BankId a, BankId b, TensorView offsets, TensorView y_a,
+                                      TensorView y_b) {
+    const CudaBank &ba = bank(a);
+    const CudaBank &bb = bank(b);
+    op_checks::grouped("matmul_grouped_pair", x, ba.n_experts, ba.rows, ba.cols, ba.first_expert, offsets, y_a);
+    op_checks::grouped("matmul_grouped_pair", x, bb.n_experts, bb.rows, bb.cols, bb.first_expert, offsets, y_b);
+    if (x.rows() > 0) counters_.launches += cuda_matmul_grouped_pair_launches(ba, bb, x.rows(), e4m3_scratch_) - 1;
+    launched("matmul_grouped_pair", cuda_matmul_grouped_pair(ba, bb, f32(x), x.rows(), i32c(offsets), offsets.numel(),
+                                                             f32(y_a), f32(y_b), e4m3_scratch_, stream()));
+}
+
 void CudaBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) {
     const CudaBank &bk = bank(b);
     op_checks::grouped("matmul_grouped", x, bk.n_experts, bk.rows, bk.cols, bk.first_expert, offsets, y);
-    launched("matmul_grouped",
-             cuda_matmul_grouped(bk, f32(x), x.rows(), i32c(offsets), offsets.numel(), f32(y), stream()));
+    if (x.rows() > 0) counters_.launches += cuda_matmul_grouped_launches(bk, x.rows(), e4m3_scratch_) - 1;
+    launched("matmul_grouped", cuda_matmul_grouped(bk, f32(x), x.rows(), i32c(offsets), offsets.numel(), f32(y),
+                                                   e4m3_scratch_, stream()));
 }
 
 void CudaBackend::canonical_combine(TensorView subtree_sums, TensorView out) {

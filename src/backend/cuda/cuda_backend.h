@@ -96,6 +96,8 @@ public:
     void matmul_multi(TensorView x, std::span<const MatrixId> w, std::span<const TensorView> y) override;
     void matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView workspace) override;
     void matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) override;
+    void matmul_grouped_pair(TensorView x, BankId a, BankId b, TensorView offsets, TensorView y_a,
+                             TensorView y_b) override;
     void canonical_combine(TensorView subtree_sums, TensorView out) override;
     void join_col_shards(TensorView shards, TensorView out) override;
     void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) override;
@@ -186,6 +188,9 @@ private:
     // of one sequence up to ~1M; a larger step runs each work item's splits in one CTA (the same bits).
     static constexpr int64_t kAttentionSplitFloats = int64_t{8} << 20;
     float *attention_split_ = nullptr;
+    // The tensor-core e4m3 products' quantized activations (cuda::E4m3Scratch), allocated with the first bank
+    // that needs it.
+    E4m3Scratch e4m3_scratch_;
     void *sample_workspace_ = nullptr;
     int64_t sample_workspace_bytes_ = 0;
     int32_t sample_vocab_ = 0;

@@ -1,13 +1,13 @@
 // CUDA products (ops_matmul.h). Products with bf16 activations (BF16 weights) run on the tensor cores in the
 // GPU's canonical order (stream_bf16_kernel for decode, mma_bf16_kernel to 32 tokens, gemm_bf16_kernel beyond),
-// held to a measured tolerance against the CPU. Every other product runs the CPU's K loop (backend/cpu/matmul.h) on CUDA cores, one
-// 16-thread group per output element with thread j as lane j, so every element is formed by exactly the CPU's
-// sequence of fp32 operations: the exact loop with IEEE operations and gradual underflow (the host's default
-// mode), the e4m3 device loop with the FTZ/DAZ operations written out below, which reproduce
-// core/device_numerics.cpp bit for bit (this file is not built with -ftz=true, and every operation is an explicit
-// _rn intrinsic, so nothing is contracted or flushed behind our back). E4m3 products whose rows suit 16-byte copies take the skinny kernel (a cp.async weight pipeline; the same
-// chains on the hardware's FTZ operations, rerun exactly where a result is tiny), the rest product_kernel /
-// e4m3_product_kernel. The uploads are host code, in the header.
+// held to a measured tolerance against the CPU; so do grouped products with e4m3 activations (F8_E4M3 banks with
+// 128-wide scale tiles) whose shapes suit wgmma_e4m3_kernel (swap-AB FP8 wgmma, chunk sums promoted in K order).
+// Every other product runs the CPU's K loop (backend/cpu/matmul.h) on CUDA cores, one 16-thread group per output
+// element with thread j as lane j, so every element is formed by exactly the CPU's sequence of fp32 operations:
+// the exact loop with IEEE operations and gradual underflow (the host's default mode), the e4m3 device loop with
+// the FTZ/DAZ operations written out below, which reproduce core/device_numerics.cpp bit for bit (this file is not
+// built with -ftz=true, and every operation is an explicit _rn intrinsic, so nothing is contracted or flushed
+// behind our back): product_kernel / e4m3_product_kernel. The uploads are host code, in the header.
 #include "backend/cuda/ops_matmul.h"
 
 #include <algorithm>
@@ -153,6 +153,18 @@ struct ProductParams {
     int64_t n_experts;
     int64_t expert_elems;    // rows * cols
     int64_t expert_scales;   // scale floats per expert
+    // The tensor-core e4m3 products: rows [t_begin, n_tokens) of x, quantized (codes [.., q_ld], scales [..,
+    // ceil(K / 128)], row 0 = token t_begin).
+    int64_t t_begin;
+    uint8_t *qcodes;
+    float *qscales;
+    int64_t q_ld;
+    // A pair of banks of one shape on one x (cuda_matmul_grouped_pair): row tiles from pair_tiles on are the second
+    // bank's; 0 for one bank.
+    int64_t pair_tiles;
+    const uint8_t *pair_data;
+    const float *pair_scale;
+    float *pair_y;
     // Work items: n_tokens x row_tiles, of rows_per_item rows each (product_kernel narrows them, launch_narrow).
     int64_t row_tiles;
     int64_t items;
@@ -958,73 +970,43 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
 }
 
 // ---------------------------------------------------------------------------------------------
-// The skinny e4m3 products' weight pipeline: tiles stream into shared memory through a kStages-deep cp.async
-// pipeline. Three stages (two tiles in flight while one computes) leave room for three blocks per SM up to K 4096,
-// so that the 320 blocks of a batch-1 expert gate or up product ([1280, 4096] x 8) run in one wave; four stages
-// (two blocks per SM, 1.2 waves) took 43.7 us for gate and up, three 34.6 us (H200, 2026-12-04).
-constexpr int kStages = 3;
-constexpr int kSkinnyE4m3Blocks = 3;  // per SM: registers and shared memory allow it
-
-__device__ __forceinline__ float fma_ftz_hw(float a, float b, float c) {
-    float r;
-    asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-    return r;
-}
-
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+// cp.async helpers of the staged kernels (wgmma_e4m3_kernel, gemm_bf16_kernel).
+// cp.async of 16 bytes, of which the first src_bytes (0 or 16) come from gmem and the rest are zero.
+__device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, int src_bytes) {
     const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_stages() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2)); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
-
-// Two e4m3 codes (element 2i in the low byte) widened exactly: on sm_89 and later through f16, which holds every
-// e4m3 value; before, by the shared scalar code (the compute_80 PTX).
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t pair) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    uint32_t h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-    float lo;
-    float hi;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(static_cast<uint16_t>(h2 & 0xffffu)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(static_cast<uint16_t>(h2 >> 16)));
-    return make_float2(lo, hi);
-#else
-    return make_float2(fp8_e4m3_to_f32(static_cast<uint8_t>(pair & 0xffu)),
-                       fp8_e4m3_to_f32(static_cast<uint8_t>(pair >> 8)));
-#endif
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait_pending() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-// memra::f32_to_fp8_e4m3(q, kSaturate) for two values, widened back to f32 (e4m3 values are exact in f32). On
-// sm_89 and later by the hardware's saturating RNE conversion, which agrees with the scalar code on every non-NaN
-// value (a value past 464, or an Inf, saturates to +-448 either way; ties go to even); NaN takes the scalar code,
-// which keeps its sign. Before sm_89 (the compute_80 PTX), the scalar code.
-__device__ __forceinline__ float2 e4m3_round2(float a, float b) {
+// memra::f32_to_fp8_e4m3(q, kSaturate) for two values (a in the low byte). On sm_89 and later by the hardware's
+// saturating RNE conversion, which agrees with the scalar code on every non-NaN value (a value past 464, or an Inf,
+// saturates to +-448 either way; ties go to even); NaN takes the scalar code, which keeps its sign. Before sm_89
+// (the compute_80 PTX), the scalar code.
+__device__ __forceinline__ uint16_t e4m3_codes2(float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     uint16_t codes;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(codes) : "f"(b), "f"(a));  // a in the low byte
-    float2 r = e4m3x2_to_float2(codes);
-    if (a != a) r.x = fp8_e4m3_to_f32(f32_to_fp8_e4m3(a, Fp8Saturation::kSaturate));
-    if (b != b) r.y = fp8_e4m3_to_f32(f32_to_fp8_e4m3(b, Fp8Saturation::kSaturate));
-    return r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(codes) : "f"(b), "f"(a));
+    if (a != a) codes = static_cast<uint16_t>((codes & 0xff00u) | f32_to_fp8_e4m3(a, Fp8Saturation::kSaturate));
+    if (b != b) codes = static_cast<uint16_t>((codes & 0x00ffu) | (f32_to_fp8_e4m3(b, Fp8Saturation::kSaturate) << 8));
+    return codes;
 #else
-    return make_float2(fp8_e4m3_to_f32(f32_to_fp8_e4m3(a, Fp8Saturation::kSaturate)),
-                       fp8_e4m3_to_f32(f32_to_fp8_e4m3(b, Fp8Saturation::kSaturate)));
+    return static_cast<uint16_t>(f32_to_fp8_e4m3(a, Fp8Saturation::kSaturate) |
+                                 (f32_to_fp8_e4m3(b, Fp8Saturation::kSaturate) << 8));
 #endif
 }
 
-// memra::e4m3_quantize_group by one warp: x[c0, c1) (at most 128 values of the row gx, column 0 = K 0) as e4m3
-// values widened to f32 into q[0, c1 - c0): amax ignoring NaN, IEEE division, scale 1 for amax 0 and 2^-149 on
-// underflow, saturating RNE e4m3. Every lane returns the scale.
-__device__ float warp_quantize_group(const float *gx, int64_t c0, int64_t c1, float *q) {
+// The scale of memra::e4m3_quantize_group by one warp: x[c0, c1) (at most 128 values of the row gx, column 0 =
+// K 0), lane l holding v[i] = x[c0 + l + 32 i] (0 past c1): amax ignoring NaN, IEEE division, scale 1 for amax 0 and
+// 2^-149 on underflow. Every lane returns it.
+__device__ float warp_group_scale(const float *gx, int64_t c0, int64_t c1, float (&v)[kE4m3Chunk / 32]) {
     const int l = static_cast<int>(threadIdx.x % 32);
-    constexpr int kPerLane = kE4m3Chunk / 32;
-    static_assert(kPerLane % 2 == 0);
-    float v[kPerLane];
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
+    for (int i = 0; i < kE4m3Chunk / 32; ++i) {
         const int64_t k = c0 + l + 32 * i;
         v[i] = k < c1 ? gx[k] : 0.0f;
         const float a = fabsf(v[i]);
@@ -1037,11 +1019,20 @@ __device__ float warp_quantize_group(const float *gx, int64_t c0, int64_t c1, fl
     }
     float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, 448.0f);
     if (scale == 0.0f) scale = 0x1p-149f;  // amax / 448 underflowed
+    return scale;
+}
+
+// memra::e4m3_quantize_group by one warp: x[c0, c1) as e4m3 values (saturating RNE) widened to f32 into
+// q[0, c1 - c0). Every lane returns the scale.
+__device__ float warp_quantize_group(const float *gx, int64_t c0, int64_t c1, float *q) {
+    const int l = static_cast<int>(threadIdx.x % 32);
+    float v[kE4m3Chunk / 32];
+    const float scale = warp_group_scale(gx, c0, c1, v);
 #pragma unroll
-    for (int i = 0; i < kPerLane; i += 2) {
-        const float2 r = e4m3_round2(__fdiv_rn(v[i], scale), __fdiv_rn(v[i + 1], scale));
-        if (c0 + l + 32 * i < c1) q[l + 32 * i] = r.x;
-        if (c0 + l + 32 * (i + 1) < c1) q[l + 32 * (i + 1)] = r.y;
+    for (int i = 0; i < kE4m3Chunk / 32; i += 2) {
+        const uint16_t codes = e4m3_codes2(__fdiv_rn(v[i], scale), __fdiv_rn(v[i + 1], scale));
+        if (c0 + l + 32 * i < c1) q[l + 32 * i] = fp8_e4m3_to_f32(static_cast<uint8_t>(codes & 0xffu));
+        if (c0 + l + 32 * (i + 1) < c1) q[l + 32 * (i + 1)] = fp8_e4m3_to_f32(static_cast<uint8_t>(codes >> 8));
     }
     return scale;
 }
@@ -1111,218 +1102,315 @@ __global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductPar
 }
 
 // ---------------------------------------------------------------------------------------------
-// Skinny e4m3 products: e4m3_product_kernel's chains (W8A8, whole K from 0, K a multiple of 16 up to
-// kSkinnyE4m3MaxK), arranged for the memory system. A block is 32 rows of one row of x (grouped: its expert):
-// its warps first quantize the whole x row into shared memory, group by group; the weight tiles (32 rows x 4
-// chunks of 128) then stream through the kStages-deep cp.async pipeline. Four threads run one chunk of two rows:
-// each four lanes' chains of both (sharing the x reads) and their part of the lane tree, in registers. Chains and
-// tree run on the hardware's FTZ operations (fp8 pairs widened by cvt, exactly), which cannot differ from ftz_fma /
-// ftz_add there: every operand is an e4m3 value or a sum of their products, on a lattice of 2^-18, so no result is
-// ever tiny. The scaling (x scale * weight scale, times the chunk, plus the previous sum) runs on them too, and a
-// result at or below FLT_MIN is redone with ftz_mul / ftz_add: e4m3_product_kernel's bits.
+// E4m3 products on the tensor cores (kE4m3x128 banks; CUDA.md 7: FP8 products use wgmma in every phase). Two
+// launches: e4m3_quantize_kernel writes each activation row's e4m3 codes and group scales once (the groups of
+// memra::e4m3_quantize_group, bit for bit) into the caller's E4m3Scratch; wgmma_e4m3_kernel then runs swap-AB
+// wgmma: a block is one warpgroup computing 64 weight rows (the instruction's M) by up to kN tokens of one expert
+// (its N), over K in 128-wide chunks. Each chunk is four m64nNk32 instructions accumulating from zero (the first
+// with scale-d 0), then promoted as the CPU's device loop promotes a chunk sum: total + sum * (x scale * weight
+// scale), FTZ, in chunk order. A token's bits depend on its row, the weights and K only: the instruction sequence
+// is the same for every token tile width kN and every position in the tile (measured, CUDA.md 7), zero codes pad a
+// partial tile and a partial chunk, and the tile width is picked from the token count alone. Both operands are
+// staged K-major in the 128-byte swizzle (a chunk of a row is one 128-byte swizzle row) by a cp.async pipeline.
 
-constexpr int64_t kSkinnyE4m3MaxK = 8192;
-constexpr int kE4m3TileChunks = 4;                                  // 128-wide chunks per stage
-constexpr int kE4m3TileBytes = kE4m3TileChunks * kE4m3Chunk + 32;   // a tile row, padded (banks, as above)
-constexpr int kE4m3TileUnits = kE4m3TileChunks * kE4m3Chunk / 16;   // 16-byte copies per tile row
-constexpr int kE4m3Rows = 2 * kRowsPerItem;                        // rows per block: each thread takes two
-constexpr size_t kE4m3StageBytes = static_cast<size_t>(kStages) * kE4m3Rows * kE4m3TileBytes;
-constexpr int kE4m3RowStride = kE4m3Chunk + 4;  // floats per chunk of the quantized row: the 4 chunks a warp
-                                                // reads at once fall in different banks
-static_assert(kE4m3TileChunks * 4 == kLanes, "a group takes the tile's chunks, four threads per chunk");
+constexpr int kWgRows = 64;        // weight rows of a block: the wgmma M
+constexpr int kWgThreads = 128;    // one warpgroup
+constexpr int64_t kWgMaxK = 8192;  // the block's token scales stay in shared memory
+constexpr int kSwizzleRow = 128;   // bytes: a chunk of one row, one row of the 128-byte swizzle
+static_assert(kE4m3Chunk == kSwizzleRow, "a K chunk of e4m3 codes is one swizzle row");
 
-// Dynamic shared memory of skinny_e4m3_kernel for K columns: the weight stages, the quantized row (chunks of
-// kE4m3RowStride floats) and the chunks' scales.
-size_t skinny_e4m3_smem_bytes(int64_t k) {
-    const int64_t chunks = (k + kE4m3Chunk - 1) / kE4m3Chunk;
-    return kE4m3StageBytes + static_cast<size_t>(chunks * kE4m3RowStride + chunks) * 4u;
+// Chunks in flight per block by token tile width: about 40 KB of weights per block at 8 tokens, fewer stages
+// where the token tiles grow so that two blocks still share an SM.
+template <int kN>
+constexpr int kWgStages = kN <= 8 ? 6 : (kN <= 32 ? 5 : 3);
+template <int kN>
+constexpr int kWgStageBytes = (kWgRows + kN) * kSwizzleRow;  // the weights' 64 rows, then the tokens' kN
+
+// Dynamic shared memory of wgmma_e4m3_kernel<.., kN> for n_chunks chunks: 1024 bytes to align the stages to the
+// swizzle's 1024-byte atoms, the stages, the tokens' scales [kN][n_chunks] and the weight scales [n_chunks].
+template <int kN>
+size_t wgmma_smem_bytes(int64_t n_chunks) {
+    return 1024u + static_cast<size_t>(kWgStages<kN>) * kWgStageBytes<kN> +
+           static_cast<size_t>((kN + 1) * n_chunks) * 4u;
 }
 
-// Where 16-byte unit u (0 .. 7) of chunk ci lies in a tile row: units are swizzled within the chunk (u ^ 2 ci), so
-// that the four chunks' threads reading unit 2 gi (+1) at once hit different banks.
-__device__ __forceinline__ int e4m3_tile_unit(int ci, int u) { return ci * (kE4m3Chunk / 16) + (u ^ (2 * ci)); }
+// The wgmma kernel's device code exists in the sm_90a build only (the backend refuses other devices).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MEMRA_WGMMA 1
+// Offset of 16-byte unit u (0 .. 7) of staged row r: the 128-byte swizzle (unit u ^ (r mod 8)).
+__device__ __forceinline__ int swizzled(int r, int u) { return r * kSwizzleRow + ((u ^ (r & 7)) << 4); }
 
-__device__ __forceinline__ float add_ftz_hw(float a, float b) {
-    float r;
-    asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
+// A wgmma shared-memory descriptor of a K-major operand in the 128-byte swizzle: start address, leading byte
+// offset 1 (unused by swizzled K-major layouts), stride 1024 bytes (8 rows of 128), layout type 1 (128-byte).
+__device__ __forceinline__ uint64_t wgmma_desc(const void *smem) {
+    const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    return static_cast<uint64_t>((a & 0x3ffffu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+           (uint64_t{1} << 62);
 }
 
-__device__ __forceinline__ float mul_ftz_hw(float a, float b) {
+// cp.async's writes (the generic proxy) made visible to wgmma's reads (the async proxy).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Keeps the compiler from moving accesses to the accumulators across the asynchronous instructions.
+template <int kRegs>
+__device__ __forceinline__ void fence_operands(float (&d)[kRegs]) {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// One m64nNk32 e4m3 x e4m3 -> f32 instruction: d (+)= A[64 x 32] B[N x 32]^T, both from shared memory; scale_d 0
+// starts from zero.
+template <int kN>
+struct Wgmma;
+template <>
+struct Wgmma<8> {
+    static __device__ __forceinline__ void mma(float (&d)[4], uint64_t a, uint64_t b, int scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {"
+            "%0, %1, %2, %3"
+            "}, %4, %5, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "l"(a), "l"(b), "r"(scale_d));
+    }
+};
+template <>
+struct Wgmma<32> {
+    static __device__ __forceinline__ void mma(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+            "}, %16, %17, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(a), "l"(b), "r"(scale_d));
+    }
+};
+template <>
+struct Wgmma<128> {
+    static __device__ __forceinline__ void mma(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+            "}, %64, %65, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(a), "l"(b), "r"(scale_d));
+    }
+};
+
+// ftz_mul on the hardware's FTZ multiplication, redone exactly when the result is at or below FLT_MIN; ftz_add
+// likewise.
+__device__ __forceinline__ float mul_ftz_fast(float a, float b) {
     float r;
     asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-// Four lanes' chains (lanes 4 q .. 4 q + 3) of a chunk, for two rows sharing the x reads, on the hardware's FTZ
-// fma, each row's reduced by their two levels of the lane tree: over the chunk's groups of 32, each lane's odd then
-// even element, from +0. In a partial chunk (rem < 128, a multiple of 16) the quarter's 8 elements of a group lie
-// all inside or all past rem; the zero padding past it is left out, which changes nothing: a chain never holds -0
-// (it starts at +0, and an exact zero sum is +0), so fma(0, 0, acc) = acc. w_row0, w_row1: the tile rows; w_off: the
-// byte offsets of the quarter's 8 bytes of each group in a row (swizzled units); x: the chunk in the quantized row.
-template <bool kFull>
-__device__ __forceinline__ float2 e4m3_quarter_chain(const uint8_t *w_row0, const uint8_t *w_row1,
-                                                      const int (&w_off)[kE4m3Chunk / 32], const float *x, int rem,
-                                                      int q) {
-    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // row 0's lanes
-    float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // row 1's
-#pragma unroll
-    for (int gi = 0; gi < kE4m3Chunk / 32; ++gi) {
-        if (kFull || 32 * gi + 8 * q < rem) {
-            const float4 xa = *reinterpret_cast<const float4 *>(x + 32 * gi + 8 * q);
-            const float4 xb = *reinterpret_cast<const float4 *>(x + 32 * gi + 8 * q + 4);
-            const auto lanes = [&](const uint8_t *w_row, float (&acc)[4]) {
-                const uint2 wv = *reinterpret_cast<const uint2 *>(w_row + w_off[gi]);
-                const float2 w0 = e4m3x2_to_float2(static_cast<uint16_t>(wv.x & 0xffffu));
-                const float2 w1 = e4m3x2_to_float2(static_cast<uint16_t>(wv.x >> 16));
-                const float2 w2 = e4m3x2_to_float2(static_cast<uint16_t>(wv.y & 0xffffu));
-                const float2 w3 = e4m3x2_to_float2(static_cast<uint16_t>(wv.y >> 16));
-                acc[0] = fma_ftz_hw(xa.x, w0.x, fma_ftz_hw(xa.y, w0.y, acc[0]));
-                acc[1] = fma_ftz_hw(xa.z, w1.x, fma_ftz_hw(xa.w, w1.y, acc[1]));
-                acc[2] = fma_ftz_hw(xb.x, w2.x, fma_ftz_hw(xb.y, w2.y, acc[2]));
-                acc[3] = fma_ftz_hw(xb.z, w3.x, fma_ftz_hw(xb.w, w3.y, acc[3]));
-            };
-            lanes(w_row0, a);
-            lanes(w_row1, b);
-        }
-    }
-    return make_float2(add_ftz_hw(add_ftz_hw(a[0], a[1]), add_ftz_hw(a[2], a[3])),
-                       add_ftz_hw(add_ftz_hw(b[0], b[1]), add_ftz_hw(b[2], b[3])));
-}
-
-// ftz_mul on the hardware's FTZ multiplication, redone exactly when the result is at or below FLT_MIN.
-__device__ __forceinline__ float mul_ftz_fast(float a, float b) {
-    const float r = mul_ftz_hw(a, b);
     return fabsf(r) <= FLT_MIN ? ftz_mul(a, b) : r;
 }
+__device__ __forceinline__ float add_ftz_fast(float a, float b) {
+    float r;
+    asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return fabsf(r) <= FLT_MIN ? ftz_add(a, b) : r;
+}
+#endif
 
-template <Op kOp>
-__global__ void __launch_bounds__(kThreads, kSkinnyE4m3Blocks) skinny_e4m3_kernel(const ProductParams p) {
+// Rows [t_begin, n_tokens) of x quantized by memra::e4m3_quantize_group: group c of row t (K [128 c, 128 c + 128))
+// by one warp into codes[(t - t_begin) * q_ld + 128 c ..] (zero codes past K) and scales[(t - t_begin) * n_chunks
+// + c].
+__global__ void __launch_bounds__(256) e4m3_quantize_kernel(const ProductParams p) {
     pdl_enter();
-    extern __shared__ uint4 s_dyn[];
-    uint8_t *s_w = reinterpret_cast<uint8_t *>(s_dyn);  // [kStages][32 rows][kE4m3TileBytes]
     const int n_chunks = static_cast<int>((p.k1 + kE4m3Chunk - 1) / kE4m3Chunk);
-    float *s_q = reinterpret_cast<float *>(s_w + kE4m3StageBytes);  // [n_chunks][kE4m3RowStride] the quantized row
-    float *s_scale = s_q + n_chunks * kE4m3RowStride;               // [n_chunks]
-    const int group = static_cast<int>(threadIdx.x) / kLanes;  // rows group and group + 16 of the block
-    const int lane = static_cast<int>(threadIdx.x) % kLanes;
-    const int ci = lane / 4;  // the chunk of each tile this thread takes
-    const int q = lane % 4;   // and its quarter: lanes 4 q .. 4 q + 3 of the chunk's chain
-    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kE4m3Rows;
-    const int64_t n0 = row0 + group;
-    const int64_t n1 = n0 + kRowsPerItem;
-    const int64_t t = blockIdx.y;
-    const uint8_t *wdata = p.data;
-    const float *wscale = p.scale;
-    if constexpr (kOp == Op::kGrouped) {
-        int64_t e = 0;
-        if (!grouped_expert(p, t, &e)) return;  // the whole block: a row past the held experts' rows
-        wdata += e * p.expert_elems;
-        wscale += e * p.expert_scales;
-    }
-    const auto scale_row = [&](int64_t n) {  // [scale_ld] the row's scale tiles (row 0's for a row past the weight)
-        return wscale + ((p.row_begin + (n < p.rows ? n : 0)) / p.block_rows - p.scale_row0) * p.scale_ld;
-    };
-    const float *gs0 = scale_row(n0);
-    const float *gs1 = scale_row(n1);
-    const int n_tiles = (n_chunks + kE4m3TileChunks - 1) / kE4m3TileChunks;
-    // The thread's 16-byte units of every tile: unit `unit` of rows r0 + 8 i, at fixed shared offsets; only the
-    // tile's K offset moves (a per-tile address computation cost more than the products).
-    constexpr int kRowStep = kThreads / kE4m3TileUnits;
-    constexpr int kUnitsPerThread = kE4m3Rows / kRowStep;
-    static_assert(kThreads % kE4m3TileUnits == 0 && kUnitsPerThread * kRowStep == kE4m3Rows);
-    const int unit = static_cast<int>(threadIdx.x) % kE4m3TileUnits;
-    const int r0 = static_cast<int>(threadIdx.x) / kE4m3TileUnits;
-    const int dst0 = r0 * kE4m3TileBytes + e4m3_tile_unit(unit / (kE4m3Chunk / 16), unit % (kE4m3Chunk / 16)) * 16;
-    const uint8_t *src0 = wdata + (row0 + r0) * p.ld + unit * 16;
-    const int64_t src_step = kRowStep * p.ld;
-    const int rows_held = static_cast<int>(min_i64(p.rows - row0, kE4m3Rows));
-    const auto issue = [&](int tile) {
-        if (tile < n_tiles) {
-            const int64_t b0 = static_cast<int64_t>(tile) * kE4m3TileChunks * kE4m3Chunk;
-            if (b0 + unit * 16 < p.k1) {  // K is a multiple of 16: a unit is whole or past K
-                uint8_t *dst = s_w + (tile % kStages) * kE4m3Rows * kE4m3TileBytes + dst0;
+    const int64_t g = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
+    if (g >= (p.n_tokens - p.t_begin) * n_chunks) return;  // the warp
+    const int64_t t = g / n_chunks;
+    const int c = static_cast<int>(g - t * n_chunks);
+    const int64_t c0 = static_cast<int64_t>(c) * kE4m3Chunk;
+    const int64_t c1 = min_i64(p.k1, c0 + kE4m3Chunk);
+    float v[kE4m3Chunk / 32];
+    const float scale = warp_group_scale(p.x + (p.t_begin + t) * p.x_ld, c0, c1, v);
+    const int l = static_cast<int>(threadIdx.x % 32);
+    uint8_t *out = p.qcodes + t * p.q_ld + c0;
 #pragma unroll
-                for (int i = 0; i < kUnitsPerThread; ++i) {
-                    if (r0 + i * kRowStep < rows_held) {
-                        cp_async16(dst + i * kRowStep * kE4m3TileBytes, src0 + b0 + i * src_step);
-                    }
+    for (int i = 0; i < kE4m3Chunk / 32; i += 2) {
+        const uint16_t codes = e4m3_codes2(__fdiv_rn(v[i], scale), __fdiv_rn(v[i + 1], scale));
+        out[l + 32 * i] = c0 + l + 32 * i < c1 ? static_cast<uint8_t>(codes & 0xffu) : uint8_t{0};
+        out[l + 32 * (i + 1)] = c0 + l + 32 * (i + 1) < c1 ? static_cast<uint8_t>(codes >> 8) : uint8_t{0};
+    }
+    if (l == 0) p.qscales[t * n_chunks + c] = scale;
+}
+
+// The tokens of block `unit` of a grouped wgmma product: the held experts' rows within [t_begin, n_tokens), cut
+// per expert into tiles of kN from the expert's first row; units number them expert by expert. Warp 0 finds them
+// (each lane scans a run of experts, then an exclusive scan over the lanes); false when unit is past the last
+// tile (the same for the whole block).
+template <int kN>
+__device__ bool wgmma_unit(const ProductParams &p, int64_t unit, int64_t *expert, int64_t *t_lo, int64_t *t_hi) {
+    __shared__ int64_t s_found[3];
+    if (threadIdx.x < 32) {
+        const int l = static_cast<int>(threadIdx.x);
+        const int32_t *off = p.offsets + p.first_expert;
+        const int64_t base = off[0];
+        const auto rows_of = [&](int64_t j, int64_t *lo) {  // expert j's rows in the range
+            *lo = off[j] - base > p.t_begin ? off[j] - base : p.t_begin;
+            const int64_t hi = min_i64(off[j + 1] - base, p.n_tokens);
+            return hi > *lo ? hi - *lo : 0;
+        };
+        const int64_t per = (p.n_experts + 31) / 32;
+        const int64_t j0 = min_i64(p.n_experts, l * per);
+        const int64_t j1 = min_i64(p.n_experts, j0 + per);
+        int64_t mine = 0;
+        for (int64_t j = j0; j < j1; ++j) {
+            int64_t lo = 0;
+            mine += (rows_of(j, &lo) + kN - 1) / kN;
+        }
+        int64_t incl = mine;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int64_t o = __shfl_up_sync(0xffffffffu, incl, d);
+            if (l >= d) incl += o;
+        }
+        if (l == 0) s_found[0] = -1;
+        __syncwarp();
+        if (unit >= incl - mine && unit < incl) {
+            int64_t u = unit - (incl - mine);
+            for (int64_t j = j0; j < j1; ++j) {
+                int64_t lo = 0;
+                const int64_t n = rows_of(j, &lo);
+                const int64_t tiles = (n + kN - 1) / kN;
+                if (u < tiles) {
+                    s_found[0] = j;
+                    s_found[1] = lo + u * kN;
+                    s_found[2] = lo + min_i64(n, (u + 1) * kN);
+                    break;
                 }
+                u -= tiles;
+            }
+        }
+    }
+    __syncthreads();
+    *expert = s_found[0];
+    *t_lo = s_found[1];
+    *t_hi = s_found[2];
+    return *expert >= 0;
+}
+
+template <int kN>
+__global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductParams p) {
+    pdl_enter();
+#ifdef MEMRA_WGMMA
+    extern __shared__ uint8_t s_raw[];
+    const auto raw = static_cast<uint32_t>(__cvta_generic_to_shared(s_raw));
+    uint8_t *s_stages = s_raw + ((1024u - raw % 1024u) % 1024u);  // [kWgStages][64 weight rows + kN tokens][128]
+    constexpr int kStagesN = kWgStages<kN>;
+    const int n_chunks = static_cast<int>((p.k1 + kE4m3Chunk - 1) / kE4m3Chunk);
+    auto *s_xs = reinterpret_cast<float *>(s_stages + kStagesN * kWgStageBytes<kN>);  // [kN][n_chunks]
+    float *s_ws = s_xs + kN * n_chunks;                                               // [n_chunks]
+    const int tid = static_cast<int>(threadIdx.x);
+    // Row tiles past pair_tiles belong to the second bank of a pair (same shape, same x, its own output).
+    const bool second = p.pair_tiles > 0 && blockIdx.y >= p.pair_tiles;
+    const int64_t m0 = (static_cast<int64_t>(blockIdx.y) - (second ? p.pair_tiles : 0)) * kWgRows;
+    int64_t t_lo = 0;
+    int64_t t_hi = 0;
+    const uint8_t *wdata = second ? p.pair_data : p.data;
+    const float *wscale = second ? p.pair_scale : p.scale;
+    float *const y = second ? p.pair_y : p.y;
+    int64_t e = 0;
+    if (!wgmma_unit<kN>(p, blockIdx.x, &e, &t_lo, &t_hi)) return;
+    wdata += e * p.expert_elems;
+    wscale += e * p.expert_scales;
+    const int cnt = static_cast<int>(t_hi - t_lo);
+    const uint8_t *codes = p.qcodes + (t_lo - p.t_begin) * p.q_ld;
+    // The weight rows' 16-byte units: unit tid % 8 of rows tid / 8 + 16 i (zero past the rows and past K).
+    const int wu = tid % 8;
+    const auto issue = [&](int c) {
+        if (c < n_chunks) {
+            uint8_t *st = s_stages + (c % kStagesN) * kWgStageBytes<kN>;
+            const int64_t kb = static_cast<int64_t>(c) * kE4m3Chunk + wu * 16;
+#pragma unroll
+            for (int i = 0; i < kWgRows * 8 / kWgThreads; ++i) {
+                const int r = tid / 8 + (kWgThreads / 8) * i;
+                const bool in = m0 + r < p.rows && kb < p.k1;
+                cp_async16_zfill(st + swizzled(r, wu), in ? wdata + (m0 + r) * p.ld + kb : wdata, in ? 16 : 0);
+            }
+            for (int i = tid; i < cnt * 8; i += kWgThreads) {  // the tokens' codes (rows past cnt stay zero)
+                cp_async16_zfill(st + kWgRows * kSwizzleRow + swizzled(i / 8, i % 8),
+                                 codes + (i / 8) * p.q_ld + static_cast<int64_t>(c) * kE4m3Chunk + (i % 8) * 16, 16);
             }
         }
         cp_async_commit();
     };
-    for (int s = 0; s < kStages - 1; ++s) issue(s);
-    // The x row, quantized group by group (warp w: groups w, w + 8, ...). Nothing reads past K.
-    const float *gx = p.x + t * p.x_ld;  // [x_ld] f32, column 0 = K 0
-    for (int c = static_cast<int>(threadIdx.x) / 32; c < n_chunks; c += kThreads / 32) {
-        const int64_t c0 = static_cast<int64_t>(c) * kE4m3Chunk;
-        const float scale = warp_quantize_group(gx, c0, min_i64(p.k1, c0 + kE4m3Chunk), s_q + c * kE4m3RowStride);
-        if (threadIdx.x % 32 == 0) s_scale[c] = scale;
+    for (int s = 0; s < kStagesN - 1; ++s) issue(s);
+    // The token rows past cnt: zero codes in every stage. The scales: the weight tile row's, the tokens'.
+    for (int i = tid; i < kStagesN * (kN - cnt) * 8; i += kWgThreads) {
+        const int s = i / ((kN - cnt) * 8);
+        const int j = i % ((kN - cnt) * 8);
+        *reinterpret_cast<uint4 *>(s_stages + s * kWgStageBytes<kN> + kWgRows * kSwizzleRow +
+                                   swizzled(cnt + j / 8, j % 8)) = make_uint4(0, 0, 0, 0);
+    }
+    const float *ws_row = wscale + ((p.row_begin + m0) / p.block_rows - p.scale_row0) * p.scale_ld;
+    for (int i = tid; i < n_chunks; i += kWgThreads) s_ws[i] = ws_row[i];
+    for (int i = tid; i < kN * n_chunks; i += kWgThreads) {
+        const int j = i / n_chunks;
+        s_xs[i] = j < cnt ? p.qscales[(t_lo - p.t_begin + j) * n_chunks + (i - j * n_chunks)] : 0.0f;
     }
 
-    // Each tile: a group's 16 threads run its two rows' 4 chunks (4 threads a chunk: lanes 4 q .. 4 q + 3 and the
-    // tree's first two levels, then the last two across the four threads), scale them, and every thread adds the 4
-    // scaled chunks to the running sums in chunk order. The chain and the lane tree add products of two e4m3
-    // values: multiples of 2^-18 below 2^25, so every result is 0 or at least 2^-18 and the hardware's FTZ
-    // operations give ftz_fma's and ftz_add's bits. The scaling can be tiny: mul_ftz_fast, and a row's 4 additions
-    // are redone by ftz_add when one of them is. Every thread runs the math, a row past the weight's on whatever
-    // its stage holds (never stored), so the shuffles see the whole warp.
-    int w_off[kE4m3Chunk / 32];
+    constexpr int kRegs = kN / 2;
+    float acc[kRegs];
+    float total[kRegs];
 #pragma unroll
-    for (int gi = 0; gi < kE4m3Chunk / 32; ++gi) w_off[gi] = e4m3_tile_unit(ci, 2 * gi + q / 2) * 16 + (q % 2) * 8;
-    const int idx0 = static_cast<int>(threadIdx.x) & 16;  // lane 0 of the group within the warp
-    float total0 = 0.0f;
-    float total1 = 0.0f;
-    const auto add_chunks = [&](float scaled, int n_here, float &total) {
-        float m[kE4m3TileChunks];
+    for (int i = 0; i < kRegs; ++i) {
+        acc[i] = 0.0f;
+        total[i] = 0.0f;
+    }
+    const int lane = tid % 32;
+    for (int c = 0; c < n_chunks; ++c) {
+        cp_async_wait_pending<kStagesN - 2>();
+        fence_async_shared();
+        __syncthreads();  // chunk c (and the zeros and scales) visible; chunk c - 1's stage was read by wgmma
+        issue(c + kStagesN - 1);
+        const uint8_t *st = s_stages + (c % kStagesN) * kWgStageBytes<kN>;
+        const uint64_t da = wgmma_desc(st);
+        const uint64_t db = wgmma_desc(st + kWgRows * kSwizzleRow);
+        fence_operands(acc);
+        wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < kE4m3TileChunks; ++j) m[j] = __shfl_sync(0xffffffffu, scaled, idx0 + 4 * j);
-        float sum = total;
-        float least = INFINITY;  // a NaN never counts
+        for (int kk = 0; kk < kE4m3Chunk / 32; ++kk) Wgmma<kN>::mma(acc, da + 2 * kk, db + 2 * kk, kk);  // +32 bytes
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_operands(acc);
+        const float ws = s_ws[c];
 #pragma unroll
-        for (int j = 0; j < kE4m3TileChunks; ++j) {
-            if (j < n_here) {
-                sum = add_ftz_hw(sum, m[j]);
-                least = fminf(least, fabsf(sum));
+        for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float s = mul_ftz_fast(s_xs[(8 * j + 2 * (lane % 4) + h) * n_chunks + c], ws);
+                total[4 * j + h] = add_ftz_fast(total[4 * j + h], mul_ftz_fast(acc[4 * j + h], s));
+                total[4 * j + 2 + h] = add_ftz_fast(total[4 * j + 2 + h], mul_ftz_fast(acc[4 * j + 2 + h], s));
             }
         }
-        if (least <= FLT_MIN) {
-            for (int j = 0; j < n_here; ++j) total = ftz_add(total, m[j]);
-        } else {
-            total = sum;
-        }
-    };
-    for (int tile = 0; tile < n_tiles; ++tile) {
-        cp_async_wait_stages();
-        __syncthreads();  // the tile (and, first, the quantized row) is visible; the oldest stage is free
-        issue(tile + kStages - 1);
-        const int c = tile * kE4m3TileChunks + ci;
-        const int cc = c < n_chunks ? c : 0;
-        const int rem = c < n_chunks ? static_cast<int>(min_i64(p.k1 - static_cast<int64_t>(c) * kE4m3Chunk,
-                                                                 kE4m3Chunk))
-                                     : 0;  // K of the chunk: 16 .. 128, 0 past the last
-        const float ws0 = gs0[cc - p.scale_col0];
-        const float ws1 = gs1[cc - p.scale_col0];
-        const uint8_t *w_row0 = s_w + ((tile % kStages) * kE4m3Rows + group) * kE4m3TileBytes;
-        const uint8_t *w_row1 = w_row0 + kRowsPerItem * kE4m3TileBytes;
-        const float *xc = s_q + cc * kE4m3RowStride;
-        float2 v = rem == kE4m3Chunk ? e4m3_quarter_chain<true>(w_row0, w_row1, w_off, xc, rem, q)
-                                     : e4m3_quarter_chain<false>(w_row0, w_row1, w_off, xc, rem, q);
-        v.x = add_ftz_hw(v.x, __shfl_xor_sync(0xffffffffu, v.x, 1));
-        v.y = add_ftz_hw(v.y, __shfl_xor_sync(0xffffffffu, v.y, 1));
-        v.x = add_ftz_hw(v.x, __shfl_xor_sync(0xffffffffu, v.x, 2));
-        v.y = add_ftz_hw(v.y, __shfl_xor_sync(0xffffffffu, v.y, 2));
-        const float xs = s_scale[cc];
-        const int n_here = min(kE4m3TileChunks, n_chunks - tile * kE4m3TileChunks);
-        add_chunks(mul_ftz_fast(v.x, mul_ftz_fast(xs, ws0)), n_here, total0);
-        add_chunks(mul_ftz_fast(v.y, mul_ftz_fast(xs, ws1)), n_here, total1);
     }
-    cp_async_wait_all();
-    if (lane == 0) {
-        if (n0 < p.rows) p.y[t * p.y_ld + n0] = total0;
-        if (n1 < p.rows) p.y[t * p.y_ld + n1] = total1;
+    cp_async_wait_pending<0>();
+    // Accumulator i of thread (warp w, lane l): weight row 16 w + l / 4 (+ 8 for i % 4 >= 2), token
+    // 8 (i / 4) + 2 (l % 4) + i % 2.
+    const int64_t row = m0 + 16 * (tid / 32) + lane / 4;
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) {
+        const int col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+        const int64_t n = row + 8 * ((i % 4) / 2);
+        if (col < cnt && n < p.rows) y[(t_lo + col) * p.y_ld + n] = total[i];
     }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1359,14 +1447,6 @@ __device__ __forceinline__ int tile_offset(int row, int piece) {
     if constexpr (kStride != kMmaChunk) return row * kStride + 8 * piece;
     return row * kMmaChunk + 8 * (piece ^ ((row & 1) << 2));
 }
-
-// cp.async of 16 bytes, of which the first src_bytes (0 or 16) come from gmem and the rest are zero.
-__device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, int src_bytes) {
-    const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait_pending() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
 template <Op kOp, int kMF, int kNF, int kWR, bool kXChunk>
 __global__ void __launch_bounds__(kThreads, kMF == 1 ? 2 : 1) gemm_bf16_kernel(const ProductParams p) {
@@ -1788,34 +1868,68 @@ cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
     }
 }
 
-// Whether skinny_e4m3_kernel takes an e4m3 product: K from 0, a multiple of 16 up to kSkinnyE4m3MaxK,
-// 16-byte aligned weight rows (and experts), a grid within CUDA's y limit.
-bool skinny_e4m3(const ProductParams &p) {
-    return p.k0 == 0 && p.k_begin == 0 && p.k1 > 0 && p.k1 % 16 == 0 && p.k1 <= kSkinnyE4m3MaxK &&
-           p.ld % 16 == 0 && reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.expert_elems % 16 == 0 &&
-           p.n_tokens <= 65535 && ceil_div(p.rows, kE4m3Rows) <= INT32_MAX;
+// Whether wgmma_e4m3_kernel takes an e4m3 product: K from 0, a multiple of 16 up to kWgMaxK, 16-byte aligned
+// weight rows (and experts), 64-row tiles inside one weight scale row, rows within CUDA's y limit. Shapes only:
+// a product takes one kernel family at every token count.
+bool wgmma_e4m3(const ProductParams &p) {
+    return p.k0 == 0 && p.k_begin == 0 && p.k1 > 0 && p.k1 % 16 == 0 && p.k1 <= kWgMaxK && p.ld % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.expert_elems % 16 == 0 && p.block_rows % kWgRows == 0 &&
+           p.row_begin % kWgRows == 0 && p.block_cols == kE4m3Chunk && ceil_div(p.rows, kWgRows) <= 32767;
 }
 
-// Launches skinny_e4m3_kernel<kOp>: one block per 32 rows and row of x, its limit raised once per device.
-template <Op kOp>
-cudaError_t launch_skinny_e4m3(const ProductParams &p, cudaStream_t stream) {
+template <int kN>
+cudaError_t launch_wgmma_tile(const ProductParams &p, cudaStream_t stream) {
     static std::atomic<uint64_t> raised{0};  // bit d: done on device d
+    const int64_t n_chunks = ceil_div(p.k1, kE4m3Chunk);
     const cudaError_t raise =
-        raise_smem_limit(skinny_e4m3_kernel<kOp>, skinny_e4m3_smem_bytes(kSkinnyE4m3MaxK), raised);
+        raise_smem_limit(wgmma_e4m3_kernel<kN>, wgmma_smem_bytes<kN>(ceil_div(kWgMaxK, kE4m3Chunk)), raised);
     if (raise != cudaSuccess) return raise;
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kE4m3Rows)), static_cast<unsigned>(p.n_tokens));
-    launch_kernel(skinny_e4m3_kernel<kOp>, grid, kThreads, skinny_e4m3_smem_bytes(p.k1), stream, p);
+    const int64_t n = p.n_tokens - p.t_begin;
+    const int64_t units = ceil_div(n, kN) + std::min(p.n_experts, n);
+    const int64_t tiles = ceil_div(p.rows, kWgRows) * (p.pair_tiles > 0 ? 2 : 1);
+    const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(tiles));
+    launch_kernel(wgmma_e4m3_kernel<kN>, grid, kWgThreads, wgmma_smem_bytes<kN>(n_chunks), stream, p);
     return cudaGetLastError();
 }
 
+// The product on the tensor cores, in slices of the rows the scratch holds: each slice quantized
+// (e4m3_quantize_kernel), then multiplied with token tiles of 8, 32 or 128 by the tokens per expert (every width
+// gives the same bits).
+cudaError_t launch_wgmma(ProductParams p, const E4m3Scratch &scratch, cudaStream_t stream) {
+    const int64_t n_chunks = ceil_div(p.k1, kE4m3Chunk);
+    p.q_ld = n_chunks * kE4m3Chunk;
+    const int64_t slice = std::min(scratch.code_bytes / p.q_ld, scratch.scale_floats / n_chunks);
+    if (scratch.codes == nullptr || scratch.scales == nullptr || slice < 1) return cudaErrorInvalidValue;
+    p.qcodes = scratch.codes;
+    p.qscales = scratch.scales;
+    const int64_t n_tokens = p.n_tokens;
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += slice) {
+        p.t_begin = t0;
+        p.n_tokens = std::min(n_tokens, t0 + slice);
+        const int64_t rows = p.n_tokens - t0;
+        launch_kernel(e4m3_quantize_kernel, dim3(static_cast<unsigned>(ceil_div(rows * n_chunks, 8))), 256, 0, stream,
+                      p);
+        if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+        const int64_t per_expert = rows / p.n_experts;
+        const cudaError_t e = per_expert <= 8    ? launch_wgmma_tile<8>(p, stream)
+                              : per_expert <= 32 ? launch_wgmma_tile<32>(p, stream)
+                                                 : launch_wgmma_tile<128>(p, stream);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
 template <Op kOp>
-cudaError_t dispatch(DType dtype, ActRounding act, const ProductParams &p, cudaStream_t stream) {
+cudaError_t dispatch(DType dtype, ActRounding act, const ProductParams &p, cudaStream_t stream,
+                     const E4m3Scratch &scratch = {}) {
     if (act == ActRounding::kBf16) return launch_mma<kOp>(p, stream);  // valid_weight: BF16 weights
     if (act == ActRounding::kE4m3x128) {
         if constexpr (kOp == Op::kCanonical) {
             return cudaErrorInvalidValue;  // e4m3 groups span canonical blocks (the CPU refuses it too)
         } else {
-            if (skinny_e4m3(p)) return launch_skinny_e4m3<kOp>(p, stream);
+            if constexpr (kOp == Op::kGrouped) {
+                if (wgmma_e4m3(p)) return launch_wgmma(p, scratch, stream);
+            }
             return launch(e4m3_product_kernel<kOp>, p, stream);
         }
     }
@@ -1939,15 +2053,10 @@ cudaError_t cuda_matmul_canonical(const CudaMatrix &w, const float *x, int64_t n
     return dispatch<Op::kCanonical>(w.dtype, w.act, p, stream);
 }
 
-cudaError_t cuda_matmul_grouped(const CudaBank &b, const float *x, int64_t n_rows, const int32_t *offsets,
-                                int64_t n_offsets, float *y, cudaStream_t stream) {
-    if (n_rows < 0 || b.n_experts <= 0 || b.rows <= 0 || b.cols <= 0 || b.first_expert < 0 ||
-        n_offsets < b.first_expert + b.n_experts + 1 || offsets == nullptr ||
-        !valid_weight(b.dtype, b.act, b.data, b.scale_inv, b.block_rows, b.block_cols)) {
-        return cudaErrorInvalidValue;
-    }
-    if (n_rows == 0) return cudaSuccess;
-    if (x == nullptr || y == nullptr) return cudaErrorInvalidValue;
+namespace {
+
+// The fields of a grouped product over b (rows x: [n_rows, b.cols], y: [n_rows, b.rows]).
+ProductParams grouped_params(const CudaBank &b, const float *x, int64_t n_rows, const int32_t *offsets, float *y) {
     ProductParams p{};
     p.data = static_cast<const uint8_t *>(b.data);
     p.ld = b.cols;
@@ -1970,7 +2079,71 @@ cudaError_t cuda_matmul_grouped(const CudaBank &b, const float *x, int64_t n_row
     p.expert_scales = ceil_div(b.rows, b.block_rows) * p.scale_ld;
     p.row_tiles = ceil_div(b.rows, kRowsPerItem);
     p.items = n_rows * p.row_tiles;
-    return dispatch<Op::kGrouped>(b.dtype, b.act, p, stream);
+    return p;
+}
+
+}  // namespace
+
+cudaError_t cuda_matmul_grouped(const CudaBank &b, const float *x, int64_t n_rows, const int32_t *offsets,
+                                int64_t n_offsets, float *y, const E4m3Scratch &scratch, cudaStream_t stream) {
+    if (n_rows < 0 || b.n_experts <= 0 || b.rows <= 0 || b.cols <= 0 || b.first_expert < 0 ||
+        n_offsets < b.first_expert + b.n_experts + 1 || offsets == nullptr ||
+        !valid_weight(b.dtype, b.act, b.data, b.scale_inv, b.block_rows, b.block_cols)) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_rows == 0) return cudaSuccess;
+    if (x == nullptr || y == nullptr) return cudaErrorInvalidValue;
+    return dispatch<Op::kGrouped>(b.dtype, b.act, grouped_params(b, x, n_rows, offsets, y), stream, scratch);
+}
+
+namespace {
+
+// Whether a and b can run as one pair: tensor-core e4m3 banks of one shape over the same experts.
+bool pairable(const CudaBank &a, const CudaBank &b, int64_t n_rows) {
+    const ProductParams p = grouped_params(a, nullptr, n_rows, nullptr, nullptr);
+    return a.act == ActRounding::kE4m3x128 && b.act == a.act && b.dtype == a.dtype && b.rows == a.rows &&
+           b.cols == a.cols && b.block_rows == a.block_rows && b.block_cols == a.block_cols &&
+           b.first_expert == a.first_expert && b.n_experts == a.n_experts &&
+           reinterpret_cast<uintptr_t>(b.data) % 16 == 0 && wgmma_e4m3(p);
+}
+
+}  // namespace
+
+cudaError_t cuda_matmul_grouped_pair(const CudaBank &a, const CudaBank &b, const float *x, int64_t n_rows,
+                                     const int32_t *offsets, int64_t n_offsets, float *y_a, float *y_b,
+                                     const E4m3Scratch &scratch, cudaStream_t stream) {
+    if (!pairable(a, b, n_rows) || n_rows <= 0) {
+        const cudaError_t e = cuda_matmul_grouped(a, x, n_rows, offsets, n_offsets, y_a, scratch, stream);
+        return e != cudaSuccess ? e : cuda_matmul_grouped(b, x, n_rows, offsets, n_offsets, y_b, scratch, stream);
+    }
+    if (n_offsets < a.first_expert + a.n_experts + 1 || offsets == nullptr || x == nullptr || y_a == nullptr ||
+        y_b == nullptr || !valid_weight(a.dtype, a.act, a.data, a.scale_inv, a.block_rows, a.block_cols) ||
+        !valid_weight(b.dtype, b.act, b.data, b.scale_inv, b.block_rows, b.block_cols)) {
+        return cudaErrorInvalidValue;
+    }
+    ProductParams p = grouped_params(a, x, n_rows, offsets, y_a);
+    p.pair_tiles = ceil_div(a.rows, kWgRows);
+    p.pair_data = static_cast<const uint8_t *>(b.data);
+    p.pair_scale = b.scale_inv;
+    p.pair_y = y_b;
+    return launch_wgmma(p, scratch, stream);
+}
+
+int64_t cuda_matmul_grouped_pair_launches(const CudaBank &a, const CudaBank &b, int64_t n_rows,
+                                          const E4m3Scratch &scratch) {
+    if (!pairable(a, b, n_rows) || n_rows <= 0) {
+        return cuda_matmul_grouped_launches(a, n_rows, scratch) + cuda_matmul_grouped_launches(b, n_rows, scratch);
+    }
+    return cuda_matmul_grouped_launches(a, n_rows, scratch);
+}
+
+int64_t cuda_matmul_grouped_launches(const CudaBank &b, int64_t n_rows, const E4m3Scratch &scratch) {
+    if (n_rows <= 0) return 0;
+    const ProductParams p = grouped_params(b, nullptr, n_rows, nullptr, nullptr);
+    if (b.act != ActRounding::kE4m3x128 || !wgmma_e4m3(p)) return 1;
+    const int64_t n_chunks = ceil_div(p.k1, kE4m3Chunk);
+    const int64_t slice = std::min(scratch.code_bytes / (n_chunks * kE4m3Chunk), scratch.scale_floats / n_chunks);
+    return slice < 1 ? 1 : 2 * ceil_div(n_rows, slice);
 }
 
 }  // namespace memra::cuda

@@ -3,12 +3,15 @@
 // holds and records its absolute origin, so chunk cuts, fp8 scale tiles and canonical block numbers are those of
 // the whole matrix. Products with bf16 activations (kBf16, BF16 weights) run on the tensor cores in the GPU's own
 // canonical order (fixed 128-wide K chunks of m16n8k16 steps, chunk sums in K order, the canonical tree over
-// blocks: ops_matmul.cu), within a measured tolerance of cpu::CpuBackend(..., Numerics::kDevice). Every other
-// product runs the CPU's K loop for its ActRounding (backend/cpu/matmul.h) bit for bit: the exact loop (kNone) or
-// the device loop with e4m3 groups of 128 (kE4m3x128), whose FTZ/DAZ arithmetic is that of
+// blocks: ops_matmul.cu), within a measured tolerance of cpu::CpuBackend(..., Numerics::kDevice); so do grouped
+// products with e4m3 activations (kE4m3x128) of the shapes real checkpoints have (128 x 128 scale tiles, K a
+// multiple of 16 up to 8192): each activation row quantized once into an E4m3Scratch, then FP8 wgmma over
+// 128-wide K chunks, each chunk's sum promoted with both scales in K order as the CPU's device loop does. Every
+// other product runs the CPU's K loop for its ActRounding (backend/cpu/matmul.h) bit for bit: the exact loop
+// (kNone) or the device loop with e4m3 groups of 128 (kE4m3x128), whose FTZ/DAZ arithmetic is that of
 // core/device_numerics.h. Either way an element's bits depend on its x row, its W row and K only: never on the
-// batch, the grid or which other rows run beside it. Launchers never allocate, never read device memory on the
-// host, launch one kernel and need no workspace.
+// batch, the grid or which other rows run beside it. Launchers never allocate and never read device memory on
+// the host.
 #pragma once
 
 #include <cstdint>
@@ -66,9 +69,23 @@ struct CudaBank {
 };
 
 // ---- Products. x, y, offsets are device pointers; launchers return cudaErrorInvalidValue for arguments the
-// CPU op would refuse (a MEMRA_CHECK there), else the launch status (cudaGetLastError). None needs a
-// workspace or a rounding scratch: activations are rounded inside the kernel (bf16 as read; each e4m3 group of
-// 128 once per block of output rows, 32 in the skinny e4m3 kernel, in shared memory). ----
+// CPU op would refuse (a MEMRA_CHECK there), else the launch status (cudaGetLastError). Only the tensor-core e4m3
+// products need a scratch (E4m3Scratch); every other product rounds its activations inside the kernel (bf16 as
+// read; each e4m3 group of 128 once per block of output rows, in shared memory). ----
+
+// Device memory for the e4m3 codes and group scales of the activation rows a tensor-core e4m3 product quantizes:
+// ceil(K / 128) * 128 code bytes and ceil(K / 128) scales per row. A product whose rows do not fit runs in slices
+// of the rows that do (two launches per slice), so a scratch of kE4m3ScratchRows rows of K 8192 serves a step of
+// that many (token, expert) rows in one slice.
+struct E4m3Scratch {
+    uint8_t *codes = nullptr;
+    float *scales = nullptr;
+    int64_t code_bytes = 0;
+    int64_t scale_floats = 0;
+};
+constexpr int64_t kE4m3ScratchRows = 8192;
+constexpr int64_t kE4m3ScratchCodeBytes = kE4m3ScratchRows * 8192;
+constexpr int64_t kE4m3ScratchScaleFloats = kE4m3ScratchRows * 8192 / 128;
 
 // cpu::matmul with w.act (CpuBackend::matmul): y[t, n] = dot(x[t], W[n]) by the canonical K loop over the
 // whole K. w must hold every K column. x: [n_tokens, w.cols] f32; y: [n_tokens, w.rows] f32.
@@ -98,11 +115,24 @@ cudaError_t cuda_matmul_canonical(const CudaMatrix &w, const float *x, int64_t n
 // CpuBackend::matmul_grouped: with base = offsets[b.first_expert], the rows [offsets[e] - base,
 // offsets[e + 1] - base) of x and y go through held expert e - b.first_expert by cpu::matmul (whole K), for
 // every held e; rows from offsets[b.first_expert + b.n_experts] - base to n_rows are left untouched. The
-// offsets are read on the device only (the grid covers all n_rows rows; each block finds its row's expert by
-// binary search), so the counts need no host read. x: [n_rows, b.cols] f32; offsets: [n_offsets] i32, n_offsets
+// offsets are read on the device only (the grid covers all n_rows rows, or every expert's token tiles; each block
+// finds its rows' expert), so the counts need no host read. scratch: for a tensor-core e4m3 bank (refused with
+// cudaErrorInvalidValue when it holds not one row); other banks ignore it. x: [n_rows, b.cols] f32; offsets:
+// [n_offsets] i32, n_offsets
 // >= b.first_expert + b.n_experts + 1, non-decreasing over the held experts' entries; y: [n_rows, b.rows] f32.
 cudaError_t cuda_matmul_grouped(const CudaBank &b, const float *x, int64_t n_rows, const int32_t *offsets,
-                                int64_t n_offsets, float *y, cudaStream_t stream);
+                                int64_t n_offsets, float *y, const E4m3Scratch &scratch, cudaStream_t stream);
+// The kernel launches cuda_matmul_grouped makes for n_rows rows (for the backend's launch count).
+int64_t cuda_matmul_grouped_launches(const CudaBank &b, int64_t n_rows, const E4m3Scratch &scratch);
+
+// cuda_matmul_grouped(a, x, .., y_a) and cuda_matmul_grouped(b, x, .., y_b) bit for bit (the routed experts' gate
+// and up): for tensor-core e4m3 banks of one shape over the same experts, x is quantized once and both banks' row
+// tiles run in one launch; other banks run one after the other.
+cudaError_t cuda_matmul_grouped_pair(const CudaBank &a, const CudaBank &b, const float *x, int64_t n_rows,
+                                     const int32_t *offsets, int64_t n_offsets, float *y_a, float *y_b,
+                                     const E4m3Scratch &scratch, cudaStream_t stream);
+int64_t cuda_matmul_grouped_pair_launches(const CudaBank &a, const CudaBank &b, int64_t n_rows,
+                                          const E4m3Scratch &scratch);
 
 }  // namespace memra::cuda
 
