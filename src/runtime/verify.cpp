@@ -728,9 +728,13 @@ public:
         return o;
     }
 
-    // Whether the banks' products have bf16 activations (BF16 experts in device numerics): on the GPU those run
-    // on the tensor cores, whose sums are not the host's scalar products.
-    bool bf16_products() const { return numerics_ == Numerics::kDevice && gate_.dtype == DType::kBF16; }
+    // Whether the banks' products have bf16 or e4m3 activations (BF16 experts, or FP8 ones with 128-wide scale
+    // tiles, in device numerics): on the GPU those run on the tensor cores, whose sums are not the host's scalar
+    // products.
+    bool tensor_core_products() const {
+        return numerics_ == Numerics::kDevice &&
+               (gate_.dtype == DType::kBF16 || (gate_.dtype == DType::kF8E4M3 && gate_.block_cols == 128));
+    }
     // From now on the pairs' products run on `be` (the layer's banks uploaded to it), one pair per call.
     Result<void> use_backend(Backend &be) {
         auto dev = BackendProducts::create(be, banks(), g_.n_experts, d_);
@@ -1084,7 +1088,7 @@ Result<Reference> run_reference(const io::TensorStore &store, const Step35Config
         if (!built) return tl::unexpected(built.error());
         const bool on_backend =
             o.oracle_products == OracleProducts::kBackend ||
-            (o.oracle_products == OracleProducts::kAuto && be.device() == Device::kCuda && built->bf16_products());
+            (o.oracle_products == OracleProducts::kAuto && be.device() == Device::kCuda && built->tensor_core_products());
         if (on_backend) {
             if (auto ok = built->use_backend(be); !ok) return tl::unexpected(ok.error());
         }

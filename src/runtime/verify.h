@@ -34,8 +34,8 @@ struct VerifyLine;
 
 // Where the per-expert oracle computes its products: on the host (scalar products in the reference's numerics,
 // code the backends do not share) or on the reference backend, one pair per call (the bits a backend must match
-// when its products are not the host's). kAuto: the backend for bf16 experts on the GPU (tensor cores), else the
-// host.
+// when its products are not the host's). kAuto: the backend for bf16 experts, and FP8 ones with e4m3 activations,
+// on the GPU (tensor cores), else the host.
 enum class OracleProducts { kAuto, kBackend };
 
 struct VerifyOptions {
