@@ -4,9 +4,9 @@
 // (vs_copy: the copy reads and writes, so its bytes are counted twice). Shapes are the release architecture's
 // (d_model 4096): q/k/v/gate-width products, the dense MLP's 11264-row gate/up, the lm_head, the canonical
 // o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens (decode) and 512 (prefill; with TFLOP/s); the FP8
-// experts of one token (K3), decode attention (K9, K10: one row; K8: 32 and 128 sequences) and causal prefill
-// attention (K7: 512 and 2048 positions; longer ones take seconds per launch on today's CUDA-core kernel), and one
-// MoE layer's routing (K6). Random bf16
+// experts of one token (K3), decode attention (K9, K10: one row; K8: 32 and 128 sequences; bf16 KV on the tensor
+// cores, q8_0 / q5_1 on the CUDA-core kernel) and causal prefill attention (K7: 512, 2048 and 8192 positions), and
+// one MoE layer's routing (K6). Random bf16
 // weights (the values do not change the work), in copies that exceed the L2 and take turns, so every launch streams
 // from HBM.
 #include <algorithm>
@@ -457,7 +457,7 @@ BENCHMARK(bm_attention)
     ->Args({512, 96, 512, 1, 1, 1, 0})
     ->Args({4096, 64, 0, 1, 1, 1, 0})
     ->ArgsProduct({{4096}, {64}, {0}, {1}, {0}, {32, 128}, {0}})
-    ->ArgsProduct({{512, 2048}, {64}, {0}, {0}, {0}, {1}, {1}})
+    ->ArgsProduct({{512, 2048, 8192}, {64}, {0}, {0}, {0}, {1}, {1}})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);

@@ -1,18 +1,22 @@
 // backend/cuda/ops_attention: the KV write, the query rounding and blocked paged attention against their CPU
 // twins in device numerics (cpu::kv_write, cpu::round_rows, cpu::paged_attention with shape.blocked) on the same
-// inputs, compared as raw bits. Every attention case fills its pool twice, with the CPU's kv_write on the host
-// and the GPU's on the device, and requires the two pools' bytes to be equal before any attention runs; the query
-// is rounded for the key format by both sides (bits compared too). Cases cover every K/V format pair, head_dim
-// 64 / 128 (and 17, 512), GQA groups 1, 4, 12 (two head batches), sequences crossing 128-blocks and 512-splits
-// (1100 positions), sliding windows, first_pos > 0 with released pages below it, steps mixing decode rows and
-// prefill chunks of several sequences, the gate on and off, masked (-inf) blocks and splits, and adversarial
-// values. Results that are NaN compare as NaN only (x86 propagates an operand's payload, the GPU returns
-// 0x7fffffff); everything else compares every bit. The GPU tests skip without a GPU; CudaAttentionData.* and
+// inputs. Every attention case fills its pool twice, with the CPU's kv_write on the host and the GPU's on the
+// device, and requires the two pools' bytes to be equal before any attention runs; the query is rounded for the
+// key format by both sides (bits compared too). Attention over q8_0 / q5_1 keys (and head dims the tensor cores do
+// not take) compares raw bits with the CPU; over f32 / bf16 keys at head_dim 32, 64, 128 the tensor-core kernel is
+// held to the CPU within tensor_core_bound on random data and to its bits on exact data
+// (TensorCoresGiveTheCpuBitsOnExactData), and to itself bit for bit across launch shapes, batches and row orders.
+// Cases cover every K/V format pair, head_dim 32 / 64 / 128 (and 17, 512), GQA groups 1, 4, 8, 12, sequences
+// crossing 128-blocks and 512-splits (1100 positions), sliding windows, first_pos > 0 with released pages below
+// it, steps mixing decode rows and prefill chunks of several sequences, the gate on and off, masked (-inf) blocks
+// and splits, and adversarial values. Results that are NaN compare as NaN only (x86 propagates an operand's
+// payload, the GPU returns 0x7fffffff). The GPU tests skip without a GPU; CudaAttentionData.* and
 // CudaAttention.RefusesBadArguments run everywhere.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -70,6 +74,35 @@ int64_t bit_mismatches(const Floats &a, const Floats &b) {
     int64_t n = 0;
     for (size_t i = 0; i < a.size(); ++i) n += bits(a[i]) != bits(b[i]) ? 1 : 0;
     return n;
+}
+
+// The tensor-core kernel (tensor_core_attention: f32 / bf16 keys at head_dim 32, 64, 128) against the CPU's
+// blocked order: every element within tol of the CPU's, NaN where the CPU's is NaN and infinite with its sign where
+// the CPU's is. The largest difference seen is kept for the message.
+struct Closeness {
+    int64_t outside = 0;
+    int64_t first = -1;
+    double max_err = 0.0;
+};
+
+Closeness closeness(const Floats &got, const Floats &want, float tol) {
+    Closeness c;
+    if (got.size() != want.size()) {
+        c.outside = -1;
+        return c;
+    }
+    for (size_t i = 0; i < got.size(); ++i) {
+        bool ok = false;
+        if (std::isnan(want[i]) || std::isinf(want[i])) {
+            ok = std::isnan(want[i]) ? std::isnan(got[i]) : got[i] == want[i];
+        } else if (std::isfinite(got[i])) {
+            const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+            c.max_err = std::max(c.max_err, err);
+            ok = err <= tol;
+        }
+        if (!ok && c.outside++ == 0) c.first = static_cast<int64_t>(i);
+    }
+    return c;
 }
 
 Floats uniform(size_t n, uint32_t seed, float lo, float hi) {
@@ -253,6 +286,8 @@ std::string describe(const Config &c) {
                        c.window, c.first_pos, c.gate ? "gated" : "ungated", lengths);
 }
 
+bool on_tensor_cores(const Config &c) { return tensor_core_attention(c.k_format, c.head_dim); }
+
 struct Seq {
     int64_t n_pos = 0;
     std::vector<int32_t> pages;  // [blocks] page of block b, -1 below first_pos (released)
@@ -416,6 +451,38 @@ GpuRun gpu_run(const Case &c, const Pool &pool, const Queries &qs) {
     return whole;
 }
 
+// The bound of the tensor-core kernel against the CPU: 2^-7 of the largest |v| of the case. A p on the other side
+// of a bf16 rounding tie from the CPU's moves one weight by 2^-8 of itself; the different orders of the dot
+// products and sums move the results by far less (measured: see the messages of EveryFormatPair).
+float tensor_core_bound(const Case &c) {
+    float v_max = 0.0f;
+    for (const Seq &s : c.seqs) {
+        for (float x : s.v) {
+            if (std::isfinite(x)) v_max = std::max(v_max, std::fabs(x));
+        }
+    }
+    return std::ldexp(v_max, -7);
+}
+
+// The GPU's result against the CPU's: bits (NaN as NaN), or on the tensor cores within tensor_core_bound.
+void expect_near_cpu(const Case &c, const Floats &got, const Floats &want, const std::string &what) {
+    if (!on_tensor_cores(c.cfg)) {
+        int64_t first = -1;
+        EXPECT_EQ(mismatches(got, want, &first), 0)
+            << what << "; first at query " << (first < 0 ? -1 : first / c.q_row()) << " head "
+            << (first < 0 ? -1 : first % c.q_row() / c.cfg.head_dim) << ": got " << (first < 0 ? 0.0f : got[sz(first)])
+            << " want " << (first < 0 ? 0.0f : want[sz(first)]);
+        return;
+    }
+    const float tol = tensor_core_bound(c);
+    const Closeness cl = closeness(got, want, tol);
+    EXPECT_EQ(cl.outside, 0) << what << "; tensor cores, bound " << tol << ", largest difference " << cl.max_err
+                             << "; first at query " << (cl.first < 0 ? -1 : cl.first / c.q_row()) << ": got "
+                             << (cl.first < 0 ? 0.0f : got[sz(cl.first)]) << " want "
+                             << (cl.first < 0 ? 0.0f : want[sz(cl.first)]);
+    std::printf("[ tc ] %s: largest difference %.3g (bound %.3g)\n", what.c_str(), cl.max_err, tol);
+}
+
 // Fills both pools, runs every query of the case on both sides and requires the same bits.
 void expect_case_matches(const Config &cfg) {
     const Case c = make_case(cfg);
@@ -426,11 +493,7 @@ void expect_case_matches(const Config &cfg) {
     Floats q_want = c.queries.q;
     cpu::round_rows(threads(), q_want.data(), c.queries.n(), c.q_row(), c.rounding);
     EXPECT_EQ(mismatches(got.q_rounded, q_want), 0) << "query rounding, " << describe(cfg);
-    int64_t first = -1;
-    EXPECT_EQ(mismatches(got.out, want, &first), 0)
-        << describe(cfg) << "; first at query " << (first < 0 ? -1 : first / c.q_row()) << " head "
-        << (first < 0 ? -1 : first % c.q_row() / cfg.head_dim) << ": got " << (first < 0 ? 0.0f : got.out[sz(first)])
-        << " want " << (first < 0 ? 0.0f : want[sz(first)]);
+    expect_near_cpu(c, got.out, want, describe(cfg));
     EXPECT_EQ(got.flag, 0) << describe(cfg);
 }
 
@@ -751,6 +814,68 @@ TEST(CudaAttention, OtherShapes) {
     for (const Config &cfg : other_shape_configs()) expect_case_matches(cfg);
 }
 
+// Data on which the tensor cores' sums are exact, so that the GPU must give the CPU's bits: query head h is one-hot
+// (1 at dim h % head_dim), every key value is 0 or -2048 (a score of 0 or -2048 * scale, whose weight
+// exp_f32(s - m) is exactly 1 or underflows to 0), the values small integers. Every sum is then an exact count or
+// integer sum in any order, and a row's output the mean of the values at the positions its head picks (all of its
+// range where it picks none), times the gate: an error in positions, masks, pages, heads, splits or the merge
+// changes it.
+Case exact_case(const Config &cfg) {
+    Case c = make_case(cfg);
+    std::mt19937 rng(cfg.seed * 31u + 7u);
+    std::uniform_int_distribution<int> pick(0, 3), value(-8, 8);
+    for (Seq &s : c.seqs) {
+        for (float &x : s.k) x = pick(rng) == 0 ? 0.0f : -2048.0f;
+        for (float &x : s.v) x = static_cast<float>(value(rng));
+    }
+    const int64_t hd = cfg.head_dim;
+    for (int64_t i = 0; i < c.queries.n(); ++i) {
+        for (int64_t h = 0; h < cfg.n_heads; ++h) {
+            for (int64_t d = 0; d < hd; ++d) c.queries.q[sz(i * c.q_row() + h * hd + d)] = d == h % hd ? 1.0f : 0.0f;
+        }
+    }
+    return c;
+}
+
+// Every head_dim and group the tensor-core kernel takes, over f32 / bf16 keys and f32 / bf16 / q8_0 values (whose
+// decoded values stay exact in these sums), windows, first_pos and the gate cycling; groups of 8 and 12 at
+// head_dim 64 and 128 add a prefill chunk of 100 rows (tiles of many queries, past the split-KV step size).
+TEST(CudaAttention, TensorCoresGiveTheCpuBitsOnExactData) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const std::pair<KvFormat, KvFormat> pairs[] = {{KvFormat::kBf16, KvFormat::kBf16},
+                                                   {KvFormat::kF32, KvFormat::kQ8_0},
+                                                   {KvFormat::kBf16, KvFormat::kF32},
+                                                   {KvFormat::kF32, KvFormat::kBf16},
+                                                   {KvFormat::kBf16, KvFormat::kQ8_0}};
+    uint32_t seed = 900;
+    for (int64_t head_dim : {32, 64, 128}) {
+        for (int64_t group : {1, 4, 8, 12}) {
+            Config cfg = mixed_step(pairs[seed % 5].first, pairs[seed % 5].second, 230);
+            cfg.seed = seed++;
+            cfg.head_dim = head_dim;
+            cfg.n_kv_heads = 2;
+            cfg.n_heads = 2 * group;
+            cfg.window = seed % 2 == 0 ? 300 : 0;
+            cfg.first_pos = seed % 3 == 0 ? 200 : 0;
+            cfg.gate = seed % 4 != 0;
+            add_mixed_queries(cfg);
+            if (group >= 8 && head_dim >= 64) add_query_range(cfg, 0, 900, 1000);
+            ASSERT_TRUE(on_tensor_cores(cfg)) << describe(cfg);
+            const Case c = exact_case(cfg);
+            Pool pool(cfg.k_format, cfg.v_format, c.n_pages, cfg.n_kv_heads, cfg.head_dim);
+            fill_both(c, pool);
+            const Floats want = cpu_run(c, pool, c.queries);
+            const GpuRun got = gpu_run(c, pool, c.queries);
+            int64_t first = -1;
+            EXPECT_EQ(mismatches(got.out, want, &first), 0)
+                << describe(cfg) << "; first at query " << (first < 0 ? -1 : first / c.q_row()) << " head "
+                << (first < 0 ? -1 : first % c.q_row() / head_dim) << ": got "
+                << (first < 0 ? 0.0f : got.out[sz(first)]) << " want " << (first < 0 ? 0.0f : want[sz(first)]);
+            EXPECT_EQ(got.flag, 0) << describe(cfg);
+        }
+    }
+}
+
 // Extreme scores and values. Keys of -inf (f32 and bf16 caches) make whole blocks and splits masked (the live
 // test, alpha = 0, a merge from M = -inf, rows whose every key is masked and come out NaN); block formats cannot
 // hold -inf, so there the "masked" keys are -60000, whose weights underflow to 0 beside the others (and tie
@@ -770,7 +895,9 @@ Case adversarial_case(KvFormat kf) {
     const float masked = kv_format_is_block(kf) ? -6.0e4f : -std::numeric_limits<float>::infinity();
     std::fill(c.seqs[0].k.begin(), c.seqs[0].k.begin() + 300 * row, masked);  // sequence 0: [0, 300)
     std::fill(c.seqs[1].k.begin(), c.seqs[1].k.begin() + 600 * row, masked);  // sequence 1: [0, 600)
-    c.seqs[0].v[sz(650 * row + 3)] = std::numeric_limits<float>::infinity();
+    // On the tensor cores a value a row cannot see still meets that row's p = 0 in the tile's product (0 x Inf =
+    // NaN), so values must be finite there (as every written value of a finite model is).
+    if (!on_tensor_cores(cfg)) c.seqs[0].v[sz(650 * row + 3)] = std::numeric_limits<float>::infinity();
     for (float &x : c.queries.q) x = std::fabs(x) + 0.5f;  // positive: every masked score is -inf
     const int64_t q_row = c.q_row();
     for (int64_t j = 0; j < q_row; ++j) {
@@ -790,8 +917,7 @@ TEST(CudaAttention, AdversarialScores) {
         fill_both(c, pool);
         const Floats want = cpu_run(c, pool, c.queries);
         const GpuRun got = gpu_run(c, pool, c.queries);
-        int64_t first = -1;
-        EXPECT_EQ(mismatches(got.out, want, &first), 0) << describe(cfg) << " first " << first;
+        expect_near_cpu(c, got.out, want, "adversarial " + describe(cfg));
         EXPECT_EQ(got.flag, 0);
         if (!kv_format_is_block(kf)) {  // sequence 0 at position 0 sees only a masked key: NaN on both sides
             const size_t at = sz(4 * c.q_row());
@@ -854,7 +980,8 @@ TEST(CudaAttention, PerturbedKeyIsDetected) {
         const Config &cfg = c.cfg;
         Pool pool(kf, cfg.v_format, c.n_pages, cfg.n_kv_heads, cfg.head_dim);
         fill_both(c, pool);
-        const Floats want = cpu_run(c, pool, c.queries);
+        // The unchanged reference: the CPU's bits, or on the tensor cores the GPU's own before the change.
+        const Floats want = on_tensor_cores(cfg) ? gpu_run(c, pool, c.queries).out : cpu_run(c, pool, c.queries);
         std::vector<std::byte> bytes = pool.device_bytes();
         bytes[perturbed_byte(c, pool)] ^= std::byte{0x41};
         pool.device->upload(bytes.data());
@@ -875,6 +1002,8 @@ TEST(CudaAttention, PerturbedKeyIsDetected) {
     }
 }
 
+void expect_bad_rows_flagged(KvFormat kf, KvFormat vf);
+
 // Inputs the CPU refuses by aborting: a visible block without a page, a page past the pool, a sequence index
 // past the block tables. Those rows come out NaN and raise the flag; the other rows of the step are unaffected.
 // Cases 0-2 make every row of sequence 1 bad; case 3 releases a page in sequence 0's second split (positions
@@ -882,13 +1011,20 @@ TEST(CudaAttention, PerturbedKeyIsDetected) {
 // merge meets it after a good split).
 TEST(CudaAttention, BadRowsRaiseTheFlag) {
     MEMRA_SKIP_WITHOUT_GPU();
-    Config cfg = mixed_step(KvFormat::kQ8_0, KvFormat::kQ5_1, 70);
+    for (auto [kf, vf] : {std::pair{KvFormat::kQ8_0, KvFormat::kQ5_1}, std::pair{KvFormat::kBf16, KvFormat::kBf16}}) {
+        expect_bad_rows_flagged(kf, vf);
+    }
+}
+
+// The good rows keep the bits of the unbroken step: the CPU's, or on the tensor cores the GPU's own.
+void expect_bad_rows_flagged(KvFormat kf, KvFormat vf) {
+    Config cfg = mixed_step(kf, vf, 70);
     cfg.seed = 700;
     add_mixed_queries(cfg);
     const Case c = make_case(cfg);
     Pool pool(cfg.k_format, cfg.v_format, c.n_pages, cfg.n_kv_heads, cfg.head_dim);
     fill_both(c, pool);
-    const Floats want = cpu_run(c, pool, c.queries);
+    const Floats want = on_tensor_cores(cfg) ? gpu_run(c, pool, c.queries).out : cpu_run(c, pool, c.queries);
     for (int what = 0; what < 4; ++what) {
         Queries qs = c.queries;
         if (what == 0) qs.bt[sz(qs.bt_stride + 2)] = -1;                                  // block 2 released
@@ -901,7 +1037,7 @@ TEST(CudaAttention, BadRowsRaiseTheFlag) {
             return what < 3 ? c.queries.seq[sz(i)] == 1 : c.queries.seq[sz(i)] == 0 && c.queries.pos[sz(i)] >= 640;
         };
         const GpuRun got = gpu_run(c, pool, qs);
-        EXPECT_EQ(got.flag, 1) << "case " << what;
+        EXPECT_EQ(got.flag, 1) << describe(cfg) << " case " << what;
         for (int64_t i = 0; i < qs.n(); ++i) {
             const Floats g(got.out.begin() + i * c.q_row(), got.out.begin() + (i + 1) * c.q_row());
             const Floats w(want.begin() + i * c.q_row(), want.begin() + (i + 1) * c.q_row());

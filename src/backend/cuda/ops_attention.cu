@@ -20,8 +20,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/ptx.cuh"
 #include "core/float_formats.h"
 #include "core/kv_format.h"
 #include "core/kv_page.h"
@@ -218,6 +220,11 @@ struct AttentionArgs {
     bool round_keys;     // f32 and bf16 keys are rounded to bf16 when read
     float *split_ws;     // kSplit and the merge: [n_items, max_splits, split_state_floats(head_dim)]
     int64_t max_splits;  // splits of an item's range at most (the grid's y of kSplit)
+    int64_t n_q;
+    // attention_tc_kernel's tiles: tc_tokens queries by tc_heads query heads of one kv head, tc_head_tiles tiles
+    // covering a kv head's group; tc_async: bf16 rows are 16-byte aligned, so they stage by cp.async.
+    int tc_tokens, tc_heads, tc_head_tiles;
+    bool tc_async;
 };
 
 // How a launch covers a work item's splits. kWhole: one cluster runs every split of its item, merging as it goes.
@@ -891,6 +898,445 @@ __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const At
     a.out[(it.i * a.n_heads + it.h0) * hd + e] = o;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core paged attention (CUDA.md 3.2), for f32 and bf16 keys at head_dim 32, 64 and 128: the GPU's own
+// order, a different engine version's bits from the CPU's blocked order (held to it by a measured tolerance).
+// A CTA takes up to 16 rows per warp, a row being (query, query head) of one kv head: in prefill (kWhole) a tile
+// of T queries by H heads, in decode (kSplit) one query's H heads and one split. Rows are independent in every
+// instruction below, so a row's bits depend on nothing else in its tile. Per row, over the blocks of 128 and the
+// splits of 512 positions of the blocked order:
+//   S      = q . k by mma.sync m16n8k16 (bf16 in, fp32 accumulate): head_dim / 16 chained k16 steps from zero,
+//            then times scale; positions outside [lo, hi] are -inf.
+//   bm     = the block's max (fmaxf: NaN skipped), m_new = max(m, bm); a block with m_new = -inf leaves the state
+//            alone (alpha = 1, p = 0); alpha = m == -inf ? 0 : tc_exp(m - m_new).
+//   p      = tc_exp(s - m_new); l = l * alpha + b_sum, b_sum the block's p summed in the lane's order (dim tiles
+//            ascending, then its two columns), then over the quad by xor 1 and xor 2.
+//   acc    = acc * alpha, then acc += bf16(p) . v by mma.sync: 8 chained k16 steps over the block's positions
+//            ascending, values decoded and rounded to bf16.
+// Splits start from m = -inf, l = +0, acc = +0 and merge left to right exactly as attention_merge_kernel does (in
+// kWhole inside the CTA, in kSplit by that kernel), so both launch shapes give the same bits. Keys and values
+// stream through a ring of kTcSlots pages (64 positions of one kv head each) by cp.async; every thread of the CTA
+// loads. The positions a tile stages are those its rows' ranges span; a position inside that span but outside
+// one row's range gets p = 0 for that row (its values must be finite, as written values are).
+constexpr int kTcPage = static_cast<int>(kKvPageRows);  // positions per staged slot: one page
+constexpr int kTcSlots = 4;
+constexpr int kTcWholeWarps = 4;
+constexpr int kTcSplitWarps = 1;
+constexpr int64_t kTcSplitMaxQueries = 64;  // larger steps take kWhole (the same bits)
+constexpr int kTcMaxTokens = 16 * kTcWholeWarps;
+
+__host__ __device__ constexpr int tc_rows(int warps) { return 16 * warps; }
+
+// Dynamic shared memory of a tensor-core CTA: the slot ring, the rows' queries as bf16, in kWhole the running
+// accumulators of the merge (f32, in fragment order), then the tile's query ranges.
+struct TcSmem {
+    int64_t ring, q, run, tokens, total;
+};
+__host__ __device__ inline TcSmem tc_smem(int head_dim, int warps, bool whole) {
+    TcSmem s{};
+    s.ring = 0;
+    s.q = int64_t{kTcSlots} * kTcPage * head_dim * 2;
+    s.run = s.q + int64_t{tc_rows(warps)} * head_dim * 2;
+    s.tokens = s.run + (whole ? int64_t{tc_rows(warps)} * head_dim * 4 : 0);
+    s.total = s.tokens + int64_t{kTcMaxTokens} * (2 * 8 + 2 * 4) + kTcSlots * 4;
+    return s;
+}
+
+#ifdef MEMRA_ATTENTION_CLUSTERS
+// Byte offset of 16-byte chunk c of row r in a [rows][HD] bf16 tile, swizzled so that the 8 rows an ldmatrix
+// reads at one chunk hit distinct banks.
+template <int HD>
+__device__ __forceinline__ uint32_t tc_offset(int r, int c) {
+    constexpr int kChunks = HD / 8;
+    constexpr int kSwz = kChunks < 8 ? kChunks : 8;
+    constexpr int kRowsPerLine = 8 / kSwz;
+    return static_cast<uint32_t>(r * (HD * 2) + ((c ^ ((r / kRowsPerLine) % kSwz)) * 16));
+}
+
+// e^x for the weights inside the tensor-core kernel: the hardware's 2^x (ex2.approx.ftz) of x * log2(e), exactly 1
+// at x = 0 (the block maximum's own weight). Deterministic on the device, not the CPU's exp_f32 (the split merge
+// keeps exp_f32, in both launch shapes).
+__device__ __forceinline__ float tc_exp(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+    return x == 0.0f ? 1.0f : y;
+}
+
+// 8 values of a row from `row` (the kv head's bytes) at dims [8 c, 8 c + 8), decoded and rounded to bf16.
+__device__ __forceinline__ uint4 tc_decode8(KvFormat f, const std::byte *row, int c) {
+    const unsigned d = static_cast<unsigned>(8 * c);
+    float v[kRun];
+    const RawRun raw = load_run(f, row, d, 8);
+    decode_run(f, raw, row, d, 8, true, v, 1);
+    uint4 u;
+    u.x = pack_bf16(v[0], v[1]);
+    u.y = pack_bf16(v[2], v[3]);
+    u.z = pack_bf16(v[4], v[5]);
+    u.w = pack_bf16(v[6], v[7]);
+    return u;
+}
+#endif
+
+template <AttnMode kMode, int HD, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3)
+    attention_tc_kernel(const AttentionArgs a) {
+    pdl_enter();
+#if defined(MEMRA_ATTENTION_CLUSTERS) && defined(__CUDA_ARCH__)
+    constexpr int kThreadsTc = 32 * kWarps;
+    constexpr int kRows = tc_rows(kWarps);
+    constexpr int kChunks = HD / 8;
+    constexpr int kKSteps = HD / 16;
+    constexpr int kDimTiles = HD / 8;
+    constexpr int kSlotBytes = kTcPage * HD * 2;
+    constexpr bool kWholeMode = kMode == AttnMode::kWhole;
+    const float kNegInf = -__int_as_float(0x7f800000);
+    extern __shared__ float4 smem4[];
+    std::byte *smem = reinterpret_cast<std::byte *>(smem4);
+    const TcSmem lay = tc_smem(HD, kWarps, kWholeMode);
+    std::byte *s_ring = smem + lay.ring;
+    std::byte *s_q = smem + lay.q;
+    float *s_run = reinterpret_cast<float *>(smem + lay.run);
+    int64_t *s_lo = reinterpret_cast<int64_t *>(smem + lay.tokens);
+    int64_t *s_hi = s_lo + kTcMaxTokens;
+    int32_t *s_seq = reinterpret_cast<int32_t *>(s_hi + kTcMaxTokens);
+    int32_t *s_state = s_seq + kTcMaxTokens;  // per token: 0 refused, 1 to do, 2 done
+    int32_t *s_bad = s_state + kTcMaxTokens;  // per slot: its page is missing
+
+    const int tid = static_cast<int>(threadIdx.x);
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int T = a.tc_tokens, H = a.tc_heads;
+    int64_t tile = blockIdx.x;
+    const int ht = static_cast<int>(tile % a.tc_head_tiles);
+    tile /= a.tc_head_tiles;
+    const int64_t g = tile % a.n_kv_heads;
+    const int64_t i0 = tile / a.n_kv_heads * T;
+    const int n_tok = static_cast<int>(imin(T, a.n_q - i0));
+
+    if (tid < n_tok) {
+        int64_t lo = 0, hi = -1;
+        const bool ok = visible_range(a, i0 + tid, lo, hi);
+        s_lo[tid] = lo;
+        s_hi[tid] = hi;
+        s_seq[tid] = a.q_seq[i0 + tid];
+        s_state[tid] = ok ? 1 : 0;
+    }
+    // The rows' queries as bf16 (nearest even), zero for rows past the tile.
+    for (int e = tid; e < kRows * kChunks; e += kThreadsTc) {
+        const int r = e / kChunks, c = e % kChunks;
+        const int t = r / H, j = ht * H + r % H;
+        uint4 u = make_uint4(0u, 0u, 0u, 0u);
+        if (r < T * H && t < n_tok && j < a.group) {
+            const float *qr = a.q + (i0 + t) * a.q_stride + (g * a.group + j) * HD + 8 * c;
+            u.x = pack_bf16(qr[0], qr[1]);
+            u.y = pack_bf16(qr[2], qr[3]);
+            u.z = pack_bf16(qr[4], qr[5]);
+            u.w = pack_bf16(qr[6], qr[7]);
+        }
+        *reinterpret_cast<uint4 *>(s_q + tc_offset<HD>(r, c)) = u;
+    }
+    __syncthreads();
+
+    // The thread's two rows (fragment rows lane / 4 and lane / 4 + 8 of its warp).
+    const int quad = lane % 4;
+    int row_t[2], row_j[2];
+    bool row_real[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + lane / 4 + 8 * h;
+        row_t[h] = r / H;
+        row_j[h] = ht * H + r % H;
+        row_real[h] = r < T * H && row_t[h] < n_tok && row_j[h] < a.group;
+    }
+    const uint32_t q_base = smem_address(s_q);
+    const uint32_t ring_base = smem_address(s_ring);
+
+    for (;;) {  // one pass per sequence among the tile's queries (kSplit: one query, one pass)
+        int first = -1;
+        for (int t = 0; t < n_tok; ++t) {
+            if (s_state[t] == 1) {
+                first = t;
+                break;
+            }
+        }
+        if (first < 0) break;
+        const int32_t seq = s_seq[first];
+        int64_t lo_min = s_lo[first], hi_max = s_hi[first];
+        for (int t = first + 1; t < n_tok; ++t) {
+            if (s_state[t] == 1 && s_seq[t] == seq) {
+                lo_min = imin(lo_min, s_lo[t]);
+                hi_max = imax(hi_max, s_hi[t]);
+            }
+        }
+        int64_t split_lo = lo_min / kSplitRows, split_hi = hi_max / kSplitRows;
+        if constexpr (!kWholeMode) {
+            split_lo += blockIdx.y;
+            if (split_lo > split_hi) return;
+            split_hi = split_lo;
+        }
+        const int64_t p_first = imax(lo_min, split_lo * kSplitRows);
+        const int64_t p_last = imin(hi_max, split_hi * kSplitRows + kSplitRows - 1);
+        const int64_t b_first = p_first / kBlockRows, b_last = p_last / kBlockRows;
+        const int n_steps = static_cast<int>(4 * (b_last - b_first + 1));
+
+        // Each row's range in this pass (empty for rows of other sequences, refused queries and padding).
+        int64_t lo_r[2], hi_r[2];
+        bool bad[2] = {false, false};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const bool in = row_real[h] && s_state[row_t[h]] == 1 && s_seq[row_t[h]] == seq;
+            lo_r[h] = in ? s_lo[row_t[h]] : INT64_MAX;
+            hi_r[h] = in ? s_hi[row_t[h]] : -1;
+        }
+        __syncthreads();  // every thread has read the pass's states before they change
+        if (tid < n_tok && s_state[tid] == 1 && s_seq[tid] == seq) s_state[tid] = 2;
+
+        // Step s stages page (s % 4) of block b_first + s / 4: K pages 0, 1 then V pages 0, 1.
+        const auto load = [&](int s) {
+            const int slot = s % kTcSlots;
+            const int kind = s % 4;
+            const bool is_v = kind >= 2;
+            const int64_t p0 = (b_first + s / 4) * kBlockRows + (kind & 1) * kTcPage;
+            const bool any = p0 <= p_last && p0 + kTcPage - 1 >= p_first;
+            int64_t page = -1;
+            if (any) page = a.block_tables[seq * a.bt_stride + p0 / kTcPage];
+            const bool have = any && page >= 0 && page < a.layer.n_pages;
+            if (tid == 0) s_bad[slot] = any && !have ? 1 : 0;
+            const KvFormat f = is_v ? a.layer.v_format : a.layer.k_format;
+            const std::byte *base = a.layer.base + (have ? page : 0) * a.layer.page_bytes +
+                                    (is_v ? a.layer.v_offset : a.layer.k_offset) +
+                                    g * (is_v ? a.v_head_bytes : a.k_head_bytes);
+            const int64_t row_bytes = is_v ? a.layer.v_row_bytes : a.layer.k_row_bytes;
+            std::byte *dst = s_ring + slot * kSlotBytes;
+            for (int e = tid; e < kTcPage * kChunks; e += kThreadsTc) {
+                const int r = e / kChunks, c = e % kChunks;
+                const bool live = have && p0 + r >= p_first && p0 + r <= p_last;
+                const std::byte *src = base + r * row_bytes;
+                if (f == KvFormat::kBf16 && a.tc_async) {
+                    cp_async16_zfill(dst + tc_offset<HD>(r, c), live ? src + 16 * c : a.layer.base, live ? 16 : 0);
+                } else {
+                    *reinterpret_cast<uint4 *>(dst + tc_offset<HD>(r, c)) =
+                        live ? tc_decode8(f, src, c) : make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+        };
+
+        float m[2], l[2], acc[kDimTiles][4];
+        float run_m[2] = {0.0f, 0.0f}, run_l[2] = {0.0f, 0.0f};
+        bool has_run[2] = {false, false};
+        float sc[16][4];    // the block's scores, then p
+        uint32_t pa[8][4];  // p as bf16 A fragments, by k16 step of the block
+#pragma unroll
+        for (int s = 0; s < kTcSlots - 1; ++s) {
+            if (s < n_steps) load(s);
+            cp_async_commit();
+        }
+        // Step `step`: waits for its page, issues the page kTcSlots - 1 steps on, and returns its slot's address
+        // after folding the slot's missing-page mark into the rows that see one of its positions.
+        const auto enter = [&](int step, int64_t p0) {
+            cp_async_wait_pending<kTcSlots - 2>();
+            __syncthreads();
+            if (step + kTcSlots - 1 < n_steps) load(step + kTcSlots - 1);
+            cp_async_commit();
+            const int slot = step % kTcSlots;
+            if (s_bad[slot] != 0) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) bad[h] = bad[h] || (lo_r[h] <= p0 + kTcPage - 1 && hi_r[h] >= p0);
+            }
+            return ring_base + static_cast<uint32_t>(slot * kSlotBytes);
+        };
+        // Scores of a page's 64 positions: the block's n8 tiles 8 * half .. 8 * half + 7.
+        const auto score = [&](auto half_c, uint32_t slot_base) {
+            constexpr int half = decltype(half_c)::value;
+#pragma unroll
+            for (int n = 8 * half; n < 8 * half + 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+            const int mat = lane / 8;
+#pragma unroll
+            for (int kk = 0; kk < kKSteps; ++kk) {
+                uint32_t qa[4];
+                ldmatrix_x4(qa, q_base + tc_offset<HD>(warp * 16 + lane % 8 + (mat & 1) * 8, 2 * kk + mat / 2));
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    uint32_t kb[4];
+                    ldmatrix_x4(kb, slot_base + tc_offset<HD>(16 * np + lane % 8 + (mat / 2) * 8, 2 * kk + (mat & 1)));
+                    mma_bf16(sc[8 * half + 2 * np], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+                    mma_bf16(sc[8 * half + 2 * np + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
+                }
+            }
+        };
+        // acc += P . V over a page's 64 positions: the block's k16 steps 4 * half .. 4 * half + 3.
+        const auto sum_values = [&](auto half_c, uint32_t slot_base) {
+            constexpr int half = decltype(half_c)::value;
+            const int mat = lane / 8;
+#pragma unroll
+            for (int k4 = 0; k4 < 4; ++k4) {
+                const uint32_t(&p)[4] = pa[4 * half + k4];
+#pragma unroll
+                for (int dp = 0; dp < kDimTiles / 2; ++dp) {
+                    uint32_t vb[4];
+                    ldmatrix_x4_trans(vb,
+                                      slot_base + tc_offset<HD>(16 * k4 + lane % 8 + (mat & 1) * 8, 2 * dp + mat / 2));
+                    mma_bf16(acc[2 * dp], p[0], p[1], p[2], p[3], vb[0], vb[1]);
+                    mma_bf16(acc[2 * dp + 1], p[0], p[1], p[2], p[3], vb[2], vb[3]);
+                }
+            }
+        };
+        const std::integral_constant<int, 0> kFirst;
+        const std::integral_constant<int, 1> kSecond;
+        for (int step = 0; step < n_steps; step += 4) {
+            const int64_t block0 = (b_first + step / 4) * kBlockRows;
+            if (block0 % kSplitRows == 0 || step == 0) {  // a split starts
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    m[h] = kNegInf;
+                    l[h] = 0.0f;
+                }
+#pragma unroll
+                for (int n = 0; n < kDimTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+            }
+            score(kFirst, enter(step, block0));
+            score(kSecond, enter(step + 1, block0 + kTcPage));
+            // The block's softmax step.
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int lo_rel = static_cast<int>(imin(imax(lo_r[h] - block0, -1), kBlockRows));
+                const int hi_rel = static_cast<int>(imin(imax(hi_r[h] - block0, -1), kBlockRows));
+                float bm = kNegInf;
+#pragma unroll
+                for (int n = 0; n < 16; ++n) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int off = 8 * n + 2 * quad + c;
+                        const float s = sc[n][2 * h + c] * a.scale;
+                        const float sv = off >= lo_rel && off <= hi_rel ? s : kNegInf;
+                        sc[n][2 * h + c] = sv;
+                        bm = fmaxf(bm, sv);
+                    }
+                }
+                bm = fmaxf(bm, __shfl_xor_sync(kFullMask, bm, 1));
+                bm = fmaxf(bm, __shfl_xor_sync(kFullMask, bm, 2));
+                const float m_new = fmaxf(m[h], bm);
+                const bool live = m_new != kNegInf;
+                const float alpha = !live ? 1.0f : (m[h] == kNegInf ? 0.0f : tc_exp(m[h] - m_new));
+                float b_sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < 16; ++n) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const float p = live ? tc_exp(sc[n][2 * h + c] - m_new) : 0.0f;
+                        sc[n][2 * h + c] = p;
+                        b_sum = b_sum + p;
+                    }
+                }
+                b_sum = b_sum + __shfl_xor_sync(kFullMask, b_sum, 1);
+                b_sum = b_sum + __shfl_xor_sync(kFullMask, b_sum, 2);
+                l[h] = l[h] * alpha + b_sum;
+                m[h] = m_new;
+#pragma unroll
+                for (int n = 0; n < kDimTiles; ++n) {
+                    acc[n][2 * h] = acc[n][2 * h] * alpha;
+                    acc[n][2 * h + 1] = acc[n][2 * h + 1] * alpha;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
+                pa[kk][1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+                pa[kk][2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                pa[kk][3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            }
+            sum_values(kFirst, enter(step + 2, block0));
+            sum_values(kSecond, enter(step + 3, block0 + kTcPage));
+            if ((block0 + kBlockRows) % kSplitRows != 0 && step + 4 < n_steps) continue;
+            // The split ends: kSplit stores each row's state; kWhole merges it into the row's run.
+            const int64_t s0 = block0 / kSplitRows * kSplitRows;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (lo_r[h] > s0 + kSplitRows - 1 || hi_r[h] < s0) continue;  // not one of the row's splits
+                if constexpr (!kWholeMode) {
+                    const int64_t i = i0 + row_t[h];
+                    const int64_t item = (i * a.n_kv_heads + g) * a.batches + row_j[h] / kHeadBatch;
+                    const int jj = row_j[h] % kHeadBatch;
+                    float *st = a.split_ws + (item * a.max_splits + blockIdx.y) * split_state_floats(HD);
+                    if (quad == 0) {
+                        st[jj] = bad[h] ? u32_as_f32(0x7fc00000u) : m[h];
+                        st[kHeadBatch + jj] = l[h];
+                    }
+                    float *sa = st + 2 * kHeadBatch + jj * HD + 2 * quad;
+#pragma unroll
+                    for (int n = 0; n < kDimTiles; ++n) {
+                        sa[8 * n] = acc[n][2 * h];
+                        sa[8 * n + 1] = acc[n][2 * h + 1];
+                    }
+                } else {
+                    float *sr = s_run + (warp * kDimTiles * 4) * 32 + lane;
+                    if (!has_run[h]) {
+                        run_m[h] = m[h];
+                        run_l[h] = l[h];
+#pragma unroll
+                        for (int n = 0; n < kDimTiles; ++n) {
+                            sr[(4 * n + 2 * h) * 32] = acc[n][2 * h];
+                            sr[(4 * n + 2 * h + 1) * 32] = acc[n][2 * h + 1];
+                        }
+                        has_run[h] = true;
+                    } else {
+                        const float m_next = m[h] > run_m[h] ? m[h] : run_m[h];
+                        const float fa = exp_f32(run_m[h] - m_next);
+                        const float fb = exp_f32(m[h] - m_next);
+                        run_l[h] = run_l[h] * fa + l[h] * fb;
+                        run_m[h] = m_next;
+#pragma unroll
+                        for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) {
+                                float &x = sr[(4 * n + 2 * h + c) * 32];
+                                x = x * fa + acc[n][2 * h + c] * fb;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        cp_async_wait_pending<0>();
+        __syncthreads();  // the ring is free for the next pass
+        if constexpr (kWholeMode) {
+            // out = ACC / L times the gate, for the rows of this pass.
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (hi_r[h] < 0) continue;
+                const int64_t i = i0 + row_t[h];
+                const int64_t head = g * a.group + row_j[h];
+                float gate = 1.0f;
+                const bool gated = a.gate != nullptr;
+                if (gated) gate = sigmoid_f32(a.gate[i * a.gate_stride + head]);
+                if (bad[h] && quad == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
+                float *o = a.out + (i * a.n_heads + head) * HD + 2 * quad;
+                const float *sr = s_run + (warp * kDimTiles * 4) * 32 + lane;
+#pragma unroll
+                for (int n = 0; n < kDimTiles; ++n) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        float x = sr[(4 * n + 2 * h + c) * 32] / run_l[h];
+                        if (gated) x = x * gate;
+                        o[8 * n + c] = bad[h] ? u32_as_f32(0x7fc00000u) : x;
+                    }
+                }
+            }
+        }
+    }
+    if constexpr (kWholeMode) {
+        // Refused queries: NaN and the flag.
+        for (int e = tid; e < T * H; e += kThreadsTc) {
+            const int t = e / H, j = ht * H + e % H;
+            if (t >= n_tok || j >= a.group || s_state[t] != 0) continue;
+            if (a.error_flag != nullptr) atomicExch(a.error_flag, 1);
+            float *o = a.out + ((i0 + t) * a.n_heads + g * a.group + j) * HD;
+            for (int d = 0; d < HD; ++d) o[d] = u32_as_f32(0x7fc00000u);
+        }
+    }
+#endif
+}
+
 }  // namespace
 
 cudaError_t kv_write(const cpu::PagedLayer &layer, int64_t row_elems, const float *k, const float *v,
@@ -1037,13 +1483,63 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     a.split_ws = split ? split_ws : nullptr;
     a.max_splits = attention_max_splits(shape, bt_stride);
 
+    a.n_q = n_q;
+    const auto merge = [&]() {
+        const int64_t pairs = std::min<int64_t>(kHeadBatch, group) * head_dim;
+        launch_kernel(
+            attention_merge_kernel,
+            dim3(static_cast<unsigned>(n_items), static_cast<unsigned>((pairs + kMergeThreads - 1) / kMergeThreads)),
+            kMergeThreads, 0, stream, a);
+        return cudaGetLastError();
+    };
+    const auto set_smem = [](auto kernel, int64_t bytes) {
+        return bytes > kDefaultSmemBytes
+                   ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes))
+                   : cudaSuccess;
+    };
+
+    if (tensor_core_attention(layer.k_format, head_dim)) {
+        const bool tc_split = split && n_q <= kTcSplitMaxQueries;
+        const int warps = tc_split ? kTcSplitWarps : kTcWholeWarps;
+        a.tc_heads = static_cast<int>(std::min<int64_t>(group, tc_rows(warps)));
+        a.tc_head_tiles = static_cast<int>((group + a.tc_heads - 1) / a.tc_heads);
+        a.tc_tokens = tc_split ? 1 : tc_rows(warps) / a.tc_heads;
+        const auto aligned = [](int64_t x) { return x % 16 == 0; };
+        a.tc_async = reinterpret_cast<uintptr_t>(layer.base) % 16 == 0 && aligned(layer.page_bytes) &&
+                     aligned(layer.k_offset) && aligned(layer.v_offset) && aligned(layer.k_row_bytes) &&
+                     aligned(layer.v_row_bytes) && aligned(k_head_bytes) && aligned(v_head_bytes);
+        const int64_t tiles = (n_q + a.tc_tokens - 1) / a.tc_tokens * n_kv_heads * a.tc_head_tiles;
+        if (tiles > kMaxGrid) return cudaErrorInvalidValue;
+        const int64_t bytes = tc_smem(a.head_dim, warps, !tc_split).total;
+        const auto launch = [&](auto kernel) {
+            if (const cudaError_t err = set_smem(kernel, bytes); err != cudaSuccess) return err;
+            launch_kernel(kernel,
+                          dim3(static_cast<unsigned>(tiles), tc_split ? static_cast<unsigned>(a.max_splits) : 1u),
+                          32 * warps, static_cast<size_t>(bytes), stream, a);
+            return cudaGetLastError();
+        };
+        cudaError_t err = cudaSuccess;
+        switch (a.head_dim) {
+            case 32:
+                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 32, kTcSplitWarps>)
+                               : launch(attention_tc_kernel<AttnMode::kWhole, 32, kTcWholeWarps>);
+                break;
+            case 64:
+                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 64, kTcSplitWarps>)
+                               : launch(attention_tc_kernel<AttnMode::kWhole, 64, kTcWholeWarps>);
+                break;
+            default:
+                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 128, kTcSplitWarps>)
+                               : launch(attention_tc_kernel<AttnMode::kWhole, 128, kTcWholeWarps>);
+                break;
+        }
+        if (err != cudaSuccess || !tc_split) return err;
+        return merge();
+    }
+
     const int64_t smem_bytes = attention_smem_floats(a.head_dim) * static_cast<int64_t>(sizeof(float));
     const auto launch = [&](auto kernel, dim3 grid) {
-        if (smem_bytes > kDefaultSmemBytes) {
-            const cudaError_t err =
-                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
-            if (err != cudaSuccess) return err;
-        }
+        if (const cudaError_t err = set_smem(kernel, smem_bytes); err != cudaSuccess) return err;
         launch_kernel(kernel, grid, kAttnThreads, static_cast<size_t>(smem_bytes), stream, a);
         return cudaGetLastError();
     };
@@ -1057,12 +1553,12 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     const cudaError_t err = one_chain ? launch(paged_attention_kernel<AttnMode::kSplit, 1>, split_grid)
                                       : launch(paged_attention_kernel<AttnMode::kSplit, kMaxChains>, split_grid);
     if (err != cudaSuccess) return err;
-    const int64_t pairs = std::min<int64_t>(kHeadBatch, group) * head_dim;
-    launch_kernel(
-        attention_merge_kernel,
-        dim3(static_cast<unsigned>(n_items), static_cast<unsigned>((pairs + kMergeThreads - 1) / kMergeThreads)),
-        kMergeThreads, 0, stream, a);
-    return cudaGetLastError();
+    return merge();
+}
+
+bool tensor_core_attention(KvFormat k_format, int64_t head_dim) {
+    return (k_format == KvFormat::kBf16 || k_format == KvFormat::kF32) &&
+           (head_dim == 32 || head_dim == 64 || head_dim == 128);
 }
 
 }  // namespace memra::cuda

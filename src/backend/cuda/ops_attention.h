@@ -1,8 +1,11 @@
 // Device twins of the CPU attention ops in `device` numerics (backend/cpu/ops_attention.h, ENGINE.md section 4,
 // CUDA.md 3.2): the KV write into a paged pool, the query rounding for the cache format, and paged attention in
-// the blocked order. Each kernel performs the CPU kernel's fp32 operations in the CPU's order and calls the same
-// MEMRA_HD scalar code (core/math.h, core/float_formats.h, core/quant_blocks.h), so the results are the CPU's
-// bits (NaN results compare as NaN: x86 and NVIDIA GPUs make different NaN payloads).
+// the blocked order. The KV write, the rounding and attention over q8_0 / q5_1 keys perform the CPU kernel's fp32
+// operations in the CPU's order and call the same MEMRA_HD scalar code (core/math.h, core/float_formats.h,
+// core/quant_blocks.h), so the results are the CPU's bits (NaN results compare as NaN: x86 and NVIDIA GPUs make
+// different NaN payloads). Attention over f32 and bf16 keys at head_dim 32, 64 and 128 (tensor_core_attention)
+// runs its dot products on the tensor cores in the GPU's own order, the blocked order's blocks and splits with
+// mma.sync sums inside them: not the CPU's bits, but the same bits for a row in any batch, tile or launch shape.
 //
 // Launchers take device pointers, sizes and a stream, issue one kernel and return the launch status
 // (cudaErrorInvalidValue for bad arguments, checked on the host before anything is launched). Conditions the
@@ -59,6 +62,16 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
                             const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
                             const float *gate, int64_t gate_stride, float *out, int32_t *error_flag,
                             cudaStream_t stream, float *split_ws = nullptr, int64_t split_ws_floats = 0);
+
+// Whether paged_attention takes the tensor-core kernel for these keys: f32 or bf16 keys (rounded to bf16) at
+// head_dim 32, 64 or 128. Per query row and head, over the blocked order's blocks of 128 and splits of 512
+// positions (aligned to 0): the scores are mma.sync m16n8k16 sums (head_dim / 16 chained k16 steps from zero over
+// the query rounded to bf16) times scale; the block max m_new, alpha and p = exp_f32(s - m_new) as the CPU forms
+// them; l = l * alpha + the block's sum of p in a fixed lane order; acc = acc * alpha, then 8 chained k16 steps of
+// bf16(p) by the values (decoded, rounded to bf16) in position order; the splits merge left to right as the CPU's.
+// The same bits come out for split-KV and one launch, in every batch and tile; against the CPU's blocked order a
+// measured tolerance (tests/cuda).
+bool tensor_core_attention(KvFormat k_format, int64_t head_dim);
 
 // Whether paged_attention runs on the current device: its kernel is in the sm_90a code only (thread-block
 // clusters), which compute capability 9.0 runs; any other device would run the compute_80 PTX without it. Asked

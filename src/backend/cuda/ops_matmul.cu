@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/ptx.cuh"
 #include "core/float_formats.h"
 
 namespace memra::cuda {
@@ -384,19 +385,6 @@ constexpr int kMmaChunk = 128;              // K per chunk partial
 constexpr int kMmaSpan = 32;                // K per pair of k16 steps
 constexpr int kMmaSpans = kMmaChunk / kMmaSpan;
 constexpr int kMmaWarps = kThreads / 32;
-
-// d += a * b, one m16n8k16 bf16 step with an fp32 accumulator.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
-}
 
 // 16-byte loads of read-only data as volatile asm: issued where written, so a load meant to run a round ahead is
 // never sunk towards its use (the compiler may move __ldg loads across barriers).
@@ -970,18 +958,6 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
 }
 
 // ---------------------------------------------------------------------------------------------
-// cp.async helpers of the staged kernels (wgmma_e4m3_kernel, gemm_bf16_kernel).
-// cp.async of 16 bytes, of which the first src_bytes (0 or 16) come from gmem and the rest are zero.
-__device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, int src_bytes) {
-    const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait_pending() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
 // memra::f32_to_fp8_e4m3(q, kSaturate) for two values (a in the low byte). On sm_89 and later by the hardware's
 // saturating RNE conversion, which agrees with the scalar code on every non-NaN value (a value past 464, or an Inf,
 // saturates to +-448 either way; ties go to even); NaN takes the scalar code, which keeps its sign. Before sm_89
