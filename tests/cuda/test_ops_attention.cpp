@@ -838,8 +838,9 @@ Case exact_case(const Config &cfg) {
 }
 
 // Every head_dim and group the tensor-core kernel takes, over f32 / bf16 keys and f32 / bf16 / q8_0 values (whose
-// decoded values stay exact in these sums), windows, first_pos and the gate cycling; groups of 8 and 12 at
-// head_dim 64 and 128 add a prefill chunk of 100 rows (tiles of many queries, past the split-KV step size).
+// decoded values stay exact in these sums), windows, first_pos and the gate cycling; groups of 8 and more at
+// head_dim 64 and 128 add a prefill chunk of 100 rows (tiles of many queries, past the split-KV step size); a group of
+// 20 takes two tiles of heads (16 and 4).
 TEST(CudaAttention, TensorCoresGiveTheCpuBitsOnExactData) {
     MEMRA_SKIP_WITHOUT_GPU();
     const std::pair<KvFormat, KvFormat> pairs[] = {{KvFormat::kBf16, KvFormat::kBf16},
@@ -849,7 +850,7 @@ TEST(CudaAttention, TensorCoresGiveTheCpuBitsOnExactData) {
                                                    {KvFormat::kBf16, KvFormat::kQ8_0}};
     uint32_t seed = 900;
     for (int64_t head_dim : {32, 64, 128}) {
-        for (int64_t group : {1, 4, 8, 12}) {
+        for (int64_t group : {1, 4, 8, 12, 20}) {
             Config cfg = mixed_step(pairs[seed % 5].first, pairs[seed % 5].second, 230);
             cfg.seed = seed++;
             cfg.head_dim = head_dim;

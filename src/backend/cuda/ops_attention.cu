@@ -901,44 +901,54 @@ __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const At
 // ---------------------------------------------------------------------------------------------
 // Tensor-core paged attention (CUDA.md 3.2), for f32 and bf16 keys at head_dim 32, 64 and 128: the GPU's own
 // order, a different engine version's bits from the CPU's blocked order (held to it by a measured tolerance).
-// A CTA takes up to 16 rows per warp, a row being (query, query head) of one kv head: in prefill (kWhole) a tile
-// of T queries by H heads, in decode (kSplit) one query's H heads and one split. Rows are independent in every
-// instruction below, so a row's bits depend on nothing else in its tile. Per row, over the blocks of 128 and the
-// splits of 512 positions of the blocked order:
+// A row is (query, query head) of one kv head; a group of 16 rows is an m16 fragment. In prefill (kWhole) each warp
+// of a CTA owns 16 rows of a tile of T queries by H heads; in decode (kSplit) one query's H heads and one split are
+// 16 rows that all the CTA's warps share: warp w scores the block's n8 tiles w * k .. w * k + k - 1 of each page of
+// 64 positions (k = 8 / warps) and sums the values into dim tiles w * d .. w * d + d - 1 (d = HD / 8 / warps), and
+// the warps exchange the block's maxima, the partial sums of p and p itself through shared memory. Rows are
+// independent in every instruction, and the shared work is split along positions and dims in the same fixed
+// trees, so a row's bits depend on nothing else in its CTA and both launch shapes give the same bits. Per row,
+// over the blocks of 128 and the splits of 512 positions of the blocked order:
 //   S      = q . k by mma.sync m16n8k16 (bf16 in, fp32 accumulate): head_dim / 16 chained k16 steps from zero,
 //            then times scale; positions outside [lo, hi] are -inf.
 //   bm     = the block's max (fmaxf: NaN skipped), m_new = max(m, bm); a block with m_new = -inf leaves the state
 //            alone (alpha = 1, p = 0); alpha = m == -inf ? 0 : tc_exp(m - m_new).
-//   p      = tc_exp(s - m_new); l = l * alpha + b_sum, b_sum the block's p summed in the lane's order (dim tiles
-//            ascending, then its two columns), then over the quad by xor 1 and xor 2.
+//   p      = tc_exp(s - m_new); l = l * alpha + b_sum. b_sum: each lane's x_n = p(n, 0) + p(n, 1) over its two
+//            columns of tile n, y_j = x_j + x_{j+8}, the tree ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)),
+//            then over the quad by xor 1 and xor 2.
 //   acc    = acc * alpha, then acc += bf16(p) . v by mma.sync: 8 chained k16 steps over the block's positions
 //            ascending, values decoded and rounded to bf16.
 // Splits start from m = -inf, l = +0, acc = +0 and merge left to right exactly as attention_merge_kernel does (in
-// kWhole inside the CTA, in kSplit by that kernel), so both launch shapes give the same bits. Keys and values
-// stream through a ring of kTcSlots pages (64 positions of one kv head each) by cp.async; every thread of the CTA
-// loads. The positions a tile stages are those its rows' ranges span; a position inside that span but outside
-// one row's range gets p = 0 for that row (its values must be finite, as written values are).
+// kWhole inside the CTA, in kSplit by that kernel). Keys and values stream through a ring of pages (64 positions
+// of one kv head each; 4 slots in prefill, 8 in decode, where one CTA must keep the memory busy) by cp.async;
+// every thread of the CTA loads. The positions a tile stages are those its rows' ranges span; a position inside
+// that span but outside one row's range gets p = 0 for that row (its values must be finite, as written values are).
 constexpr int kTcPage = static_cast<int>(kKvPageRows);  // positions per staged slot: one page
-constexpr int kTcSlots = 4;
 constexpr int kTcWholeWarps = 4;
-constexpr int kTcSplitWarps = 1;
 constexpr int64_t kTcSplitMaxQueries = 64;  // larger steps take kWhole (the same bits)
 constexpr int kTcMaxTokens = 16 * kTcWholeWarps;
 
-__host__ __device__ constexpr int tc_rows(int warps) { return 16 * warps; }
+// Decode's warps per CTA: each sums the values into one pair of dim tiles at head_dim 128 (8 warps, one score
+// tile per page each), two at 64 (4 warps), one at 32 (2 warps).
+__host__ __device__ constexpr int tc_split_warps(int head_dim) { return head_dim / 16; }
+__host__ __device__ constexpr int tc_slots(bool whole) { return whole ? 4 : 8; }
+__host__ __device__ constexpr int tc_rows(int warps, bool whole) { return whole ? 16 * warps : 16; }
 
 // Dynamic shared memory of a tensor-core CTA: the slot ring, the rows' queries as bf16, in kWhole the running
-// accumulators of the merge (f32, in fragment order), then the tile's query ranges.
+// accumulators of the merge (f32, in fragment order), in kSplit the warps' exchange (block maxima [warps][16],
+// partial sums [warps][2][32], p as bf16 fragments [16 tiles][2][32]), then the tile's query ranges.
 struct TcSmem {
-    int64_t ring, q, run, tokens, total;
+    int64_t ring, q, run, xchg, tokens, total;
 };
 __host__ __device__ inline TcSmem tc_smem(int head_dim, int warps, bool whole) {
     TcSmem s{};
+    const int rows = tc_rows(warps, whole);
     s.ring = 0;
-    s.q = int64_t{kTcSlots} * kTcPage * head_dim * 2;
-    s.run = s.q + int64_t{tc_rows(warps)} * head_dim * 2;
-    s.tokens = s.run + (whole ? int64_t{tc_rows(warps)} * head_dim * 4 : 0);
-    s.total = s.tokens + int64_t{kTcMaxTokens} * (2 * 8 + 2 * 4) + kTcSlots * 4;
+    s.q = int64_t{tc_slots(whole)} * kTcPage * head_dim * 2;
+    s.run = s.q + int64_t{rows} * head_dim * 2;
+    s.xchg = s.run + (whole ? int64_t{rows} * head_dim * 4 : 0);
+    s.tokens = s.xchg + (whole ? 0 : int64_t{warps} * (16 + 2 * 32) * 4 + 16 * 2 * 32 * 4);
+    s.total = s.tokens + int64_t{kTcMaxTokens} * (2 * 8 + 2 * 4) + tc_slots(whole) * 4;
     return s;
 }
 
@@ -975,20 +985,36 @@ __device__ __forceinline__ uint4 tc_decode8(KvFormat f, const std::byte *row, in
     u.w = pack_bf16(v[6], v[7]);
     return u;
 }
+
+// v[0] = the pairwise tree of v[0 .. n): ((v0 + v1) + (v2 + v3)) + ... (n a power of two).
+template <int n>
+__device__ __forceinline__ float tc_tree(float (&v)[n]) {
+#pragma unroll
+    for (int w = 1; w < n; w *= 2) {
+#pragma unroll
+        for (int i = 0; i + w < n; i += 2 * w) v[i] = v[i] + v[i + w];
+    }
+    return v[0];
+}
 #endif
 
 template <AttnMode kMode, int HD, int kWarps>
-__global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3)
+__global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1)
     attention_tc_kernel(const AttentionArgs a) {
     pdl_enter();
 #if defined(MEMRA_ATTENTION_CLUSTERS) && defined(__CUDA_ARCH__)
+    constexpr bool kWholeMode = kMode == AttnMode::kWhole;
     constexpr int kThreadsTc = 32 * kWarps;
-    constexpr int kRows = tc_rows(kWarps);
+    constexpr int kShare = kWholeMode ? 1 : kWarps;  // warps sharing a group of 16 rows
+    constexpr int kRows = tc_rows(kWarps, kWholeMode);
+    constexpr int kSlots = tc_slots(kWholeMode);
     constexpr int kChunks = HD / 8;
     constexpr int kKSteps = HD / 16;
     constexpr int kDimTiles = HD / 8;
+    constexpr int kTilesW = 8 / kShare;         // a warp's score tiles per page
+    constexpr int kDimsW = kDimTiles / kShare;  // a warp's dim tiles
+    static_assert(kTilesW >= 1 && kDimsW >= 2 && kDimsW % 2 == 0, "a warp takes whole tiles and dim tile pairs");
     constexpr int kSlotBytes = kTcPage * HD * 2;
-    constexpr bool kWholeMode = kMode == AttnMode::kWhole;
     const float kNegInf = -__int_as_float(0x7f800000);
     extern __shared__ float4 smem4[];
     std::byte *smem = reinterpret_cast<std::byte *>(smem4);
@@ -996,6 +1022,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3
     std::byte *s_ring = smem + lay.ring;
     std::byte *s_q = smem + lay.q;
     float *s_run = reinterpret_cast<float *>(smem + lay.run);
+    float *s_max = reinterpret_cast<float *>(smem + lay.xchg);              // [kShare][16]
+    float *s_sum = s_max + kShare * 16;                                     // [kShare][2][32]
+    uint32_t *s_p = reinterpret_cast<uint32_t *>(s_sum + kShare * 2 * 32);  // [16][2][32]
     int64_t *s_lo = reinterpret_cast<int64_t *>(smem + lay.tokens);
     int64_t *s_hi = s_lo + kTcMaxTokens;
     int32_t *s_seq = reinterpret_cast<int32_t *>(s_hi + kTcMaxTokens);
@@ -1005,6 +1034,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3
     const int tid = static_cast<int>(threadIdx.x);
     const int warp = tid / 32;
     const int lane = tid % 32;
+    const int part = warp % kShare;  // the warp's share of its rows' tiles and dims
+    const int rg = warp / kShare;    // the warp's group of 16 rows
     const int T = a.tc_tokens, H = a.tc_heads;
     int64_t tile = blockIdx.x;
     const int ht = static_cast<int>(tile % a.tc_head_tiles);
@@ -1037,13 +1068,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3
     }
     __syncthreads();
 
-    // The thread's two rows (fragment rows lane / 4 and lane / 4 + 8 of its warp).
+    // The thread's two rows (fragment rows lane / 4 and lane / 4 + 8 of its group).
     const int quad = lane % 4;
     int row_t[2], row_j[2];
     bool row_real[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + lane / 4 + 8 * h;
+        const int r = rg * 16 + lane / 4 + 8 * h;
         row_t[h] = r / H;
         row_j[h] = ht * H + r % H;
         row_real[h] = r < T * H && row_t[h] < n_tok && row_j[h] < a.group;
@@ -1093,7 +1124,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3
 
         // Step s stages page (s % 4) of block b_first + s / 4: K pages 0, 1 then V pages 0, 1.
         const auto load = [&](int s) {
-            const int slot = s % kTcSlots;
+            const int slot = s % kSlots;
             const int kind = s % 4;
             const bool is_v = kind >= 2;
             const int64_t p0 = (b_first + s / 4) * kBlockRows + (kind & 1) * kTcPage;
@@ -1121,61 +1152,82 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3
             }
         };
 
-        float m[2], l[2], acc[kDimTiles][4];
+        float m[2], l[2], acc[kDimsW][4];
         float run_m[2] = {0.0f, 0.0f}, run_l[2] = {0.0f, 0.0f};
         bool has_run[2] = {false, false};
-        float sc[16][4];    // the block's scores, then p
-        uint32_t pa[8][4];  // p as bf16 A fragments, by k16 step of the block
+        float sc[2 * kTilesW][4];            // the warp's tiles of the block's scores, then p: page 0's, then page 1's
+        uint32_t pa[kShare > 1 ? 1 : 8][4];  // p as bf16 A fragments by k16 step of the block (kSplit: in s_p)
 #pragma unroll
-        for (int s = 0; s < kTcSlots - 1; ++s) {
+        for (int s = 0; s < kSlots - 1; ++s) {
             if (s < n_steps) load(s);
             cp_async_commit();
         }
-        // Step `step`: waits for its page, issues the page kTcSlots - 1 steps on, and returns its slot's address
+        // Step `step`: waits for its page, issues the page kSlots - 1 steps on, and returns its slot's address
         // after folding the slot's missing-page mark into the rows that see one of its positions.
         const auto enter = [&](int step, int64_t p0) {
-            cp_async_wait_pending<kTcSlots - 2>();
+            cp_async_wait_pending<kSlots - 2>();
             __syncthreads();
-            if (step + kTcSlots - 1 < n_steps) load(step + kTcSlots - 1);
+            if (step + kSlots - 1 < n_steps) load(step + kSlots - 1);
             cp_async_commit();
-            const int slot = step % kTcSlots;
+            const int slot = step % kSlots;
             if (s_bad[slot] != 0) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) bad[h] = bad[h] || (lo_r[h] <= p0 + kTcPage - 1 && hi_r[h] >= p0);
             }
             return ring_base + static_cast<uint32_t>(slot * kSlotBytes);
         };
-        // Scores of a page's 64 positions: the block's n8 tiles 8 * half .. 8 * half + 7.
+        // The block's n8 tile of the warp's local score tile i.
+        const auto tile_of = [&](int i) { return 8 * (i / kTilesW) + part * kTilesW + i % kTilesW; };
+        // Scores of the warp's tiles in a page of 64 positions (page `half` of the block).
         const auto score = [&](auto half_c, uint32_t slot_base) {
             constexpr int half = decltype(half_c)::value;
 #pragma unroll
-            for (int n = 8 * half; n < 8 * half + 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+            for (int i = kTilesW * half; i < kTilesW * half + kTilesW; ++i)
+                sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.0f;
             const int mat = lane / 8;
+            const int r0 = 8 * part * kTilesW;  // the warp's first position in the page
 #pragma unroll
             for (int kk = 0; kk < kKSteps; ++kk) {
                 uint32_t qa[4];
-                ldmatrix_x4(qa, q_base + tc_offset<HD>(warp * 16 + lane % 8 + (mat & 1) * 8, 2 * kk + mat / 2));
+                ldmatrix_x4(qa, q_base + tc_offset<HD>(rg * 16 + lane % 8 + (mat & 1) * 8, 2 * kk + mat / 2));
+                if constexpr (kTilesW == 1) {
+                    uint32_t kb[2];
+                    ldmatrix_x2(kb, slot_base + tc_offset<HD>(r0 + lane % 8, 2 * kk + (mat & 1)));
+                    mma_bf16(sc[half], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+                } else {
 #pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    uint32_t kb[4];
-                    ldmatrix_x4(kb, slot_base + tc_offset<HD>(16 * np + lane % 8 + (mat / 2) * 8, 2 * kk + (mat & 1)));
-                    mma_bf16(sc[8 * half + 2 * np], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
-                    mma_bf16(sc[8 * half + 2 * np + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
+                    for (int np = 0; np < kTilesW / 2; ++np) {
+                        uint32_t kb[4];
+                        ldmatrix_x4(
+                            kb, slot_base + tc_offset<HD>(r0 + 16 * np + lane % 8 + (mat / 2) * 8, 2 * kk + (mat & 1)));
+                        mma_bf16(sc[kTilesW * half + 2 * np], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+                        mma_bf16(sc[kTilesW * half + 2 * np + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
+                    }
                 }
             }
         };
-        // acc += P . V over a page's 64 positions: the block's k16 steps 4 * half .. 4 * half + 3.
+        // acc += P . V over a page's 64 positions (the block's k16 steps 4 * half .. 4 * half + 3), in the warp's
+        // dim tiles.
         const auto sum_values = [&](auto half_c, uint32_t slot_base) {
             constexpr int half = decltype(half_c)::value;
             const int mat = lane / 8;
 #pragma unroll
             for (int k4 = 0; k4 < 4; ++k4) {
-                const uint32_t(&p)[4] = pa[4 * half + k4];
+                const int kk = 4 * half + k4;
+                uint32_t p[4];
 #pragma unroll
-                for (int dp = 0; dp < kDimTiles / 2; ++dp) {
+                for (int r = 0; r < 4; ++r) {
+                    if constexpr (kShare > 1) {
+                        p[r] = s_p[(4 * kk + r) * 32 + lane];
+                    } else {
+                        p[r] = pa[kk][r];
+                    }
+                }
+#pragma unroll
+                for (int dp = 0; dp < kDimsW / 2; ++dp) {
                     uint32_t vb[4];
-                    ldmatrix_x4_trans(vb,
-                                      slot_base + tc_offset<HD>(16 * k4 + lane % 8 + (mat & 1) * 8, 2 * dp + mat / 2));
+                    ldmatrix_x4_trans(vb, slot_base + tc_offset<HD>(16 * k4 + lane % 8 + (mat & 1) * 8,
+                                                                    part * kDimsW + 2 * dp + mat / 2));
                     mma_bf16(acc[2 * dp], p[0], p[1], p[2], p[3], vb[0], vb[1]);
                     mma_bf16(acc[2 * dp + 1], p[0], p[1], p[2], p[3], vb[2], vb[3]);
                 }
@@ -1192,58 +1244,102 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3
                     l[h] = 0.0f;
                 }
 #pragma unroll
-                for (int n = 0; n < kDimTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+                for (int n = 0; n < kDimsW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
             }
             score(kFirst, enter(step, block0));
             score(kSecond, enter(step + 1, block0 + kTcPage));
-            // The block's softmax step.
+            // The block's softmax step: the maxima first (over the warps sharing the rows), then p and b_sum.
+            float bm[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int lo_rel = static_cast<int>(imin(imax(lo_r[h] - block0, -1), kBlockRows));
                 const int hi_rel = static_cast<int>(imin(imax(hi_r[h] - block0, -1), kBlockRows));
-                float bm = kNegInf;
+                bm[h] = kNegInf;
 #pragma unroll
-                for (int n = 0; n < 16; ++n) {
+                for (int i = 0; i < 2 * kTilesW; ++i) {
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const int off = 8 * n + 2 * quad + c;
-                        const float s = sc[n][2 * h + c] * a.scale;
+                        const int off = 8 * tile_of(i) + 2 * quad + c;
+                        const float s = sc[i][2 * h + c] * a.scale;
                         const float sv = off >= lo_rel && off <= hi_rel ? s : kNegInf;
-                        sc[n][2 * h + c] = sv;
-                        bm = fmaxf(bm, sv);
+                        sc[i][2 * h + c] = sv;
+                        bm[h] = fmaxf(bm[h], sv);
                     }
                 }
-                bm = fmaxf(bm, __shfl_xor_sync(kFullMask, bm, 1));
-                bm = fmaxf(bm, __shfl_xor_sync(kFullMask, bm, 2));
-                const float m_new = fmaxf(m[h], bm);
-                const bool live = m_new != kNegInf;
-                const float alpha = !live ? 1.0f : (m[h] == kNegInf ? 0.0f : tc_exp(m[h] - m_new));
-                float b_sum = 0.0f;
+                bm[h] = fmaxf(bm[h], __shfl_xor_sync(kFullMask, bm[h], 1));
+                bm[h] = fmaxf(bm[h], __shfl_xor_sync(kFullMask, bm[h], 2));
+                if constexpr (kShare > 1) {
+                    if (quad == 0) s_max[part * 16 + lane / 4 + 8 * h] = bm[h];
+                }
+            }
+            if constexpr (kShare > 1) {
+                __syncthreads();
 #pragma unroll
-                for (int n = 0; n < 16; ++n) {
+                for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                    for (int w = 0; w < kShare; ++w) bm[h] = fmaxf(bm[h], s_max[w * 16 + lane / 4 + 8 * h]);
+                }
+            }
+            float alpha[2], b_sum[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float m_new = fmaxf(m[h], bm[h]);
+                const bool live = m_new != kNegInf;
+                alpha[h] = !live ? 1.0f : (m[h] == kNegInf ? 0.0f : tc_exp(m[h] - m_new));
+                m[h] = m_new;
+                float y[kTilesW];
+#pragma unroll
+                for (int i = 0; i < 2 * kTilesW; ++i) {
+                    float x = 0.0f;
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const float p = live ? tc_exp(sc[n][2 * h + c] - m_new) : 0.0f;
-                        sc[n][2 * h + c] = p;
-                        b_sum = b_sum + p;
+                        const float p = live ? tc_exp(sc[i][2 * h + c] - m_new) : 0.0f;
+                        sc[i][2 * h + c] = p;
+                        x = c == 0 ? p : x + p;
+                    }
+                    if (i < kTilesW) {
+                        y[i] = x;
+                    } else {
+                        y[i - kTilesW] = y[i - kTilesW] + x;
                     }
                 }
-                b_sum = b_sum + __shfl_xor_sync(kFullMask, b_sum, 1);
-                b_sum = b_sum + __shfl_xor_sync(kFullMask, b_sum, 2);
-                l[h] = l[h] * alpha + b_sum;
-                m[h] = m_new;
+                b_sum[h] = tc_tree(y);
+                if constexpr (kShare > 1) s_sum[(part * 2 + h) * 32 + lane] = b_sum[h];
+            }
+            if constexpr (kShare > 1) {
 #pragma unroll
-                for (int n = 0; n < kDimTiles; ++n) {
-                    acc[n][2 * h] = acc[n][2 * h] * alpha;
-                    acc[n][2 * h + 1] = acc[n][2 * h + 1] * alpha;
+                for (int i = 0; i < 2 * kTilesW; ++i) {
+                    const int n = tile_of(i);
+                    s_p[(2 * n) * 32 + lane] = pack_bf16(sc[i][0], sc[i][1]);
+                    s_p[(2 * n + 1) * 32 + lane] = pack_bf16(sc[i][2], sc[i][3]);
+                }
+                __syncthreads();
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float parts[kShare];
+#pragma unroll
+                    for (int w = 0; w < kShare; ++w) parts[w] = s_sum[(w * 2 + h) * 32 + lane];
+                    b_sum[h] = tc_tree(parts);
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < 8; ++kk) {
+                    pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
+                    pa[kk][1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+                    pa[kk][2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                    pa[kk][3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
                 }
             }
 #pragma unroll
-            for (int kk = 0; kk < 8; ++kk) {
-                pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
-                pa[kk][1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
-                pa[kk][2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                pa[kk][3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            for (int h = 0; h < 2; ++h) {
+                b_sum[h] = b_sum[h] + __shfl_xor_sync(kFullMask, b_sum[h], 1);
+                b_sum[h] = b_sum[h] + __shfl_xor_sync(kFullMask, b_sum[h], 2);
+                l[h] = l[h] * alpha[h] + b_sum[h];
+#pragma unroll
+                for (int n = 0; n < kDimsW; ++n) {
+                    acc[n][2 * h] = acc[n][2 * h] * alpha[h];
+                    acc[n][2 * h + 1] = acc[n][2 * h + 1] * alpha[h];
+                }
             }
             sum_values(kFirst, enter(step + 2, block0));
             sum_values(kSecond, enter(step + 3, block0 + kTcPage));
@@ -1258,13 +1354,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 3
                     const int64_t item = (i * a.n_kv_heads + g) * a.batches + row_j[h] / kHeadBatch;
                     const int jj = row_j[h] % kHeadBatch;
                     float *st = a.split_ws + (item * a.max_splits + blockIdx.y) * split_state_floats(HD);
-                    if (quad == 0) {
+                    if (quad == 0 && part == 0) {
                         st[jj] = bad[h] ? u32_as_f32(0x7fc00000u) : m[h];
                         st[kHeadBatch + jj] = l[h];
                     }
-                    float *sa = st + 2 * kHeadBatch + jj * HD + 2 * quad;
+                    float *sa = st + 2 * kHeadBatch + jj * HD + 8 * part * kDimsW + 2 * quad;
 #pragma unroll
-                    for (int n = 0; n < kDimTiles; ++n) {
+                    for (int n = 0; n < kDimsW; ++n) {
                         sa[8 * n] = acc[n][2 * h];
                         sa[8 * n + 1] = acc[n][2 * h + 1];
                     }
@@ -1500,10 +1596,10 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
 
     if (tensor_core_attention(layer.k_format, head_dim)) {
         const bool tc_split = split && n_q <= kTcSplitMaxQueries;
-        const int warps = tc_split ? kTcSplitWarps : kTcWholeWarps;
-        a.tc_heads = static_cast<int>(std::min<int64_t>(group, tc_rows(warps)));
+        const int warps = tc_split ? tc_split_warps(a.head_dim) : kTcWholeWarps;
+        a.tc_heads = static_cast<int>(std::min<int64_t>(group, tc_rows(warps, !tc_split)));
         a.tc_head_tiles = static_cast<int>((group + a.tc_heads - 1) / a.tc_heads);
-        a.tc_tokens = tc_split ? 1 : tc_rows(warps) / a.tc_heads;
+        a.tc_tokens = tc_split ? 1 : tc_rows(warps, true) / a.tc_heads;
         const auto aligned = [](int64_t x) { return x % 16 == 0; };
         a.tc_async = reinterpret_cast<uintptr_t>(layer.base) % 16 == 0 && aligned(layer.page_bytes) &&
                      aligned(layer.k_offset) && aligned(layer.v_offset) && aligned(layer.k_row_bytes) &&
@@ -1521,15 +1617,15 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
         cudaError_t err = cudaSuccess;
         switch (a.head_dim) {
             case 32:
-                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 32, kTcSplitWarps>)
+                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 32, tc_split_warps(32)>)
                                : launch(attention_tc_kernel<AttnMode::kWhole, 32, kTcWholeWarps>);
                 break;
             case 64:
-                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 64, kTcSplitWarps>)
+                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 64, tc_split_warps(64)>)
                                : launch(attention_tc_kernel<AttnMode::kWhole, 64, kTcWholeWarps>);
                 break;
             default:
-                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 128, kTcSplitWarps>)
+                err = tc_split ? launch(attention_tc_kernel<AttnMode::kSplit, 128, tc_split_warps(128)>)
                                : launch(attention_tc_kernel<AttnMode::kWhole, 128, kTcWholeWarps>);
                 break;
         }
