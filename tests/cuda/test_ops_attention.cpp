@@ -464,14 +464,19 @@ float tensor_core_bound(const Case &c) {
     return std::ldexp(v_max, -7);
 }
 
+// The GPU's result against the CPU's bits (NaN as NaN).
+void expect_cpu_bits(const Case &c, const Floats &got, const Floats &want, const std::string &what) {
+    int64_t first = -1;
+    EXPECT_EQ(mismatches(got, want, &first), 0)
+        << what << "; first at query " << (first < 0 ? -1 : first / c.q_row()) << " head "
+        << (first < 0 ? -1 : first % c.q_row() / c.cfg.head_dim) << ": got " << (first < 0 ? 0.0f : got[sz(first)])
+        << " want " << (first < 0 ? 0.0f : want[sz(first)]);
+}
+
 // The GPU's result against the CPU's: bits (NaN as NaN), or on the tensor cores within tensor_core_bound.
 void expect_near_cpu(const Case &c, const Floats &got, const Floats &want, const std::string &what) {
     if (!on_tensor_cores(c.cfg)) {
-        int64_t first = -1;
-        EXPECT_EQ(mismatches(got, want, &first), 0)
-            << what << "; first at query " << (first < 0 ? -1 : first / c.q_row()) << " head "
-            << (first < 0 ? -1 : first % c.q_row() / c.cfg.head_dim) << ": got " << (first < 0 ? 0.0f : got[sz(first)])
-            << " want " << (first < 0 ? 0.0f : want[sz(first)]);
+        expect_cpu_bits(c, got, want, what);
         return;
     }
     const float tol = tensor_core_bound(c);
@@ -815,9 +820,9 @@ TEST(CudaAttention, OtherShapes) {
 }
 
 // Data on which the tensor cores' sums are exact, so that the GPU must give the CPU's bits: query head h is one-hot
-// (1 at dim h % head_dim), every key value is 0 or -2048 (a score of 0 or -2048 * scale, whose weight
-// exp_f32(s - m) is exactly 1 or underflows to 0), the values small integers. Every sum is then an exact count or
-// integer sum in any order, and a row's output the mean of the values at the positions its head picks (all of its
+// (1 at dim h % head_dim), every key value is 0 or -2048 (a score of 0 or -2048 * scale, whose weight is exactly 1
+// or underflows to 0, by exp_f32 or the hardware's exp2), the values small integers. Every sum is then an exact count
+// or integer sum in any order, and a row's output the mean of the values at the positions its head picks (all of its
 // range where it picks none), times the gate: an error in positions, masks, pages, heads, splits or the merge
 // changes it.
 Case exact_case(const Config &cfg) {
@@ -867,11 +872,7 @@ TEST(CudaAttention, TensorCoresGiveTheCpuBitsOnExactData) {
             fill_both(c, pool);
             const Floats want = cpu_run(c, pool, c.queries);
             const GpuRun got = gpu_run(c, pool, c.queries);
-            int64_t first = -1;
-            EXPECT_EQ(mismatches(got.out, want, &first), 0)
-                << describe(cfg) << "; first at query " << (first < 0 ? -1 : first / c.q_row()) << " head "
-                << (first < 0 ? -1 : first % c.q_row() / head_dim) << ": got "
-                << (first < 0 ? 0.0f : got.out[sz(first)]) << " want " << (first < 0 ? 0.0f : want[sz(first)]);
+            expect_cpu_bits(c, got.out, want, describe(cfg));
             EXPECT_EQ(got.flag, 0) << describe(cfg);
         }
     }
@@ -1003,20 +1004,6 @@ TEST(CudaAttention, PerturbedKeyIsDetected) {
     }
 }
 
-void expect_bad_rows_flagged(KvFormat kf, KvFormat vf);
-
-// Inputs the CPU refuses by aborting: a visible block without a page, a page past the pool, a sequence index
-// past the block tables. Those rows come out NaN and raise the flag; the other rows of the step are unaffected.
-// Cases 0-2 make every row of sequence 1 bad; case 3 releases a page in sequence 0's second split (positions
-// 640-703), so only its rows at 700 and later see it (split-KV stores the refusal in that split's state, and the
-// merge meets it after a good split).
-TEST(CudaAttention, BadRowsRaiseTheFlag) {
-    MEMRA_SKIP_WITHOUT_GPU();
-    for (auto [kf, vf] : {std::pair{KvFormat::kQ8_0, KvFormat::kQ5_1}, std::pair{KvFormat::kBf16, KvFormat::kBf16}}) {
-        expect_bad_rows_flagged(kf, vf);
-    }
-}
-
 // The good rows keep the bits of the unbroken step: the CPU's, or on the tensor cores the GPU's own.
 void expect_bad_rows_flagged(KvFormat kf, KvFormat vf) {
     Config cfg = mixed_step(kf, vf, 70);
@@ -1049,6 +1036,18 @@ void expect_bad_rows_flagged(KvFormat kf, KvFormat vf) {
                 EXPECT_EQ(mismatches(g, w), 0) << "case " << what << " query " << i;
             }
         }
+    }
+}
+
+// Inputs the CPU refuses by aborting: a visible block without a page, a page past the pool, a sequence index
+// past the block tables. Those rows come out NaN and raise the flag; the other rows of the step are unaffected.
+// Cases 0-2 make every row of sequence 1 bad; case 3 releases a page in sequence 0's second split (positions
+// 640-703), so only its rows at 700 and later see it (split-KV stores the refusal in that split's state, and the
+// merge meets it after a good split).
+TEST(CudaAttention, BadRowsRaiseTheFlag) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    for (auto [kf, vf] : {std::pair{KvFormat::kQ8_0, KvFormat::kQ5_1}, std::pair{KvFormat::kBf16, KvFormat::kBf16}}) {
+        expect_bad_rows_flagged(kf, vf);
     }
 }
 

@@ -928,8 +928,8 @@ constexpr int kTcWholeWarps = 4;
 constexpr int64_t kTcSplitMaxQueries = 64;  // larger steps take kWhole (the same bits)
 constexpr int kTcMaxTokens = 16 * kTcWholeWarps;
 
-// Decode's warps per CTA: each sums the values into one pair of dim tiles at head_dim 128 (8 warps, one score
-// tile per page each), two at 64 (4 warps), one at 32 (2 warps).
+// Decode's warps per CTA: 8 at head_dim 128, 4 at 64, 2 at 32, so that each sums the values into one pair of dim
+// tiles (one ldmatrix .trans x4) and scores 8 / warps tiles of each page.
 __host__ __device__ constexpr int tc_split_warps(int head_dim) { return head_dim / 16; }
 __host__ __device__ constexpr int tc_slots(bool whole) { return whole ? 4 : 8; }
 __host__ __device__ constexpr int tc_rows(int warps, bool whole) { return whole ? 16 * warps : 16; }

@@ -66,8 +66,8 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
 // Whether paged_attention takes the tensor-core kernel for these keys: f32 or bf16 keys (rounded to bf16) at
 // head_dim 32, 64 or 128. Per query row and head, over the blocked order's blocks of 128 and splits of 512
 // positions (aligned to 0): the scores are mma.sync m16n8k16 sums (head_dim / 16 chained k16 steps from zero over
-// the query rounded to bf16) times scale; the block max m_new, alpha and p = exp_f32(s - m_new) as the CPU forms
-// them; l = l * alpha + the block's sum of p in a fixed lane order; acc = acc * alpha, then 8 chained k16 steps of
+// the query rounded to bf16) times scale; the block max m_new; alpha and p by the hardware's exp2 (exactly 1 at the
+// maximum); l = l * alpha + the block's sum of p in one fixed tree; acc = acc * alpha, then 8 chained k16 steps of
 // bf16(p) by the values (decoded, rounded to bf16) in position order; the splits merge left to right as the CPU's.
 // The same bits come out for split-KV and one launch, in every batch and tile; against the CPU's blocked order a
 // measured tolerance (tests/cuda).
