@@ -273,13 +273,14 @@ void bm_e4m3_grouped(benchmark::State &state) {
     time_and_report(state, launch, static_cast<double>(weight_bytes), 2.0 * static_cast<double>(pairs * rows * k));
 }
 
-// args: positions, query heads, window (0: full), split (0/1), q8q5 (0/1), batch, prefill (0/1). The release
+// args: positions, query heads, window (0: full), split (0-3), q8q5 (0/1), batch, prefill (0/1). The release
 // architecture's attention (8 kv heads of 128 in 64-row pages, bf16 K and V, or q8_0 K and q5_1 V with q8q5) over
 // `batch` sequences, each `positions` long in pages of its own. Decode (prefill 0): one row per sequence, at its last
 // position; K9 is a full layer at 8K positions (33.5 MB of bf16 K and V), K10 a sliding layer of 96 heads over its
-// 512-position window, K8 32 or 128 sequences at 4K (537 MB / 2.1 GB of bf16 K and V). Prefill (1): every position's
-// row of one sequence, causal (K7), with TFLOP/s over the causal products (4 head_dim heads S (S + 1) / 2). split 1
-// gives the split-KV launches their workspace; split 0 runs one cluster per work item over every split (the same
+// 512-position window at 4K, K8 32 or 128 sequences at 4K (537 MB / 2.1 GB of bf16 K and V). Prefill (1): every
+// position's row of one sequence, causal (K7), with TFLOP/s over the causal products (4 head_dim heads S (S + 1) /
+// 2). split 1 gives the split-KV launches a workspace for any shape and lets paged_attention pick (as the engine
+// does), 2 a CTA per split, 3 a CTA per block; split 0 runs one launch per work item over every split (the same
 // bits). KV_GB/s: the K and V bytes the rows see.
 void bm_attention(benchmark::State &state) {
     if (!gpu_present()) {
@@ -289,7 +290,9 @@ void bm_attention(benchmark::State &state) {
     const int64_t positions = state.range(0);
     const int64_t heads = state.range(1);
     const int64_t window = state.range(2);
-    const bool split = state.range(3) != 0;
+    const int64_t split = state.range(3);
+    const cuda::SplitCtas ctas =
+        split == 2 ? cuda::SplitCtas::kSplits : (split == 3 ? cuda::SplitCtas::kBlocks : cuda::SplitCtas::kAuto);
     const bool quant = state.range(4) != 0;  // q8_0 keys and q5_1 values instead of bf16 ones
     const int64_t batch = state.range(5);
     const bool prefill = state.range(6) != 0;
@@ -330,7 +333,10 @@ void bm_attention(benchmark::State &state) {
     DeviceBlock out(static_cast<size_t>(n_q * heads * kHeadDim * 4), false);
     cpu::AttentionShape shape{heads, kKvHeads, kHeadDim, window, 1.0f / 11.3137085f};
     shape.blocked = true;
-    const int64_t ws_floats = split ? cuda::paged_attention_split_floats(shape, n_q, seq_pages) : 0;
+    const int64_t ws_floats =
+        split != 0 ? cuda::paged_attention_split_floats(
+                         shape, n_q, seq_pages, split == 2 ? cuda::SplitCtas::kSplits : cuda::SplitCtas::kBlocks)
+                   : 0;
     DeviceBlock ws(static_cast<size_t>(std::max<int64_t>(ws_floats, 1)) * 4, false);
     size_t turn = 0;
     const auto launch = [&] {
@@ -339,7 +345,7 @@ void bm_attention(benchmark::State &state) {
             shape, static_cast<const float *>(q->ptr), heads * kHeadDim, static_cast<const int64_t *>(d_pos->ptr),
             static_cast<const int32_t *>(d_seq->ptr), n_q, l, static_cast<const int32_t *>(d_table->ptr), seq_pages,
             batch, 0, nullptr, 0, static_cast<float *>(out.ptr), nullptr, nullptr,
-            split ? static_cast<float *>(ws.ptr) : nullptr, ws_floats);
+            split != 0 ? static_cast<float *>(ws.ptr) : nullptr, ws_floats, ctas);
         if (e != cudaSuccess) std::fprintf(stderr, "attention: %s\n", cudaGetErrorString(e));
     };
     const int64_t seen = window > 0 ? std::min(window, positions) : positions;
@@ -452,9 +458,10 @@ BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K", "experts", "pairs"})->Args({2
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_attention)
     ->ArgNames({"positions", "heads", "window", "split", "q8q5", "batch", "prefill"})
-    ->ArgsProduct({{8192}, {64}, {0}, {0, 1}, {0, 1}, {1}, {0}})
-    ->Args({512, 96, 512, 1, 0, 1, 0})
-    ->Args({512, 96, 512, 1, 1, 1, 0})
+    ->ArgsProduct({{8192}, {64}, {0}, {0, 1, 2, 3}, {0}, {1}, {0}})
+    ->Args({8192, 64, 0, 1, 1, 1, 0})
+    ->ArgsProduct({{4096}, {96}, {512}, {1, 2, 3}, {0}, {1}, {0}})
+    ->Args({4096, 96, 512, 1, 1, 1, 0})
     ->Args({4096, 64, 0, 1, 1, 1, 0})
     ->ArgsProduct({{4096}, {64}, {0}, {1}, {0}, {32, 128}, {0}})
     ->ArgsProduct({{512, 2048, 8192}, {64}, {0}, {0}, {0}, {1}, {1}})

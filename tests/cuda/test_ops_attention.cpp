@@ -415,19 +415,21 @@ struct GpuRun {
     int32_t flag = 0;
 };
 
-// The GPU: cuda::round_rows, then cuda::paged_attention over the device pool, with a split workspace or without.
-GpuRun gpu_run_mode(const Case &c, const Pool &pool, const Queries &qs, bool split) {
+// The GPU: cuda::round_rows, then cuda::paged_attention over the device pool, with a split workspace for `ctas`
+// or without.
+GpuRun gpu_run_mode(const Case &c, const Pool &pool, const Queries &qs, bool split,
+                    SplitCtas ctas = SplitCtas::kSplits) {
     DeviceBuffer d_q = to_device(qs.q), d_pos = to_device(qs.pos), d_seq = to_device(qs.seq);
     DeviceBuffer d_bt = to_device(qs.bt), d_gate = to_device(qs.gate);
     DeviceBuffer d_out(sz(qs.n() * c.q_row()) * sizeof(float));
     DeviceBuffer d_flag = to_device(std::vector<int32_t>{0});
-    const int64_t ws_floats = split ? paged_attention_split_floats(c.shape, qs.n(), qs.bt_stride) : 0;
+    const int64_t ws_floats = split ? paged_attention_split_floats(c.shape, qs.n(), qs.bt_stride, ctas) : 0;
     DeviceBuffer d_ws(sz(std::max<int64_t>(ws_floats, 1)) * sizeof(float));
     EXPECT_EQ(round_rows(d_q.as<float>(), qs.n(), c.q_row(), c.rounding, nullptr), cudaSuccess);
     EXPECT_EQ(paged_attention(c.shape, d_q.as<float>(), c.q_row(), d_pos.as<int64_t>(), d_seq.as<int32_t>(), qs.n(),
                               pool.device_layer(), d_bt.as<int32_t>(), qs.bt_stride, qs.n_seqs, c.cfg.first_pos,
                               qs.gate.empty() ? nullptr : d_gate.as<float>(), c.shape.n_heads, d_out.as<float>(),
-                              d_flag.as<int32_t>(), nullptr, split ? d_ws.as<float>() : nullptr, ws_floats),
+                              d_flag.as<int32_t>(), nullptr, split ? d_ws.as<float>() : nullptr, ws_floats, ctas),
               cudaSuccess);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     GpuRun r;
@@ -437,16 +439,21 @@ GpuRun gpu_run_mode(const Case &c, const Pool &pool, const Queries &qs, bool spl
     return r;
 }
 
-// Both launch shapes: one cluster per work item over every split, and split-KV (every case with a range past 512
-// positions splits). They must give the same bits (NaN rows as NaN) and flags; the result is returned once.
+// Every launch shape: one cluster (or tensor-core CTA) per work item over every split, and split-KV (every case
+// with a range past 512 positions splits) with a CTA per split and with a CTA per block of 128 positions (the
+// tensor-core kernel; the others run that by splits). They must give the same bits (NaN rows as NaN) and flags; the
+// result is returned once.
 GpuRun gpu_run(const Case &c, const Pool &pool, const Queries &qs) {
     GpuRun whole = gpu_run_mode(c, pool, qs, false);
     if (qs.n() > 0 && qs.bt_stride * kKvPageRows > 512) {
         EXPECT_GT(paged_attention_split_floats(c.shape, qs.n(), qs.bt_stride), 0) << describe(c.cfg);
-        const GpuRun split = gpu_run_mode(c, pool, qs, true);
-        EXPECT_EQ(bit_mismatches(split.out, whole.out), 0)
-            << "split-KV against one cluster per item, " << describe(c.cfg);
-        EXPECT_EQ(split.flag, whole.flag) << "split-KV flag, " << describe(c.cfg);
+        for (const SplitCtas ctas : {SplitCtas::kSplits, SplitCtas::kBlocks}) {
+            const GpuRun split = gpu_run_mode(c, pool, qs, true, ctas);
+            const char *how = ctas == SplitCtas::kSplits ? "a CTA per split" : "a CTA per block";
+            EXPECT_EQ(bit_mismatches(split.out, whole.out), 0)
+                << "split-KV, " << how << ", against one launch, " << describe(c.cfg);
+            EXPECT_EQ(split.flag, whole.flag) << "split-KV flag, " << how << ", " << describe(c.cfg);
+        }
     }
     return whole;
 }
@@ -844,7 +851,7 @@ Case exact_case(const Config &cfg) {
 
 // Every head_dim and group the tensor-core kernel takes, over f32 / bf16 keys and f32 / bf16 / q8_0 values (whose
 // decoded values stay exact in these sums), windows, first_pos and the gate cycling; groups of 8 and more at
-// head_dim 64 and 128 add a prefill chunk of 100 rows (tiles of many queries, past the split-KV step size); a group of
+// head_dim 64 and 128 add a prefill chunk of 140 rows (tiles of many queries, past the split-KV step size); a group of
 // 20 takes two tiles of heads (16 and 4).
 TEST(CudaAttention, TensorCoresGiveTheCpuBitsOnExactData) {
     MEMRA_SKIP_WITHOUT_GPU();
@@ -865,7 +872,7 @@ TEST(CudaAttention, TensorCoresGiveTheCpuBitsOnExactData) {
             cfg.first_pos = seed % 3 == 0 ? 200 : 0;
             cfg.gate = seed % 4 != 0;
             add_mixed_queries(cfg);
-            if (group >= 8 && head_dim >= 64) add_query_range(cfg, 0, 900, 1000);
+            if (group >= 8 && head_dim >= 64) add_query_range(cfg, 0, 900, 1040);
             ASSERT_TRUE(on_tensor_cores(cfg)) << describe(cfg);
             const Case c = exact_case(cfg);
             Pool pool(cfg.k_format, cfg.v_format, c.n_pages, cfg.n_kv_heads, cfg.head_dim);

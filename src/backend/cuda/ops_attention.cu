@@ -218,8 +218,12 @@ struct AttentionArgs {
     int64_t v_head_bytes;
     float scale;
     bool round_keys;     // f32 and bf16 keys are rounded to bf16 when read
-    float *split_ws;     // kSplit and the merge: [n_items, max_splits, split_state_floats(head_dim)]
-    int64_t max_splits;  // splits of an item's range at most (the grid's y of kSplit)
+    float *split_ws;     // kSplit and the merge: [n_items, max_splits * split_units, split_state_floats(head_dim)]
+    int64_t max_splits;  // splits of an item's range at most
+    // kSplit's units per split: 1 (a CTA runs a split) or kSplitRows / kBlockRows (the tensor-core kernel: a CTA
+    // runs one block of 128 positions); the grid's y is max_splits * split_units, the workspace holds as many states
+    // per item.
+    int64_t split_units;
     int64_t n_q;
     // attention_tc_kernel's tiles: tc_tokens queries by tc_heads query heads of one kv head, tc_head_tiles tiles
     // covering a kv head's group; tc_async: bf16 rows are 16-byte aligned, so they stage by cp.async.
@@ -253,12 +257,14 @@ __device__ Item item_of(const AttentionArgs &a, int64_t item) {
 }
 
 // The visible range [lo, hi] of query i, or false for a sequence index or position the CPU would refuse.
-__device__ bool visible_range(const AttentionArgs &a, int64_t i, int64_t &lo, int64_t &hi) {
-    hi = a.q_pos[i];
-    const int64_t seq = a.q_seq[i];
+__device__ bool visible_range_at(const AttentionArgs &a, int64_t pos, int64_t seq, int64_t &lo, int64_t &hi) {
+    hi = pos;
     if (seq < 0 || seq >= a.n_seqs || hi < a.first_pos || hi / kKvPageRows >= a.bt_stride) return false;
     lo = a.window > 0 ? imax(a.first_pos, hi - a.window + 1) : a.first_pos;
     return true;
+}
+__device__ bool visible_range(const AttentionArgs &a, int64_t i, int64_t &lo, int64_t &hi) {
+    return visible_range_at(a, a.q_pos[i], a.q_seq[i], lo, hi);
 }
 
 // The blocked order on a cluster of kClusterCtas CTAs per (work item, split). A split's positions sit in a frame
@@ -850,9 +856,37 @@ __global__ void MEMRA_CLUSTER_DIMS
 #endif
 }
 
+// e^x for the weights inside the tensor-core kernel and for its folds of blocks: the hardware's 2^x
+// (ex2.approx.ftz) of x * log2(e), exactly 1 at x = 0 (the block maximum's own weight). Deterministic on the device,
+// not the CPU's exp_f32 (the merge of splits keeps exp_f32, in both launch shapes).
+__device__ __forceinline__ float tc_exp(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+    return x == 0.0f ? 1.0f : y;
+}
+
+// The tensor-core kernel's fold of a block's state (bm, bl, bacc) into a split's running state (m, l, acc), both
+// live: M' = max(M, bm), fa = tc_exp(M - M'), fb = tc_exp(bm - M'), L' = L * fa + bl * fb, ACC' = ACC * fa +
+// bacc * fb. attention_tc_kernel takes the weights once per row and folds each accumulator with them.
+__device__ __forceinline__ float tc_fold_weights(float m, float bm, float &fa, float &fb) {
+    const float m_new = fmaxf(m, bm);
+    fa = tc_exp(m - m_new);
+    fb = tc_exp(bm - m_new);
+    return m_new;
+}
+__device__ __forceinline__ float tc_fold_value(float x, float fa, float bx, float fb) { return x * fa + bx * fb; }
+__device__ __forceinline__ void tc_fold(float &m, float &l, float &acc, float bm, float bl, float bacc) {
+    float fa = 0.0f, fb = 0.0f;
+    m = tc_fold_weights(m, bm, fa, fb);
+    l = tc_fold_value(l, fa, bl, fb);
+    acc = tc_fold_value(acc, fa, bacc, fb);
+}
+
 // kSplit's second launch: thread e of item blockIdx.x merges the (head j, dim d) pair e = j * head_dim + d of the
 // stored split states left to right, M' = max(M, m), L' = L * e^(M - M') + l * e^(m - M'), ACC likewise, and writes
-// out = ACC / L times the sigmoid gate; NaN outputs (and the error flag) for a refused query.
+// out = ACC / L times the sigmoid gate; NaN outputs (and the error flag) for a refused query. With split_units > 1
+// a split's state is first folded from its blocks' states, left to right by tc_fold, as the kernel that runs a
+// whole split folds them.
 __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const AttentionArgs a) {
     pdl_enter();
     const int64_t item = blockIdx.x;
@@ -865,27 +899,73 @@ __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const At
     bool bad = !visible_range(a, it.i, lo, hi);
     float o = 0.0f;
     if (!bad) {
+        // The pieces of the range in order: splits (split_units 1) or blocks; their states are loaded kAhead at a
+        // time before any is folded, so the loads overlap.
         const int64_t state = split_state_floats(hd);
-        const float *st = a.split_ws + item * a.max_splits * state;
-        const int64_t n_k = hi / kSplitRows - lo / kSplitRows + 1;
+        const int64_t per = a.split_units;  // 1 or kSplitRows / kBlockRows: powers of two
+        const int shift = per == 1 ? 0 : 2;
+        static_assert(kSplitRows / kBlockRows == 4, "a split is 4 blocks");
+        const float *states = a.split_ws + item * a.max_splits * per * state;
+        const int64_t s_first = lo / kSplitRows;
+        const int64_t first = per == 1 ? s_first : lo / kBlockRows;
+        const int64_t last = per == 1 ? hi / kSplitRows : hi / kBlockRows;
+        const float kNegInf = -__int_as_float(0x7f800000);
         float run_m = 0.0f, run_l = 0.0f, run_acc = 0.0f;
-        for (int64_t k = 0; k < n_k && !bad; ++k, st += state) {
-            const float m = st[j];
-            const float l = st[kHeadBatch + j];
-            const float acc = st[2 * kHeadBatch + e];
-            if (m != m) {
-                bad = true;  // a split whose pages were refused
-            } else if (k == 0) {
-                run_m = m;
-                run_l = l;
-                run_acc = acc;
-            } else {
-                const float m_next = m > run_m ? m : run_m;
-                const float fa = exp_f32(run_m - m_next);
-                const float fb = exp_f32(m - m_next);
-                run_l = run_l * fa + l * fb;
-                run_acc = run_acc * fa + acc * fb;
-                run_m = m_next;
+        float m = kNegInf, l = 0.0f, acc = 0.0f;  // the split's state (folded from its blocks' with split_units > 1)
+        constexpr int kAhead = 8;
+        for (int64_t p0 = first; p0 <= last; p0 += kAhead) {
+            float pm[kAhead], pl[kAhead], pacc[kAhead];
+#pragma unroll
+            for (int i = 0; i < kAhead; ++i) {
+                const int64_t p = p0 + i;
+                if (p > last) break;
+                const float *st = states + (((p >> shift) - s_first) * per + (p & (per - 1))) * state;
+                pm[i] = st[j];
+                pl[i] = st[kHeadBatch + j];
+                pacc[i] = st[2 * kHeadBatch + e];
+            }
+#pragma unroll
+            for (int i = 0; i < kAhead; ++i) {
+                const int64_t p = p0 + i;
+                if (p > last) break;
+                if (per == 1) {
+                    m = pm[i];
+                    l = pl[i];
+                    acc = pacc[i];
+                } else {
+                    // From the empty state; a block without a live position (m = -inf) leaves it, the first live
+                    // block is taken as it is, a refused one (NaN) marks the split (as attention_tc_kernel folds).
+                    if (p == first || (p & (per - 1)) == 0) {
+                        m = kNegInf;
+                        l = 0.0f;
+                        acc = 0.0f;
+                    }
+                    const float bm = pm[i];
+                    if (m == m && bm != kNegInf) {
+                        if (bm != bm || m == kNegInf) {
+                            m = bm;
+                            l = pl[i];
+                            acc = pacc[i];
+                        } else {
+                            tc_fold(m, l, acc, bm, pl[i], pacc[i]);
+                        }
+                    }
+                    if (p != last && ((p + 1) & (per - 1)) != 0) continue;  // the split goes on
+                }
+                if (m != m) {
+                    bad = true;  // a split whose pages were refused
+                } else if ((p >> shift) == s_first) {
+                    run_m = m;
+                    run_l = l;
+                    run_acc = acc;
+                } else {
+                    const float m_next = m > run_m ? m : run_m;
+                    const float fa = exp_f32(run_m - m_next);
+                    const float fb = exp_f32(m - m_next);
+                    run_l = run_l * fa + l * fb;
+                    run_acc = run_acc * fa + acc * fb;
+                    run_m = m_next;
+                }
             }
         }
         o = run_acc / run_l;
@@ -907,25 +987,30 @@ __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const At
 // 64 positions (k = 8 / warps) and sums the values into dim tiles w * d .. w * d + d - 1 (d = HD / 8 / warps), and
 // the warps exchange the block's maxima, the partial sums of p and p itself through shared memory. Rows are
 // independent in every instruction, and the shared work is split along positions and dims in the same fixed
-// trees, so a row's bits depend on nothing else in its CTA and both launch shapes give the same bits. Per row,
-// over the blocks of 128 and the splits of 512 positions of the blocked order:
+// trees, so a row's bits depend on nothing else in its CTA and every launch shape gives the same bits. Per row,
+// each block of 128 positions has its own state, and a split of 512 positions folds its blocks' states left to
+// right:
 //   S      = q . k by mma.sync m16n8k16 (bf16 in, fp32 accumulate): head_dim / 16 chained k16 steps from zero,
 //            then times scale; positions outside [lo, hi] are -inf.
-//   bm     = the block's max (fmaxf: NaN skipped), m_new = max(m, bm); a block with m_new = -inf leaves the state
-//            alone (alpha = 1, p = 0); alpha = m == -inf ? 0 : tc_exp(m - m_new).
-//   p      = tc_exp(s - m_new); l = l * alpha + b_sum. b_sum: each lane's x_n = p(n, 0) + p(n, 1) over its two
-//            columns of tile n, y_j = x_j + x_{j+8}, the tree ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)),
-//            then over the quad by xor 1 and xor 2.
-//   acc    = acc * alpha, then acc += bf16(p) . v by mma.sync: 8 chained k16 steps over the block's positions
-//            ascending, values decoded and rounded to bf16.
-// Splits start from m = -inf, l = +0, acc = +0 and merge left to right exactly as attention_merge_kernel does (in
-// kWhole inside the CTA, in kSplit by that kernel). Keys and values stream through a ring of pages (64 positions
-// of one kv head each; 4 slots in prefill, 8 in decode, where one CTA must keep the memory busy) by cp.async;
-// every thread of the CTA loads. The positions a tile stages are those its rows' ranges span; a position inside
-// that span but outside one row's range gets p = 0 for that row (its values must be finite, as written values are).
+//   bm     = the block's max (fmaxf: NaN skipped); a block with bm = -inf has no state (the fold skips it).
+//   p      = tc_exp(s - bm); b_sum: each lane's x_n = p(n, 0) + p(n, 1) over its two columns of tile n,
+//            y_j = x_j + x_{j+8}, the tree ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)), then over the quad by
+//            xor 1 and xor 2.
+//   c      = bf16(p) . v by mma.sync: 8 chained k16 steps from zero over the block's positions ascending, values
+//            decoded and rounded to bf16. The block's state is (bm, b_sum, c).
+//   fold   = a split starts empty (m = -inf, l = +0, acc = +0); its first block with a state is taken as it is,
+//            each later one folds in by tc_fold (weights by tc_exp).
+// Splits merge left to right exactly as attention_merge_kernel does (in kWhole inside the CTA, in kSplit by that
+// kernel). A kSplit CTA runs one split, or one block (split_units > 1: launches of few splits), whose state the
+// merge folds as the CTA would. Keys and values stream through a ring of pages (64 positions of one kv head each;
+// 4 slots in prefill, 8 in decode, where one CTA must keep the memory busy) by cp.async, a block's two K pages and
+// then its two V pages entering together; every thread of the CTA loads. The positions a tile stages are those its
+// rows' ranges span; a position inside that span but outside one row's range gets p = 0 for that row (its values must
+// be finite, as written values are).
 constexpr int kTcPage = static_cast<int>(kKvPageRows);  // positions per staged slot: one page
 constexpr int kTcWholeWarps = 4;
-constexpr int64_t kTcSplitMaxQueries = 64;  // larger steps take kWhole (the same bits)
+constexpr int64_t kTcSplitMaxQueries = 128;  // larger steps take kWhole (the same bits)
+constexpr int64_t kTcBlockCtasBelow = 66;    // a launch of fewer split CTAs runs a CTA per block instead
 constexpr int kTcMaxTokens = 16 * kTcWholeWarps;
 
 // Decode's warps per CTA: 8 at head_dim 128, 4 at 64, 2 at 32, so that each sums the values into one pair of dim
@@ -961,15 +1046,6 @@ __device__ __forceinline__ uint32_t tc_offset(int r, int c) {
     constexpr int kSwz = kChunks < 8 ? kChunks : 8;
     constexpr int kRowsPerLine = 8 / kSwz;
     return static_cast<uint32_t>(r * (HD * 2) + ((c ^ ((r / kRowsPerLine) % kSwz)) * 16));
-}
-
-// e^x for the weights inside the tensor-core kernel: the hardware's 2^x (ex2.approx.ftz) of x * log2(e), exactly 1
-// at x = 0 (the block maximum's own weight). Deterministic on the device, not the CPU's exp_f32 (the split merge
-// keeps exp_f32, in both launch shapes).
-__device__ __forceinline__ float tc_exp(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
-    return x == 0.0f ? 1.0f : y;
 }
 
 // 8 values of a row from `row` (the kv head's bytes) at dims [8 c, 8 c + 8), decoded and rounded to bf16.
@@ -1008,6 +1084,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
     constexpr int kShare = kWholeMode ? 1 : kWarps;  // warps sharing a group of 16 rows
     constexpr int kRows = tc_rows(kWarps, kWholeMode);
     constexpr int kSlots = tc_slots(kWholeMode);
+    constexpr int kHeld = 2;                // pages a step enters together: a block's two K or two V pages
+    constexpr int kAhead = kSlots - kHeld;  // pages in flight beyond those
     constexpr int kChunks = HD / 8;
     constexpr int kKSteps = HD / 16;
     constexpr int kDimTiles = HD / 8;
@@ -1015,6 +1093,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
     constexpr int kDimsW = kDimTiles / kShare;  // a warp's dim tiles
     static_assert(kTilesW >= 1 && kDimsW >= 2 && kDimsW % 2 == 0, "a warp takes whole tiles and dim tile pairs");
     constexpr int kSlotBytes = kTcPage * HD * 2;
+    constexpr int kLoadRows = kThreadsTc / kChunks;  // rows of a page the CTA stages per pass of 16-byte chunks
+    constexpr int kLoadPasses = kTcPage / kLoadRows;
+    static_assert(kThreadsTc % kChunks == 0 && kTcPage % kLoadRows == 0, "whole rows per pass");
     const float kNegInf = -__int_as_float(0x7f800000);
     extern __shared__ float4 smem4[];
     std::byte *smem = reinterpret_cast<std::byte *>(smem4);
@@ -1034,6 +1115,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
     const int tid = static_cast<int>(threadIdx.x);
     const int warp = tid / 32;
     const int lane = tid % 32;
+    const int ld_c = tid % kChunks, ld_r0 = tid / kChunks;  // the thread's chunk and first row in a page's loads
     const int part = warp % kShare;  // the warp's share of its rows' tiles and dims
     const int rg = warp / kShare;    // the warp's group of 16 rows
     const int T = a.tc_tokens, H = a.tc_heads;
@@ -1044,13 +1126,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
     const int64_t i0 = tile / a.n_kv_heads * T;
     const int n_tok = static_cast<int>(imin(T, a.n_q - i0));
 
+    // The token's position and sequence are loaded first and used after the queries' loads are out: the two
+    // memory latencies overlap.
+    int64_t my_pos = 0;
+    int32_t my_seq = -1;
     if (tid < n_tok) {
-        int64_t lo = 0, hi = -1;
-        const bool ok = visible_range(a, i0 + tid, lo, hi);
-        s_lo[tid] = lo;
-        s_hi[tid] = hi;
-        s_seq[tid] = a.q_seq[i0 + tid];
-        s_state[tid] = ok ? 1 : 0;
+        my_pos = a.q_pos[i0 + tid];
+        my_seq = a.q_seq[i0 + tid];
     }
     // The rows' queries as bf16 (nearest even), zero for rows past the tile.
     for (int e = tid; e < kRows * kChunks; e += kThreadsTc) {
@@ -1065,6 +1147,14 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
             u.w = pack_bf16(qr[6], qr[7]);
         }
         *reinterpret_cast<uint4 *>(s_q + tc_offset<HD>(r, c)) = u;
+    }
+    if (tid < n_tok) {
+        int64_t lo = 0, hi = -1;
+        const bool ok = visible_range_at(a, my_pos, my_seq, lo, hi);
+        s_lo[tid] = lo;
+        s_hi[tid] = hi;
+        s_seq[tid] = my_seq;
+        s_state[tid] = ok ? 1 : 0;
     }
     __syncthreads();
 
@@ -1101,12 +1191,18 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
         }
         int64_t split_lo = lo_min / kSplitRows, split_hi = hi_max / kSplitRows;
         if constexpr (!kWholeMode) {
-            split_lo += blockIdx.y;
+            split_lo += blockIdx.y / a.split_units;
             if (split_lo > split_hi) return;
             split_hi = split_lo;
         }
-        const int64_t p_first = imax(lo_min, split_lo * kSplitRows);
-        const int64_t p_last = imin(hi_max, split_hi * kSplitRows + kSplitRows - 1);
+        int64_t p_first = imax(lo_min, split_lo * kSplitRows);
+        int64_t p_last = imin(hi_max, split_hi * kSplitRows + kSplitRows - 1);
+        if (!kWholeMode && a.split_units > 1) {  // one block of the split
+            const int64_t blk = split_lo * (kSplitRows / kBlockRows) + blockIdx.y % a.split_units;
+            p_first = imax(p_first, blk * kBlockRows);
+            p_last = imin(p_last, blk * kBlockRows + kBlockRows - 1);
+            if (p_first > p_last) return;
+        }
         const int64_t b_first = p_first / kBlockRows, b_last = p_last / kBlockRows;
         const int n_steps = static_cast<int>(4 * (b_last - b_first + 1));
 
@@ -1122,15 +1218,31 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
         __syncthreads();  // every thread has read the pass's states before they change
         if (tid < n_tok && s_state[tid] == 1 && s_seq[tid] == seq) s_state[tid] = 2;
 
-        // Step s stages page (s % 4) of block b_first + s / 4: K pages 0, 1 then V pages 0, 1.
+        // The block table's entries for a block's two pages (-1 where the pass sees none of the page): read a
+        // block ahead of their use, so that no step waits on the table.
+        const auto pages_of = [&](int64_t block, int32_t(&pg)[2]) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int64_t p0 = block * kBlockRows + half * kTcPage;
+                const bool any = p0 <= p_last && p0 + kTcPage - 1 >= p_first;
+                pg[half] = any ? a.block_tables[seq * a.bt_stride + p0 / kTcPage] : -1;
+            }
+        };
+        int32_t pg_cur[2], pg_next[2];
+        pages_of(b_first, pg_next);
+        // Step s stages page (s % 4) of block b_first + s / 4: K pages 0, 1 then V pages 0, 1. Steps load in order.
         const auto load = [&](int s) {
             const int slot = s % kSlots;
             const int kind = s % 4;
             const bool is_v = kind >= 2;
+            if (kind == 0) {
+                pg_cur[0] = pg_next[0];
+                pg_cur[1] = pg_next[1];
+                pages_of(b_first + s / 4 + 1, pg_next);
+            }
             const int64_t p0 = (b_first + s / 4) * kBlockRows + (kind & 1) * kTcPage;
             const bool any = p0 <= p_last && p0 + kTcPage - 1 >= p_first;
-            int64_t page = -1;
-            if (any) page = a.block_tables[seq * a.bt_stride + p0 / kTcPage];
+            const int64_t page = pg_cur[kind & 1];
             const bool have = any && page >= 0 && page < a.layer.n_pages;
             if (tid == 0) s_bad[slot] = any && !have ? 1 : 0;
             const KvFormat f = is_v ? a.layer.v_format : a.layer.k_format;
@@ -1139,15 +1251,25 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
                                     g * (is_v ? a.v_head_bytes : a.k_head_bytes);
             const int64_t row_bytes = is_v ? a.layer.v_row_bytes : a.layer.k_row_bytes;
             std::byte *dst = s_ring + slot * kSlotBytes;
-            for (int e = tid; e < kTcPage * kChunks; e += kThreadsTc) {
-                const int r = e / kChunks, c = e % kChunks;
-                const bool live = have && p0 + r >= p_first && p0 + r <= p_last;
-                const std::byte *src = base + r * row_bytes;
-                if (f == KvFormat::kBf16 && a.tc_async) {
-                    cp_async16_zfill(dst + tc_offset<HD>(r, c), live ? src + 16 * c : a.layer.base, live ? 16 : 0);
-                } else {
-                    *reinterpret_cast<uint4 *>(dst + tc_offset<HD>(r, c)) =
-                        live ? tc_decode8(f, src, c) : make_uint4(0u, 0u, 0u, 0u);
+            // The thread's chunk ld_c of rows ld_r0, ld_r0 + kLoadRows, ...: fixed per thread, so the addresses are
+            // a few adds per copy.
+            const std::byte *src = base + ld_r0 * row_bytes;
+            if (f == KvFormat::kBf16 && a.tc_async) {
+#pragma unroll
+                for (int i = 0; i < kLoadPasses; ++i) {
+                    const int r = ld_r0 + i * kLoadRows;
+                    const bool live = have && p0 + r >= p_first && p0 + r <= p_last;
+                    cp_async16_zfill(dst + tc_offset<HD>(r, ld_c), live ? src + 16 * ld_c : a.layer.base,
+                                     live ? 16 : 0);
+                    src += kLoadRows * row_bytes;
+                }
+            } else {
+                for (int i = 0; i < kLoadPasses; ++i) {
+                    const int r = ld_r0 + i * kLoadRows;
+                    const bool live = have && p0 + r >= p_first && p0 + r <= p_last;
+                    *reinterpret_cast<uint4 *>(dst + tc_offset<HD>(r, ld_c)) =
+                        live ? tc_decode8(f, src, ld_c) : make_uint4(0u, 0u, 0u, 0u);
+                    src += kLoadRows * row_bytes;
                 }
             }
         };
@@ -1158,83 +1280,112 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
         float sc[2 * kTilesW][4];            // the warp's tiles of the block's scores, then p: page 0's, then page 1's
         uint32_t pa[kShare > 1 ? 1 : 8][4];  // p as bf16 A fragments by k16 step of the block (kSplit: in s_p)
 #pragma unroll
-        for (int s = 0; s < kSlots - 1; ++s) {
+        for (int s = 0; s < kAhead; ++s) {
             if (s < n_steps) load(s);
             cp_async_commit();
         }
-        // Step `step`: waits for its page, issues the page kSlots - 1 steps on, and returns its slot's address
-        // after folding the slot's missing-page mark into the rows that see one of its positions.
+        // Steps `step` .. step + kHeld - 1 (pages from p0 on): waits for their pages, issues the pages kAhead steps
+        // on, folds the slots' missing-page marks into the rows that see one of their positions and returns the
+        // first slot's address (the others follow it: kSlots is a multiple of kHeld).
         const auto enter = [&](int step, int64_t p0) {
-            cp_async_wait_pending<kSlots - 2>();
+            cp_async_wait_pending<kAhead - kHeld>();
             __syncthreads();
-            if (step + kSlots - 1 < n_steps) load(step + kSlots - 1);
-            cp_async_commit();
-            const int slot = step % kSlots;
-            if (s_bad[slot] != 0) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) bad[h] = bad[h] || (lo_r[h] <= p0 + kTcPage - 1 && hi_r[h] >= p0);
+            for (int i = 0; i < kHeld; ++i) {
+                if (step + kAhead + i < n_steps) load(step + kAhead + i);
+                cp_async_commit();
+                if (s_bad[(step + i) % kSlots] != 0) {
+                    const int64_t q0 = p0 + i * kTcPage;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) bad[h] = bad[h] || (lo_r[h] <= q0 + kTcPage - 1 && hi_r[h] >= q0);
+                }
             }
-            return ring_base + static_cast<uint32_t>(slot * kSlotBytes);
+            return ring_base + static_cast<uint32_t>(step % kSlots * kSlotBytes);
         };
         // The block's n8 tile of the warp's local score tile i.
         const auto tile_of = [&](int i) { return 8 * (i / kTilesW) + part * kTilesW + i % kTilesW; };
-        // Scores of the warp's tiles in a page of 64 positions (page `half` of the block).
-        const auto score = [&](auto half_c, uint32_t slot_base) {
-            constexpr int half = decltype(half_c)::value;
+        // Scores of the warp's tiles in the block's two pages (the slots from slot_base on), their k16 steps
+        // interleaved.
+        const auto score = [&](uint32_t slot_base) {
 #pragma unroll
-            for (int i = kTilesW * half; i < kTilesW * half + kTilesW; ++i)
-                sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.0f;
+            for (int i = 0; i < 2 * kTilesW; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.0f;
             const int mat = lane / 8;
-            const int r0 = 8 * part * kTilesW;  // the warp's first position in the page
+            const int r0 = 8 * part * kTilesW;  // the warp's first position in a page
 #pragma unroll
             for (int kk = 0; kk < kKSteps; ++kk) {
                 uint32_t qa[4];
                 ldmatrix_x4(qa, q_base + tc_offset<HD>(rg * 16 + lane % 8 + (mat & 1) * 8, 2 * kk + mat / 2));
-                if constexpr (kTilesW == 1) {
-                    uint32_t kb[2];
-                    ldmatrix_x2(kb, slot_base + tc_offset<HD>(r0 + lane % 8, 2 * kk + (mat & 1)));
-                    mma_bf16(sc[half], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
-                } else {
 #pragma unroll
-                    for (int np = 0; np < kTilesW / 2; ++np) {
-                        uint32_t kb[4];
-                        ldmatrix_x4(
-                            kb, slot_base + tc_offset<HD>(r0 + 16 * np + lane % 8 + (mat / 2) * 8, 2 * kk + (mat & 1)));
-                        mma_bf16(sc[kTilesW * half + 2 * np], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
-                        mma_bf16(sc[kTilesW * half + 2 * np + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
+                for (int hh = 0; hh < 2; ++hh) {
+                    const uint32_t base = slot_base + hh * kSlotBytes;
+                    float(*t)[4] = sc + kTilesW * hh;
+                    if constexpr (kTilesW == 1) {
+                        uint32_t kb[2];
+                        ldmatrix_x2(kb, base + tc_offset<HD>(r0 + lane % 8, 2 * kk + (mat & 1)));
+                        mma_bf16(t[0], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+                    } else {
+#pragma unroll
+                        for (int np = 0; np < kTilesW / 2; ++np) {
+                            uint32_t kb[4];
+                            ldmatrix_x4(
+                                kb, base + tc_offset<HD>(r0 + 16 * np + lane % 8 + (mat / 2) * 8, 2 * kk + (mat & 1)));
+                            mma_bf16(t[2 * np], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+                            mma_bf16(t[2 * np + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
+                        }
                     }
                 }
             }
         };
-        // acc += P . V over a page's 64 positions (the block's k16 steps 4 * half .. 4 * half + 3), in the warp's
-        // dim tiles.
-        const auto sum_values = [&](auto half_c, uint32_t slot_base) {
-            constexpr int half = decltype(half_c)::value;
+        // The block's fold into the rows' states, per row h: fold_mode 0 leaves the state (the block has no position
+        // of the row), 1 takes the block's (the state is empty), 2 merges them with weights fa (the state) and fb (the
+        // block).
+        int fold_mode[2] = {0, 0};
+        float fa[2] = {1.0f, 1.0f}, fb[2] = {0.0f, 0.0f};
+        // c = P . V over the block's 128 positions (its two pages from slot_base on; k16 steps in position order
+        // from zero), a group of the warp's dim tile pairs at a time, each folded into acc as soon as it is complete:
+        // kGroup pairs at a time (independent mma chains in flight).
+        constexpr int kPairs = kDimsW / 2;
+        constexpr int kGroup = kPairs < 4 ? kPairs : 4;
+        const auto sum_values = [&](uint32_t slot_base) {
             const int mat = lane / 8;
 #pragma unroll
-            for (int k4 = 0; k4 < 4; ++k4) {
-                const int kk = 4 * half + k4;
-                uint32_t p[4];
+            for (int g0 = 0; g0 < kPairs; g0 += kGroup) {
+                float c[2 * kGroup][4];
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    if constexpr (kShare > 1) {
-                        p[r] = s_p[(4 * kk + r) * 32 + lane];
-                    } else {
-                        p[r] = pa[kk][r];
+                for (int t = 0; t < 2 * kGroup; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < 8; ++kk) {
+                    uint32_t p[4];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        if constexpr (kShare > 1) {
+                            p[r] = s_p[(4 * kk + r) * 32 + lane];
+                        } else {
+                            p[r] = pa[kk][r];
+                        }
+                    }
+#pragma unroll
+                    for (int gi = 0; gi < kGroup; ++gi) {
+                        uint32_t vb[4];
+                        ldmatrix_x4_trans(vb, slot_base + (kk / 4) * kSlotBytes +
+                                                  tc_offset<HD>(16 * (kk % 4) + lane % 8 + (mat & 1) * 8,
+                                                                part * kDimsW + 2 * (g0 + gi) + mat / 2));
+                        mma_bf16(c[2 * gi], p[0], p[1], p[2], p[3], vb[0], vb[1]);
+                        mma_bf16(c[2 * gi + 1], p[0], p[1], p[2], p[3], vb[2], vb[3]);
                     }
                 }
 #pragma unroll
-                for (int dp = 0; dp < kDimsW / 2; ++dp) {
-                    uint32_t vb[4];
-                    ldmatrix_x4_trans(vb, slot_base + tc_offset<HD>(16 * k4 + lane % 8 + (mat & 1) * 8,
-                                                                    part * kDimsW + 2 * dp + mat / 2));
-                    mma_bf16(acc[2 * dp], p[0], p[1], p[2], p[3], vb[0], vb[1]);
-                    mma_bf16(acc[2 * dp + 1], p[0], p[1], p[2], p[3], vb[2], vb[3]);
+                for (int t = 0; t < 2 * kGroup; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int h = e / 2;
+                        float &x = acc[2 * g0 + t][e];
+                        x = fold_mode[h] == 1 ? c[t][e]
+                                              : (fold_mode[h] == 2 ? tc_fold_value(x, fa[h], c[t][e], fb[h]) : x);
+                    }
                 }
             }
         };
-        const std::integral_constant<int, 0> kFirst;
-        const std::integral_constant<int, 1> kSecond;
         for (int step = 0; step < n_steps; step += 4) {
             const int64_t block0 = (b_first + step / 4) * kBlockRows;
             if (block0 % kSplitRows == 0 || step == 0) {  // a split starts
@@ -1246,8 +1397,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
 #pragma unroll
                 for (int n = 0; n < kDimsW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
             }
-            score(kFirst, enter(step, block0));
-            score(kSecond, enter(step + 1, block0 + kTcPage));
+            score(enter(step, block0));
             // The block's softmax step: the maxima first (over the warps sharing the rows), then p and b_sum.
             float bm[2];
 #pragma unroll
@@ -1280,20 +1430,17 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
                     for (int w = 0; w < kShare; ++w) bm[h] = fmaxf(bm[h], s_max[w * 16 + lane / 4 + 8 * h]);
                 }
             }
-            float alpha[2], b_sum[2];
+            float b_sum[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float m_new = fmaxf(m[h], bm[h]);
-                const bool live = m_new != kNegInf;
-                alpha[h] = !live ? 1.0f : (m[h] == kNegInf ? 0.0f : tc_exp(m[h] - m_new));
-                m[h] = m_new;
+                const bool live = bm[h] != kNegInf;
                 float y[kTilesW];
 #pragma unroll
                 for (int i = 0; i < 2 * kTilesW; ++i) {
                     float x = 0.0f;
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const float p = live ? tc_exp(sc[i][2 * h + c] - m_new) : 0.0f;
+                        const float p = live ? tc_exp(sc[i][2 * h + c] - bm[h]) : 0.0f;
                         sc[i][2 * h + c] = p;
                         x = c == 0 ? p : x + p;
                     }
@@ -1334,26 +1481,31 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
             for (int h = 0; h < 2; ++h) {
                 b_sum[h] = b_sum[h] + __shfl_xor_sync(kFullMask, b_sum[h], 1);
                 b_sum[h] = b_sum[h] + __shfl_xor_sync(kFullMask, b_sum[h], 2);
-                l[h] = l[h] * alpha[h] + b_sum[h];
-#pragma unroll
-                for (int n = 0; n < kDimsW; ++n) {
-                    acc[n][2 * h] = acc[n][2 * h] * alpha[h];
-                    acc[n][2 * h + 1] = acc[n][2 * h + 1] * alpha[h];
+                // The block's state (bm, b_sum, P . V) folds into the row's (tc_fold).
+                if (bm[h] == kNegInf) {
+                    fold_mode[h] = 0;
+                } else if (m[h] == kNegInf) {
+                    fold_mode[h] = 1;
+                    m[h] = bm[h];
+                    l[h] = b_sum[h];
+                } else {
+                    fold_mode[h] = 2;
+                    m[h] = tc_fold_weights(m[h], bm[h], fa[h], fb[h]);
+                    l[h] = tc_fold_value(l[h], fa[h], b_sum[h], fb[h]);
                 }
             }
-            sum_values(kFirst, enter(step + 2, block0));
-            sum_values(kSecond, enter(step + 3, block0 + kTcPage));
+            sum_values(enter(step + 2, block0));
+            // Unless the split goes on: kSplit stores each row's state; kWhole merges it into the row's run.
             if ((block0 + kBlockRows) % kSplitRows != 0 && step + 4 < n_steps) continue;
-            // The split ends: kSplit stores each row's state; kWhole merges it into the row's run.
-            const int64_t s0 = block0 / kSplitRows * kSplitRows;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (lo_r[h] > s0 + kSplitRows - 1 || hi_r[h] < s0) continue;  // not one of the row's splits
                 if constexpr (!kWholeMode) {
+                    if (lo_r[h] > p_last || hi_r[h] < p_first) continue;  // none of the row's positions
                     const int64_t i = i0 + row_t[h];
                     const int64_t item = (i * a.n_kv_heads + g) * a.batches + row_j[h] / kHeadBatch;
                     const int jj = row_j[h] % kHeadBatch;
-                    float *st = a.split_ws + (item * a.max_splits + blockIdx.y) * split_state_floats(HD);
+                    float *st =
+                        a.split_ws + (item * a.max_splits * a.split_units + blockIdx.y) * split_state_floats(HD);
                     if (quad == 0 && part == 0) {
                         st[jj] = bad[h] ? u32_as_f32(0x7fc00000u) : m[h];
                         st[kHeadBatch + jj] = l[h];
@@ -1365,6 +1517,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
                         sa[8 * n + 1] = acc[n][2 * h + 1];
                     }
                 } else {
+                    const int64_t s0 = block0 / kSplitRows * kSplitRows;
+                    if (lo_r[h] > s0 + kSplitRows - 1 || hi_r[h] < s0) continue;  // not one of the row's splits
                     float *sr = s_run + (warp * kDimTiles * 4) * 32 + lane;
                     if (!has_run[h]) {
                         run_m[h] = m[h];
@@ -1499,7 +1653,7 @@ cudaError_t attention_supported(bool &ok) {
     return cudaSuccess;
 }
 
-int64_t paged_attention_split_floats(const cpu::AttentionShape &shape, int64_t n_q, int64_t bt_stride) {
+int64_t paged_attention_split_floats(const cpu::AttentionShape &shape, int64_t n_q, int64_t bt_stride, SplitCtas ctas) {
     if (shape.n_heads <= 0 || shape.n_kv_heads <= 0 || shape.n_heads % shape.n_kv_heads != 0 || shape.head_dim <= 0 ||
         shape.head_dim > kMaxHeadDim || n_q <= 0 || bt_stride < 1 || bt_stride > (int64_t{1} << 40)) {
         return 0;
@@ -1507,7 +1661,8 @@ int64_t paged_attention_split_floats(const cpu::AttentionShape &shape, int64_t n
     const int64_t splits = attention_max_splits(shape, bt_stride);
     if (splits < 2 || splits > 65535) return 0;
     const int64_t batches = (shape.n_heads / shape.n_kv_heads + kHeadBatch - 1) / kHeadBatch;
-    const int64_t per_row = shape.n_kv_heads * batches * splits * split_state_floats(shape.head_dim);
+    const int64_t units = ctas == SplitCtas::kBlocks ? kSplitRows / kBlockRows : 1;
+    const int64_t per_row = shape.n_kv_heads * batches * splits * units * split_state_floats(shape.head_dim);
     return n_q > (int64_t{1} << 62) / per_row ? 0 : n_q * per_row;
 }
 
@@ -1515,7 +1670,7 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
                             const int32_t *q_seq, int64_t n_q, const cpu::PagedLayer &layer,
                             const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
                             const float *gate, int64_t gate_stride, float *out, int32_t *error_flag,
-                            cudaStream_t stream, float *split_ws, int64_t split_ws_floats) {
+                            cudaStream_t stream, float *split_ws, int64_t split_ws_floats, SplitCtas ctas) {
     const int64_t n_heads = shape.n_heads;
     const int64_t n_kv_heads = shape.n_kv_heads;
     const int64_t head_dim = shape.head_dim;
@@ -1578,6 +1733,7 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     const bool split = split_ws != nullptr && split_floats > 0 && split_floats <= split_ws_floats;
     a.split_ws = split ? split_ws : nullptr;
     a.max_splits = attention_max_splits(shape, bt_stride);
+    a.split_units = 1;
 
     a.n_q = n_q;
     const auto merge = [&]() {
@@ -1595,7 +1751,17 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     };
 
     if (tensor_core_attention(layer.k_format, head_dim)) {
-        const bool tc_split = split && n_q <= kTcSplitMaxQueries;
+        // Split-KV takes a split to a CTA, or a block to a CTA where splits alone would leave most SMs idle and the
+        // workspace holds the blocks' states (the same bits and launches).
+        constexpr int64_t kUnits = kSplitRows / kBlockRows;
+        const bool few = n_q <= kTcSplitMaxQueries;
+        const int64_t split_tiles = n_q * n_kv_heads * ((group + 15) / 16);  // kSplit: a query's 16 heads a tile
+        const int64_t block_floats = paged_attention_split_floats(shape, n_q, bt_stride, SplitCtas::kBlocks);
+        const bool by_block = few && split && block_floats <= split_ws_floats && a.max_splits * kUnits <= 65535 &&
+                              (ctas == SplitCtas::kBlocks ||
+                               (ctas == SplitCtas::kAuto && split_tiles * a.max_splits < kTcBlockCtasBelow));
+        const bool tc_split = few && split;
+        if (by_block) a.split_units = kUnits;
         const int warps = tc_split ? tc_split_warps(a.head_dim) : kTcWholeWarps;
         a.tc_heads = static_cast<int>(std::min<int64_t>(group, tc_rows(warps, !tc_split)));
         a.tc_head_tiles = static_cast<int>((group + a.tc_heads - 1) / a.tc_heads);
@@ -1609,9 +1775,10 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
         const int64_t bytes = tc_smem(a.head_dim, warps, !tc_split).total;
         const auto launch = [&](auto kernel) {
             if (const cudaError_t err = set_smem(kernel, bytes); err != cudaSuccess) return err;
-            launch_kernel(kernel,
-                          dim3(static_cast<unsigned>(tiles), tc_split ? static_cast<unsigned>(a.max_splits) : 1u),
-                          32 * warps, static_cast<size_t>(bytes), stream, a);
+            launch_kernel(
+                kernel,
+                dim3(static_cast<unsigned>(tiles), tc_split ? static_cast<unsigned>(a.max_splits * a.split_units) : 1u),
+                32 * warps, static_cast<size_t>(bytes), stream, a);
             return cudaGetLastError();
         };
         cudaError_t err = cudaSuccess;

@@ -56,19 +56,25 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
 // Split-KV: with a workspace of split_ws_floats device floats, at least paged_attention_split_floats, the splits of
 // 512 positions run in clusters of their own and a second launch merges them left to right: the same bits, with
 // parallelism for long ranges and small batches. Otherwise (no workspace, too small, one split) one launch, one
-// cluster per item running its splits in turn.
+// cluster per item running its splits in turn. `ctas` picks how the tensor-core kernel spreads split-KV (the same
+// bits either way): a CTA per split, a CTA per block of 128 positions (a workspace of
+// paged_attention_split_floats(..., SplitCtas::kBlocks) floats; with less, a CTA per split), or kAuto: per block
+// where per split would leave most SMs idle and the workspace holds it.
+enum class SplitCtas { kAuto, kSplits, kBlocks };
 cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, int64_t q_stride, const int64_t *q_pos,
                             const int32_t *q_seq, int64_t n_q, const cpu::PagedLayer &layer,
                             const int32_t *block_tables, int64_t bt_stride, int64_t n_seqs, int64_t first_pos,
                             const float *gate, int64_t gate_stride, float *out, int32_t *error_flag,
-                            cudaStream_t stream, float *split_ws = nullptr, int64_t split_ws_floats = 0);
+                            cudaStream_t stream, float *split_ws = nullptr, int64_t split_ws_floats = 0,
+                            SplitCtas ctas = SplitCtas::kAuto);
 
 // Whether paged_attention takes the tensor-core kernel for these keys: f32 or bf16 keys (rounded to bf16) at
 // head_dim 32, 64 or 128. Per query row and head, over the blocked order's blocks of 128 and splits of 512
 // positions (aligned to 0): the scores are mma.sync m16n8k16 sums (head_dim / 16 chained k16 steps from zero over
-// the query rounded to bf16) times scale; the block max m_new; alpha and p by the hardware's exp2 (exactly 1 at the
-// maximum); l = l * alpha + the block's sum of p in one fixed tree; acc = acc * alpha, then 8 chained k16 steps of
-// bf16(p) by the values (decoded, rounded to bf16) in position order; the splits merge left to right as the CPU's.
+// the query rounded to bf16) times scale; each block's own state: its max bm, p by the hardware's exp2 of s - bm
+// (exactly 1 at the maximum), l the block's sum of p in one fixed tree, acc 8 chained k16 steps of bf16(p) by the
+// values (decoded, rounded to bf16) in position order from zero; a split folds its blocks' states left to right
+// (weights by the same exp2), and the splits merge left to right as the CPU's.
 // The same bits come out for split-KV and one launch, in every batch and tile; against the CPU's blocked order a
 // measured tolerance (tests/cuda).
 bool tensor_core_attention(KvFormat k_format, int64_t head_dim);
@@ -79,8 +85,9 @@ bool tensor_core_attention(KvFormat k_format, int64_t head_dim);
 cudaError_t attention_supported(bool &ok);
 
 // The workspace floats paged_attention needs to split n_q rows: a state (8 x (2 + head_dim) floats) per work item
-// and split its range can span (within bt_stride pages of the block table, and the window). 0 when it would not
-// split (one split at most, or arguments it refuses).
-int64_t paged_attention_split_floats(const cpu::AttentionShape &shape, int64_t n_q, int64_t bt_stride);
+// and split its range can span (within bt_stride pages of the block table, and the window), or with kBlocks per
+// block of those splits. 0 when it would not split (one split at most, or arguments it refuses).
+int64_t paged_attention_split_floats(const cpu::AttentionShape &shape, int64_t n_q, int64_t bt_stride,
+                                     SplitCtas ctas = SplitCtas::kSplits);
 
 }  // namespace memra::cuda
