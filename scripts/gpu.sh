@@ -3,9 +3,9 @@
 # makes it): builds with CUDA for sm_90a, runs the GPU tests (every kernel against its CPU twin, the whole model on the
 # GPU against the CPU), `memra run` / `verify` / `bench --device cuda` on the embedded default model and on the
 # release-width preset (generated here) and on Step-3.5-E128 (built in memory), the product and decode-attention
-# benchmarks beside PyTorch (bench/cuda, bench/cuda_peers.py), E7 through Nsight Compute, memra's all-gather beside
-# NCCL's all-reduce, and on a machine of several GPUs `verify --tp` over NCCL and decode per TP degree; prints a
-# short table last. Logs go to $OUT (or ./gpu-out).
+# benchmarks beside PyTorch (bench/cuda, bench/cuda_peers.py), E7 and the K6 routing kernels through Nsight Compute,
+# memra's all-gather beside NCCL's all-reduce, and on a machine of several GPUs `verify --tp` over NCCL and decode per
+# TP degree; prints a short table last. Logs go to $OUT (or ./gpu-out).
 #   device run:  bash scripts/gpu.sh            (carry: [".deps/root", ".deps/wheels"]; the carry limit of 64 MiB
 #                holds the tree and two of .deps/root, .deps/wheels (the server's tests) and .deps/llama.cpp.tar.gz)
 #   MEMRA_GPU_CPU=1 also runs the whole unit suite and the CPU engine benchmarks on this host's cores.
@@ -120,6 +120,13 @@ if [ "${MEMRA_GPU_QUICK:-0}" != 1 ]; then
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
         build-gpu/memra_bench_cuda_products --benchmark_filter='bm_bf16_product/rows:11264/K:4096/tokens:1/' \
         >"$out/ncu_bf16_product.txt" 2>&1
+    # K6: each routing kernel's own GPU time at 1 and 64 tokens (Nsight Compute, clocks and caches left alone; the
+    # third launch of bm_routing's six kernels).
+    for t in 1 64; do
+        timeout 90 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --launch-skip 12 \
+            --launch-count 6 --csv build-gpu/memra_bench_cuda_products --benchmark_filter="bm_routing/tokens:$t/" \
+            >"$out/ncu_routing_$t.csv" 2>&1
+    done
 fi
 # The peer: llama.cpp's CUDA build (sm_90a, llama-bench only) on the release preset converted to bf16 GGUF by
 # llama.cpp's own converter; llama-bench's pp512 and tg64 with every layer on the GPU, flash attention and a bf16
@@ -361,6 +368,16 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
 EOF
 grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp" \
     "$out/ncu_bf16_product.txt" 2>/dev/null | awk '{$1=$1; print "| ncu bf16 [11264, 4096] x1 | " $0 " |"}'
+python3 - "$out" <<'EOF' 2>/dev/null
+import csv, os, re, sys
+for t in (1, 64):
+    rows = [r for r in csv.reader(open(os.path.join(sys.argv[1], f"ncu_routing_{t}.csv"))) if len(r) > 10]
+    head = rows[0]
+    name, value = head.index("Kernel Name"), head.index("Metric Value")
+    short = lambda k: re.sub(r"^.*?::([a-z_0-9]+)[<(].*$", r"\1", k)
+    cells = [f"{short(r[name])} {float(r[value].replace(',', '')) / 1e3:.1f}" for r in rows[1:]]
+    print(f"| K6 routing kernels x{t} (us, Nsight Compute) | {', '.join(cells)} |")
+EOF
 python3 - "$out" <<'EOF' 2>/dev/null
 import json, os, sys
 memra = {t["test"]: t["avg_ts"] for t in json.load(open(os.path.join(sys.argv[1], "bench_release_8.json")))}
