@@ -185,7 +185,7 @@ private:
     // inputs at plan time); read at every copy_to_host, which synchronises anyway.
     int32_t *error_flag_ = nullptr;
     // Split-KV attention's states (cuda::paged_attention): 64 MiB hold every split of batch 128 at 4K positions, or
-    // of one sequence up to ~2M; a larger step runs each work item's splits in one CTA (the same bits).
+    // of one sequence up to ~1M; a larger step runs each work item's splits in one CTA (the same bits).
     static constexpr int64_t kAttentionSplitFloats = int64_t{16} << 20;
     float *attention_split_ = nullptr;
     // The tensor-core e4m3 products' quantized activations (cuda::E4m3Scratch), allocated with the first bank

@@ -234,11 +234,13 @@ struct AttentionArgs {
 // How a launch covers a work item's splits. kWhole: one cluster runs every split of its item, merging as it goes.
 // kSplit: cluster (item, k) runs split k of its item alone and stores its state (m, l, acc) in the workspace, and
 // attention_merge_kernel then merges the stored states left to right. Both give the same bits: each split's state
-// is formed the same way, and the merge is the same left fold over the same states.
+// is formed the same way, and the merge is the same left fold over the same states. The tensor-core kernel's
+// kSplit can also run one block of 128 positions per CTA (split_units > 1), storing the block's state, which the
+// merge folds into its split's as that kernel's split CTA would.
 enum class AttnMode { kWhole, kSplit };
 
-// A stored split state: m[kHeadBatch], l[kHeadBatch], acc[kHeadBatch][head_dim]. A split whose pages the CPU
-// would refuse stores m = NaN (a real m never is: NaN scores are never taken as a maximum).
+// A stored split (or block) state: m[kHeadBatch], l[kHeadBatch], acc[kHeadBatch][head_dim]. A split or block whose
+// pages the CPU would refuse stores m = NaN (a real m never is: NaN scores are never taken as a maximum).
 __host__ __device__ int64_t split_state_floats(int64_t head_dim) { return 2 * kHeadBatch + kHeadBatch * head_dim; }
 
 // The work item numbering (the CPU's): item -> query i, kv head g, query heads [h0, h0 + nh).
@@ -858,7 +860,7 @@ __global__ void MEMRA_CLUSTER_DIMS
 
 // e^x for the weights inside the tensor-core kernel and for its folds of blocks: the hardware's 2^x
 // (ex2.approx.ftz) of x * log2(e), exactly 1 at x = 0 (the block maximum's own weight). Deterministic on the device,
-// not the CPU's exp_f32 (the merge of splits keeps exp_f32, in both launch shapes).
+// not the CPU's exp_f32 (the merge of splits keeps exp_f32, in every launch shape).
 __device__ __forceinline__ float tc_exp(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
@@ -982,10 +984,10 @@ __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const At
 // Tensor-core paged attention (CUDA.md 3.2), for f32 and bf16 keys at head_dim 32, 64 and 128: the GPU's own
 // order, a different engine version's bits from the CPU's blocked order (held to it by a measured tolerance).
 // A row is (query, query head) of one kv head; a group of 16 rows is an m16 fragment. In prefill (kWhole) each warp
-// of a CTA owns 16 rows of a tile of T queries by H heads; in decode (kSplit) one query's H heads and one split are
-// 16 rows that all the CTA's warps share: warp w scores the block's n8 tiles w * k .. w * k + k - 1 of each page of
-// 64 positions (k = 8 / warps) and sums the values into dim tiles w * d .. w * d + d - 1 (d = HD / 8 / warps), and
-// the warps exchange the block's maxima, the partial sums of p and p itself through shared memory. Rows are
+// of a CTA owns 16 rows of a tile of T queries by H heads; in decode (kSplit) one query's H heads and one split (or
+// one block) are 16 rows that all the CTA's warps share: warp w scores the block's n8 tiles w * k .. w * k + k - 1 of
+// each page of 64 positions (k = 8 / warps) and sums the values into dim tiles w * d .. w * d + d - 1 (d = HD / 8 /
+// warps), and the warps exchange the block's maxima, the partial sums of p and p itself through shared memory. Rows are
 // independent in every instruction, and the shared work is split along positions and dims in the same fixed
 // trees, so a row's bits depend on nothing else in its CTA and every launch shape gives the same bits. Per row,
 // each block of 128 positions has its own state, and a split of 512 positions folds its blocks' states left to
@@ -1096,6 +1098,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
     constexpr int kLoadRows = kThreadsTc / kChunks;  // rows of a page the CTA stages per pass of 16-byte chunks
     constexpr int kLoadPasses = kTcPage / kLoadRows;
     static_assert(kThreadsTc % kChunks == 0 && kTcPage % kLoadRows == 0, "whole rows per pass");
+    static_assert(kAhead >= kHeld && kSlots % kHeld == 0, "a step's pages sit in consecutive slots");
     const float kNegInf = -__int_as_float(0x7f800000);
     extern __shared__ float4 smem4[];
     std::byte *smem = reinterpret_cast<std::byte *>(smem4);
@@ -1757,7 +1760,8 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
         const bool few = n_q <= kTcSplitMaxQueries;
         const int64_t split_tiles = n_q * n_kv_heads * ((group + 15) / 16);  // kSplit: a query's 16 heads a tile
         const int64_t block_floats = paged_attention_split_floats(shape, n_q, bt_stride, SplitCtas::kBlocks);
-        const bool by_block = few && split && block_floats <= split_ws_floats && a.max_splits * kUnits <= 65535 &&
+        const bool by_block = few && split && block_floats > 0 && block_floats <= split_ws_floats &&
+                              a.max_splits * kUnits <= 65535 &&
                               (ctas == SplitCtas::kBlocks ||
                                (ctas == SplitCtas::kAuto && split_tiles * a.max_splits < kTcBlockCtasBelow));
         const bool tc_split = few && split;

@@ -54,12 +54,13 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
 // the layer's formats, null pointers with work to do, more than (2^31 - 1) / 4 work items. A device other than
 // compute capability 9.0 (which would run the compute_80 PTX, without the cluster kernel): cudaErrorNotSupported.
 // Split-KV: with a workspace of split_ws_floats device floats, at least paged_attention_split_floats, the splits of
-// 512 positions run in clusters of their own and a second launch merges them left to right: the same bits, with
-// parallelism for long ranges and small batches. Otherwise (no workspace, too small, one split) one launch, one
-// cluster per item running its splits in turn. `ctas` picks how the tensor-core kernel spreads split-KV (the same
-// bits either way): a CTA per split, a CTA per block of 128 positions (a workspace of
-// paged_attention_split_floats(..., SplitCtas::kBlocks) floats; with less, a CTA per split), or kAuto: per block
-// where per split would leave most SMs idle and the workspace holds it.
+// 512 positions run in clusters (the tensor-core kernel: CTAs) of their own and a second launch merges them left to
+// right: the same bits, with parallelism for long ranges and small batches. Otherwise (no workspace, too small, one
+// split; on the tensor cores also a step of more than 128 queries) one launch, one cluster or CTA per item running
+// its splits in turn. `ctas` picks how the tensor-core kernel spreads split-KV (the same bits either way): a CTA per
+// split, a CTA per block of 128 positions (a workspace of paged_attention_split_floats(..., SplitCtas::kBlocks)
+// floats; with less, a CTA per split), or kAuto: per block where per split would leave most SMs idle and the
+// workspace holds the blocks' states (size it with kBlocks for that).
 enum class SplitCtas { kAuto, kSplits, kBlocks };
 cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, int64_t q_stride, const int64_t *q_pos,
                             const int32_t *q_seq, int64_t n_q, const cpu::PagedLayer &layer,
