@@ -1023,11 +1023,13 @@ __host__ __device__ constexpr int tc_rows(int warps, bool whole) { return whole 
 
 // Dynamic shared memory of a tensor-core CTA: the slot ring, the rows' queries as bf16, in kWhole the running
 // accumulators of the merge (f32, in fragment order), in kSplit the warps' exchange (block maxima [warps][16],
-// partial sums [warps][2][32], p as bf16 fragments [16 tiles][2][32]), then the tile's query ranges.
+// partial sums [warps][2][32], p as bf16 fragments [16 tiles][2][32]), the slots' missing-page marks, then the
+// tile's query ranges (positions as i32: the launcher refuses block tables of 2^31 positions or more), sequences and
+// states. Two prefill CTAs fit an SM at head_dim 128.
 struct TcSmem {
     int64_t ring, q, run, xchg, tokens, total;
 };
-__host__ __device__ inline TcSmem tc_smem(int head_dim, int warps, bool whole) {
+__host__ __device__ constexpr TcSmem tc_smem(int head_dim, int warps, bool whole) {
     TcSmem s{};
     const int rows = tc_rows(warps, whole);
     s.ring = 0;
@@ -1035,9 +1037,12 @@ __host__ __device__ inline TcSmem tc_smem(int head_dim, int warps, bool whole) {
     s.run = s.q + int64_t{rows} * head_dim * 2;
     s.xchg = s.run + (whole ? int64_t{rows} * head_dim * 4 : 0);
     s.tokens = s.xchg + (whole ? 0 : int64_t{warps} * (16 + 2 * 32) * 4 + 16 * 2 * 32 * 4);
-    s.total = s.tokens + int64_t{kTcMaxTokens} * (2 * 8 + 2 * 4) + tc_slots(whole) * 4;
+    s.total = s.tokens + tc_slots(whole) * 4 + int64_t{kTcMaxTokens} * (3 * 4 + 1);
     return s;
 }
+// An SM holds 228 KiB of shared memory, 1 KiB of it reserved per CTA.
+static_assert(2 * (tc_smem(128, kTcWholeWarps, true).total + 1024) <= 228 * 1024,
+              "two prefill CTAs per SM at head_dim 128");
 
 #ifdef MEMRA_ATTENTION_CLUSTERS
 // Byte offset of 16-byte chunk c of row r in a [rows][HD] bf16 tile, swizzled so that the 8 rows an ldmatrix
@@ -1109,11 +1114,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
     float *s_max = reinterpret_cast<float *>(smem + lay.xchg);              // [kShare][16]
     float *s_sum = s_max + kShare * 16;                                     // [kShare][2][32]
     uint32_t *s_p = reinterpret_cast<uint32_t *>(s_sum + kShare * 2 * 32);  // [16][2][32]
-    int64_t *s_lo = reinterpret_cast<int64_t *>(smem + lay.tokens);
-    int64_t *s_hi = s_lo + kTcMaxTokens;
-    int32_t *s_seq = reinterpret_cast<int32_t *>(s_hi + kTcMaxTokens);
-    int32_t *s_state = s_seq + kTcMaxTokens;  // per token: 0 refused, 1 to do, 2 done
-    int32_t *s_bad = s_state + kTcMaxTokens;  // per slot: its page is missing
+    int32_t *s_bad = reinterpret_cast<int32_t *>(smem + lay.tokens);        // per slot: its page is missing
+    int32_t *s_lo = s_bad + kSlots;
+    int32_t *s_hi = s_lo + kTcMaxTokens;
+    int32_t *s_seq = s_hi + kTcMaxTokens;
+    int8_t *s_state = reinterpret_cast<int8_t *>(s_seq + kTcMaxTokens);  // per token: 0 refused, 1 to do, 2 done
 
     const int tid = static_cast<int>(threadIdx.x);
     const int warp = tid / 32;
@@ -1154,8 +1159,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMode == AttnMode::kWhole ? 2 : 1
     if (tid < n_tok) {
         int64_t lo = 0, hi = -1;
         const bool ok = visible_range_at(a, my_pos, my_seq, lo, hi);
-        s_lo[tid] = lo;
-        s_hi[tid] = hi;
+        s_lo[tid] = static_cast<int32_t>(lo);  // < bt_stride * kKvPageRows <= INT32_MAX where ok
+        s_hi[tid] = static_cast<int32_t>(hi);
         s_seq[tid] = my_seq;
         s_state[tid] = ok ? 1 : 0;
     }
@@ -1690,6 +1695,10 @@ cudaError_t paged_attention(const cpu::AttentionShape &shape, const float *q, in
     const int64_t v_head_bytes = format_bytes(layer.v_format, head_dim);
     if (k_head_bytes < 0 || v_head_bytes < 0 || layer.k_row_bytes != n_kv_heads * k_head_bytes ||
         layer.v_row_bytes != n_kv_heads * v_head_bytes) {
+        return cudaErrorInvalidValue;
+    }
+    // The tensor-core tiles hold positions as i32.
+    if (tensor_core_attention(layer.k_format, head_dim) && bt_stride > INT32_MAX / kKvPageRows) {
         return cudaErrorInvalidValue;
     }
     const int64_t group = n_heads / n_kv_heads;

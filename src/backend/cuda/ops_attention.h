@@ -51,7 +51,8 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
 // without a page or with a page outside [0, n_pages)) gets NaN outputs and sets *error_flag = 1.
 // Invalid: the shape checks of the CPU (heads, head_dim in [1, 512], window and first_pos >= 0), q_stride,
 // bt_stride, n_seqs and gate_stride too small, K/V row sizes that are not n_kv_heads heads of head_dim values in
-// the layer's formats, null pointers with work to do, more than (2^31 - 1) / 4 work items. A device other than
+// the layer's formats, null pointers with work to do, more than (2^31 - 1) / 4 work items, on the tensor cores a
+// block table of 2^31 positions or more (bt_stride over 2^25 pages). A device other than
 // compute capability 9.0 (which would run the compute_80 PTX, without the cluster kernel): cudaErrorNotSupported.
 // Split-KV: with a workspace of split_ws_floats device floats, at least paged_attention_split_floats, the splits of
 // 512 positions run in clusters (the tensor-core kernel: CTAs) of their own and a second launch merges them left to
