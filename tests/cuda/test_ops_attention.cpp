@@ -622,7 +622,7 @@ TEST(CudaAttention, RefusesBadArguments) {
               cudaErrorInvalidValue);  // first_pos < 0
     // Tensor-core keys: a block table of 2^31 positions (the kernel's tiles keep positions as i32).
     Pool bf16_pool(KvFormat::kBf16, KvFormat::kBf16, 2, 2, 64, /*host_only=*/true);
-    const int64_t too_many_pages = (int64_t{1} << 25) + 1;
+    const int64_t too_many_pages = int64_t{1} << 25;  // 2^31 positions exactly
     EXPECT_EQ(paged_attention(good, &f, 512, &pos, &i32, 1, bf16_pool.host_layer(), &i32, too_many_pages, 1, 0, nullptr,
                               0, &f, nullptr, nullptr),
               cudaErrorInvalidValue);

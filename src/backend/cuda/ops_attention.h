@@ -52,7 +52,7 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
 // Invalid: the shape checks of the CPU (heads, head_dim in [1, 512], window and first_pos >= 0), q_stride,
 // bt_stride, n_seqs and gate_stride too small, K/V row sizes that are not n_kv_heads heads of head_dim values in
 // the layer's formats, null pointers with work to do, more than (2^31 - 1) / 4 work items, on the tensor cores a
-// block table of 2^31 positions or more (bt_stride over 2^25 pages). A device other than
+// block table of 2^31 positions or more (bt_stride of 2^25 pages or more). A device other than
 // compute capability 9.0 (which would run the compute_80 PTX, without the cluster kernel): cudaErrorNotSupported.
 // Split-KV: with a workspace of split_ws_floats device floats, at least paged_attention_split_floats, the splits of
 // 512 positions run in clusters (the tensor-core kernel: CTAs) of their own and a second launch merges them left to
