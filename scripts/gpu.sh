@@ -121,11 +121,11 @@ if [ "${MEMRA_GPU_QUICK:-0}" != 1 ]; then
         build-gpu/memra_bench_cuda_products --benchmark_filter='bm_bf16_product/rows:11264/K:4096/tokens:1/' \
         >"$out/ncu_bf16_product.txt" 2>&1
     # K6: each routing kernel's own GPU time at 1 and 64 tokens (Nsight Compute, clocks and caches left alone; the
-    # third launch of bm_routing's six kernels).
+    # third launch of the fused routing's three kernels: moe_route, moe_permute, moe_combine).
     for t in 1 64; do
-        timeout 90 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --launch-skip 12 \
-            --launch-count 6 --csv build-gpu/memra_bench_cuda_products --benchmark_filter="bm_routing/tokens:$t/" \
-            >"$out/ncu_routing_$t.csv" 2>&1
+        timeout 90 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --launch-skip 6 \
+            --launch-count 3 --csv build-gpu/memra_bench_cuda_products \
+            --benchmark_filter="bm_routing/tokens:$t/fused:1/" >"$out/ncu_routing_$t.csv" 2>&1
     done
 fi
 # The peer: llama.cpp's CUDA build (sm_90a, llama-bench only) on the release preset converted to bf16 GGUF by
@@ -361,7 +361,8 @@ for b in json.load(open(os.path.join(out, "bench_cuda_products.json")))["benchma
         print(f"| {k} decode attention x{a['batch']}, {a['positions']} positions, {a['heads']} heads, window "
               f"{a['window']}, split {a['split']}, KV {kv} | {b['real_time']:.1f} us, {b['KV_GB/s']:.0f} GB/s of K and V |")
     if b["name"].startswith("bm_routing"):
-        print(f"| K6 routing of one E128 MoE layer x{b['name'].split('tokens:')[1].split('/')[0]} tokens | "
+        fused = "fused" if "fused:1" in b["name"] else "the six ops"
+        print(f"| K6 routing of one E128 MoE layer x{b['name'].split('tokens:')[1].split('/')[0]} tokens, {fused} | "
               f"{b['us']:.1f} us in {b['launches']:.0f} launches |")
     if b["name"].startswith("bm_add_rms_norm"):
         print(f"| {b['name'].split('/iter')[0]} | {b['real_time']:.1f} us |")

@@ -358,10 +358,11 @@ void bm_attention(benchmark::State &state) {
     }
 }
 
-// args: tokens. K6, one MoE layer's routing of E128 (128 experts, top 8, d 4096) as the forward runs it, timed as a
-// whole: the f32 router product, router_topk, moe_sort_pairs, moe_permute (every expert owned), moe_source_rows and
-// moe_combine (with a shared-expert row), back to back; launches: the ops this takes; routers in copies beyond the L2
-// (each layer has its own).
+// args: tokens, fused (0/1). K6, one MoE layer's routing of E128 (128 experts, top 8, d 4096) as the forward runs
+// it, timed as a whole: fused, moe_route (the f32 router product, top-k, sort and source rows in one launch),
+// moe_permute (every expert owned) and moe_combine (with a shared-expert row); not fused, the router product,
+// router_topk, moe_sort_pairs, moe_permute, moe_source_rows and moe_combine, back to back (the same bits); launches:
+// the ops this takes; routers in copies beyond the L2 (each layer has its own).
 void bm_routing(benchmark::State &state) {
     if (!gpu_present()) {
         state.SkipWithError("no CUDA device");
@@ -371,7 +372,10 @@ void bm_routing(benchmark::State &state) {
     constexpr int64_t kTopK = 8;
     constexpr int64_t kD = 4096;
     const int64_t tokens = state.range(0);
+    const bool fused = state.range(1) != 0;
     const int64_t pairs = tokens * kTopK;
+    DeviceBlock tickets(static_cast<size_t>(cuda::kRouteTickets * 4), false);
+    cudaMemset(tickets.ptr, 0, static_cast<size_t>(cuda::kRouteTickets * 4));
     const auto routers = rotating_weights(static_cast<size_t>(kExperts * kD * 4));  // bf16 patterns read as f32
     const auto x = random_activations(tokens * kD, 11);
     const auto bias = random_activations(kExperts, 12);
@@ -390,20 +394,28 @@ void bm_routing(benchmark::State &state) {
     size_t turn = 0;
     const auto launch = [&] {
         m.data = routers[turn++ % routers.size()]->ptr;
-        cudaError_t e = cuda::cuda_matmul(m, xp, tokens, f(logits), nullptr);
-        if (e == cudaSuccess) {
-            e = cuda::router_topk(f(logits), f(*bias), tokens, kExperts, kTopK, true, 3.0f, i(ids), f(weights),
-                                  nullptr);
-        }
-        if (e == cudaSuccess) {
-            e = cuda::moe_sort_pairs(i(ids), tokens, kTopK, kExperts, i(offsets), i(sorted), i(row_of), nullptr,
-                                     nullptr);
+        cudaError_t e = cudaSuccess;
+        if (fused) {
+            e = cuda::moe_route(
+                m, xp, tokens, f(*bias), kTopK, true, 3.0f, 1, pairs,
+                cuda::MoeRouteBuffers{f(logits), i(ids), f(weights), i(offsets), i(sorted), i(row_of), i(src)},
+                i(tickets), nullptr, nullptr);
+        } else {
+            e = cuda::cuda_matmul(m, xp, tokens, f(logits), nullptr);
+            if (e == cudaSuccess) {
+                e = cuda::router_topk(f(logits), f(*bias), tokens, kExperts, kTopK, true, 3.0f, i(ids), f(weights),
+                                      nullptr);
+            }
+            if (e == cudaSuccess) {
+                e = cuda::moe_sort_pairs(i(ids), tokens, kTopK, kExperts, i(offsets), i(sorted), i(row_of), nullptr,
+                                         nullptr);
+            }
         }
         if (e == cudaSuccess) {
             e = cuda::moe_permute(xp, tokens, kD, i(sorted), i(offsets), kExperts, 0, kExperts, kTopK, f(x_own), pairs,
                                   nullptr, nullptr);
         }
-        if (e == cudaSuccess) {
+        if (!fused && e == cudaSuccess) {
             e = cuda::moe_source_rows(i(ids), i(row_of), pairs, i(offsets), kExperts, 1, pairs, i(src), nullptr,
                                       nullptr);
         }
@@ -414,7 +426,7 @@ void bm_routing(benchmark::State &state) {
         if (e != cudaSuccess) std::fprintf(stderr, "routing: %s\n", cudaGetErrorString(e));
     };
     state.counters["us"] = time_state(state, launch, 20) * 1e6;
-    state.counters["launches"] = 6;
+    state.counters["launches"] = fused ? 3 : 6;
 }
 
 // args: rows, d. add_rms_norm's h = x + r and y = rms_norm(h).
@@ -469,11 +481,8 @@ BENCHMARK(bm_attention)
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_routing)
-    ->ArgName("tokens")
-    ->Arg(1)
-    ->Arg(8)
-    ->Arg(32)
-    ->Arg(64)
+    ->ArgNames({"tokens", "fused"})
+    ->ArgsProduct({{1, 8, 32, 64}, {0, 1}})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);

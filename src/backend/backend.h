@@ -138,6 +138,21 @@ struct RouterConfig {
     float scaling_factor = 1.0f;
 };
 
+// What Backend::moe_route writes, and the owners' layout of its source rows (moe_source_rows). logits: [n,
+// n_experts] f32; expert_ids, weights: [n, top_k]; offsets: [n_experts + 1] i32; sorted_pair, row_of_pair,
+// src_row: [n * top_k] i32.
+struct MoeRouteViews {
+    TensorView logits;
+    TensorView expert_ids;
+    TensorView weights;
+    TensorView offsets;
+    TensorView sorted_pair;
+    TensorView row_of_pair;
+    TensorView src_row;
+    int64_t n_owners = 1;
+    int64_t capacity = 0;
+};
+
 // Work done since the last reset: one launch per op call (a CUDA backend issues one kernel per op), one
 // host copy per transfer between host memory and backend buffers (inputs, KV rows, logits).
 struct BackendCounters {
@@ -303,6 +318,18 @@ public:
     // expert_ids, row_of_pair, src_row: [n * top_k] i32; offsets: [n_experts + 1] i32.
     virtual void moe_source_rows(TensorView expert_ids, TensorView row_of_pair, TensorView offsets, int64_t n_owners,
                                  int64_t capacity, TensorView src_row) = 0;
+    // One MoE layer's routing before its permute, as one op a backend may fuse (CUDA: one launch):
+    // matmul(x, router, r.logits), router_topk(cfg, r.logits, bias, r.expert_ids, r.weights),
+    // moe_sort_pairs(r.expert_ids, cfg.n_experts, r.offsets, r.sorted_pair, r.row_of_pair) and
+    // moe_source_rows(r.expert_ids, r.row_of_pair, r.offsets, r.n_owners, r.capacity, r.src_row), bit for bit.
+    // Here: those four ops.
+    virtual void moe_route(TensorView x, MatrixId router, const RouterConfig &cfg, VectorId bias,
+                           const MoeRouteViews &r) {
+        matmul(x, router, r.logits);
+        router_topk(cfg, r.logits, bias, r.expert_ids, r.weights);
+        moe_sort_pairs(r.expert_ids, cfg.n_experts, r.offsets, r.sorted_pair, r.row_of_pair);
+        moe_source_rows(r.expert_ids, r.row_of_pair, r.offsets, r.n_owners, r.capacity, r.src_row);
+    }
     // out = h + (sum over slots of weight * expert_out[src_row[pair]] + shared): cpu::moe_combine, slot order.
     // expert_out: [rows, d] indexed through src_row ([n * top_k] i32); out may equal h.
     virtual void moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,

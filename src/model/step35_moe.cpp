@@ -169,16 +169,17 @@ Result<void> MoeState::refresh(int layer, TensorView x, const MoeObserver &obser
     const TensorView row_of_pair = mat(row_of_pair_, n * k, 1);
     const int64_t own = moe_owner_capacity(n, k, shape_.experts.size());
     const TensorView x_own = mat(x_own_, own, d);  // [own capacity, d_model], the own pairs in expert order
-    be.matmul(x, w.moe.router, logits);
-    be.router_topk(RouterConfig{g.n_experts, k, cfg.norm_expert_weight,
-                                static_cast<float>(cfg.moe_router_scaling_factor)},
-                   logits, w.moe.router_bias, ids, weights);
+    // The source rows too: where each pair's expert row lies once the owners' rows are gathered (routed_experts).
+    be.moe_route(
+        x, w.moe.router,
+        RouterConfig{g.n_experts, k, cfg.norm_expert_weight, static_cast<float>(cfg.moe_router_scaling_factor)},
+        w.moe.router_bias,
+        MoeRouteViews{logits, ids, weights, offsets, sorted_pair, row_of_pair, mat(src_row_, n * k, 1), tp_, own});
     if (observe) {
         observe(MoeStage::kRouterLogits, logits);
         observe(MoeStage::kExpertIds, ids);
         observe(MoeStage::kExpertWeights, weights);
     }
-    be.moe_sort_pairs(ids, g.n_experts, offsets, sorted_pair, row_of_pair);
     be.moe_permute(x, sorted_pair, offsets, shape_.experts.begin, shape_.experts.end, k, x_own);
     layer_ = layer;
     n_ = n;
@@ -254,8 +255,6 @@ Result<void> MoeState::routed_experts(const MoeObserver &observe) {
         if (!ok) return ok;
     }
     seen(MoeStage::kExpertDown, all);
-    const int64_t pairs = n_ * shape_.top_k;
-    be.moe_source_rows(mat(ids_, pairs, 1), mat(row_of_pair_, pairs, 1), offsets, tp_, C, mat(src_row_, pairs, 1));
     return {};
 }
 

@@ -2,18 +2,23 @@
 // they reproduce (backend/cpu/ops_moe.h), raw bits: random logits and adversarial ones (exact ties, +-Inf,
 // huge, subnormal and signed-zero logits, a bias that reorders), top_k 1..8 over 8..288 experts,
 // renormalisation on and off; random routings with empty experts and several tiles of pairs; the permute and
-// the source rows over 1, 2, 4 and 8 owners; and the error flag for out-of-range inputs.
+// the source rows over 1, 2, 4 and 8 owners; the error flag for out-of-range inputs; and the fused route against
+// the router product and the four launchers, raw bits, 1 to 300 tokens.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <string>
+#include <tuple>
 #include <random>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "backend/cpu/ops_moe.h"
+#include "backend/cuda/ops_matmul.h"
 #include "backend/cuda/ops_route.h"
 #include "core/float_formats.h"
 #include "core/math.h"
@@ -440,6 +445,283 @@ TEST(CudaMoeSourceRows, RowsPastTheCapacityAreFlagged) {
     EXPECT_EQ(cuda::moe_source_rows(d_ids.as<int32_t>(), d_row.as<int32_t>(), 7, d_off.as<int32_t>(), 6, 4, 3,
                                     d_src.as<int32_t>(), nullptr, nullptr),
               cudaErrorInvalidValue);  // 6 experts over 4 owners
+}
+
+// ---- Fused route ------------------------------------------------------------------------------------------
+
+// Everything cuda::moe_route writes, read back, and the error flag.
+struct RouteOut {
+    std::vector<float> logits;
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+    std::vector<int32_t> offsets;
+    std::vector<int32_t> sorted;
+    std::vector<int32_t> row_of;
+    std::vector<int32_t> src;
+    int32_t flag = 0;
+};
+
+struct RouteCase {
+    DType dtype;
+    int64_t n_experts;
+    int64_t top_k;
+    int64_t k;
+    int64_t chunk;
+    int64_t n_tokens;
+    int64_t n_owners;
+    bool renormalize;
+    bool bias = true;
+    int64_t capacity = 0;  // 0: n_tokens * top_k, every pair fits whichever owner it goes to
+};
+
+// The router's rows: random, except that every fifth row repeats the row before it (equal logits: exact ties,
+// which go to the lower expert).
+std::vector<uint8_t> router_rows(DType dtype, int64_t rows, int64_t k, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist(0.0f, 0.05f);
+    const auto elem = static_cast<int64_t>(dtype == DType::kF32 ? 4 : 2);
+    std::vector<uint8_t> w(static_cast<size_t>(rows * k * elem));
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < k; ++c) {
+            const float v = r % 5 == 4 ? 0.0f : dist(rng);
+            uint8_t *dst = w.data() + (r * k + c) * elem;
+            if (r % 5 == 4) {
+                std::memcpy(dst, dst - k * elem, static_cast<size_t>(elem));
+            } else if (dtype == DType::kF32) {
+                std::memcpy(dst, &v, 4);
+            } else {
+                const uint16_t b = f32_to_bf16(v);
+                std::memcpy(dst, &b, 2);
+            }
+        }
+    }
+    return w;
+}
+
+std::vector<float> random_floats(int64_t n, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float &f : v) f = dist(rng);
+    return v;
+}
+
+cuda::CudaMatrix route_matrix(const RouteCase &c, const DeviceBuffer &w) {
+    return cuda::CudaMatrix{.dtype = c.dtype,
+                            .data = w.as<void>(),
+                            .rows = c.n_experts,
+                            .cols = c.k,
+                            .full_rows = c.n_experts,
+                            .k_full = c.k,
+                            .block_cols = c.chunk};
+}
+
+// The outputs of one routing, every byte 0xff before it runs (so a write left out shows).
+struct RouteBuffers {
+    DeviceBuffer logits, ids, wts, off, sorted, row_of, src, flag;
+    explicit RouteBuffers(const RouteCase &c)
+        : logits(static_cast<size_t>(c.n_tokens * c.n_experts) * 4),
+          ids(pairs(c) * 4),
+          wts(pairs(c) * 4),
+          off(static_cast<size_t>(c.n_experts + 1) * 4),
+          sorted(pairs(c) * 4),
+          row_of(pairs(c) * 4),
+          src(pairs(c) * 4),
+          flag(zero_flag()) {
+        const std::pair<const DeviceBuffer *, size_t> all[] = {
+            {&logits, static_cast<size_t>(c.n_tokens * c.n_experts) * 4},
+            {&ids, pairs(c) * 4},
+            {&wts, pairs(c) * 4},
+            {&off, static_cast<size_t>(c.n_experts + 1) * 4},
+            {&sorted, pairs(c) * 4},
+            {&row_of, pairs(c) * 4},
+            {&src, pairs(c) * 4}};
+        for (const auto &[b, bytes] : all) EXPECT_EQ(cudaMemset(b->as<void>(), 0xff, bytes), cudaSuccess);
+    }
+    static size_t pairs(const RouteCase &c) { return static_cast<size_t>(c.n_tokens * c.top_k); }
+    cuda::MoeRouteBuffers views() const {
+        return {logits.as<float>(),   ids.as<int32_t>(),    wts.as<float>(),  off.as<int32_t>(),
+                sorted.as<int32_t>(), row_of.as<int32_t>(), src.as<int32_t>()};
+    }
+    RouteOut read(const RouteCase &c) const {
+        const size_t n = pairs(c);
+        return RouteOut{from_device<float>(logits, static_cast<size_t>(c.n_tokens * c.n_experts)),
+                        from_device<int32_t>(ids, n),
+                        from_device<float>(wts, n),
+                        from_device<int32_t>(off, static_cast<size_t>(c.n_experts + 1)),
+                        from_device<int32_t>(sorted, n),
+                        from_device<int32_t>(row_of, n),
+                        from_device<int32_t>(src, n),
+                        read_flag(flag)};
+    }
+};
+
+int64_t route_capacity(const RouteCase &c) { return c.capacity > 0 ? c.capacity : c.n_tokens * c.top_k; }
+
+// The router product and the four launchers on the case's inputs.
+RouteOut four_launchers(const RouteCase &c, const DeviceBuffer &w, const DeviceBuffer &x, const float *bias) {
+    RouteBuffers b(c);
+    const cuda::MoeRouteBuffers out = b.views();
+    const int64_t n_pairs = c.n_tokens * c.top_k;
+    EXPECT_EQ(cuda::cuda_matmul(route_matrix(c, w), x.as<float>(), c.n_tokens, out.logits, nullptr), cudaSuccess);
+    EXPECT_EQ(cuda::router_topk(out.logits, bias, c.n_tokens, c.n_experts, c.top_k, c.renormalize, 2.5f, out.expert_ids,
+                                out.weights, nullptr),
+              cudaSuccess);
+    EXPECT_EQ(cuda::moe_sort_pairs(out.expert_ids, c.n_tokens, c.top_k, c.n_experts, out.offsets, out.sorted_pair,
+                                   out.row_of_pair, b.flag.as<int32_t>(), nullptr),
+              cudaSuccess);
+    EXPECT_EQ(cuda::moe_source_rows(out.expert_ids, out.row_of_pair, n_pairs, out.offsets, c.n_experts, c.n_owners,
+                                    route_capacity(c), out.src_row, b.flag.as<int32_t>(), nullptr),
+              cudaSuccess);
+    return b.read(c);
+}
+
+void expect_same_route(const RouteOut &got, const RouteOut &want, const std::string &what) {
+    EXPECT_EQ(float_mismatches(got.logits, want.logits), 0) << what;
+    EXPECT_EQ(got.ids, want.ids) << what;
+    EXPECT_EQ(float_mismatches(got.weights, want.weights), 0) << what;
+    EXPECT_EQ(got.offsets, want.offsets) << what;
+    EXPECT_EQ(got.sorted, want.sorted) << what;
+    EXPECT_EQ(got.row_of, want.row_of) << what;
+    EXPECT_EQ(got.src, want.src) << what;
+    EXPECT_EQ(got.flag, want.flag) << what;
+}
+
+std::vector<int32_t> read_tickets(const DeviceBuffer &tickets) {
+    return from_device<int32_t>(tickets, static_cast<size_t>(cuda::kRouteTickets));
+}
+
+TEST(CudaMoeRoute, OneLaunchGivesTheBitsOfTheProductAndTheFourLaunchers) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const std::vector<int32_t> zeros(static_cast<size_t>(cuda::kRouteTickets), 0);
+    DeviceBuffer tickets = to_device(zeros);
+    std::vector<RouteCase> cases;
+    // Token counts around the 16-token tiles, one tile to many; K with a short last chunk; owners 1 to 8.
+    for (int64_t n : {1, 2, 15, 16, 17, 33, 64, 65, 300}) {
+        cases.push_back({DType::kF32, 128, 8, 4096, 128, n, n % 2 == 0 ? 2 : 1, true});
+        cases.push_back({DType::kBF16, 288, 8, 1000, 128, n, 4, n % 3 != 0});
+    }
+    cases.push_back({DType::kF32, 8, 1, 256, 64, 40, 8, true});
+    cases.push_back({DType::kF32, 512, 32, 512, 128, 70, 1, true});   // a full warp of slots
+    cases.push_back({DType::kBF16, 64, 40, 384, 128, 20, 2, false});  // slots past one warp
+    cases.push_back({DType::kF32, 16, 4, 100, 128, 5, 1, true});      // one chunk, shorter than the unrolled loop
+    cases.push_back({DType::kF32, 16, 4, 40, 8, 18, 2, true});        // chunks narrower than the 16 lanes
+    cases.push_back({DType::kF32, 32, 4, 4096, 8, 17, 1, true});      // 512 chunks: the area's limit
+    cases.push_back({DType::kBF16, 24, 3, 256, 128, 9, 1, true, false});     // no bias
+    cases.push_back({DType::kF32, 32, 8, 512, 128, 20, 4, true, true, 30});  // owners past their capacity: flagged
+    uint32_t seed = 1;
+    for (const RouteCase &c : cases) {
+        ++seed;
+        DeviceBuffer w = to_device(router_rows(c.dtype, c.n_experts, c.k, seed));
+        std::vector<float> xh = random_floats(c.n_tokens * c.k, seed);
+        if (c.n_tokens == 17) xh[static_cast<size_t>(3 * c.k + 5)] = std::numeric_limits<float>::quiet_NaN();
+        if (c.n_tokens == 33) xh[static_cast<size_t>(c.k)] = std::numeric_limits<float>::infinity();
+        DeviceBuffer x = to_device(xh);
+        std::vector<float> bias_h(static_cast<size_t>(c.n_experts));
+        std::mt19937 rng(seed);
+        for (float &b : bias_h) b = static_cast<float>(rng() % 7) * 0.01f;  // reorders some, ties others
+        DeviceBuffer bias = to_device(bias_h);
+        const float *bias_p = c.bias ? bias.as<float>() : nullptr;
+        const RouteOut want = four_launchers(c, w, x, bias_p);
+        EXPECT_EQ(want.flag, c.capacity > 0 ? 1 : 0);
+        for (int round = 0; round < 2; ++round) {  // the tickets are back at zero for the second launch
+            RouteBuffers b(c);
+            ASSERT_TRUE(cuda::moe_route_covers(route_matrix(c, w), c.n_tokens, c.top_k));
+            EXPECT_EQ(cuda::moe_route(route_matrix(c, w), x.as<float>(), c.n_tokens, bias_p, c.top_k, c.renormalize,
+                                      2.5f, c.n_owners, route_capacity(c), b.views(), tickets.as<int32_t>(),
+                                      b.flag.as<int32_t>(), nullptr),
+                      cudaSuccess);
+            expect_same_route(b.read(c), want,
+                              ::testing::PrintToString(c.n_experts) + " experts top " +
+                                  ::testing::PrintToString(c.top_k) + ", K " + ::testing::PrintToString(c.k) + ", " +
+                                  ::testing::PrintToString(c.n_tokens) + " tokens, round " +
+                                  ::testing::PrintToString(round));
+        }
+        EXPECT_EQ(read_tickets(tickets), zeros);
+    }
+}
+
+// Many launches back to back on one stream, no host wait between them, over 256 tiles (the arrival order varies
+// from launch to launch); then the same launch captured in a graph and replayed. Every launch's outputs are kept
+// and checked.
+TEST(CudaMoeRoute, BackToBackLaunchesAndGraphReplaysKeepTheTickets) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const std::vector<int32_t> zeros(static_cast<size_t>(cuda::kRouteTickets), 0);
+    DeviceBuffer tickets = to_device(zeros);
+    const RouteCase c{DType::kF32, 128, 8, 1024, 128, 4096, 2, true};
+    DeviceBuffer w = to_device(router_rows(c.dtype, c.n_experts, c.k, 99));
+    DeviceBuffer bias = to_device(random_floats(c.n_experts, 98));
+    constexpr int kLaunches = 6;
+    std::vector<DeviceBuffer> xs;
+    std::vector<std::unique_ptr<RouteBuffers>> outs;
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    for (int i = 0; i < kLaunches; ++i) {
+        xs.push_back(to_device(random_floats(c.n_tokens * c.k, 200 + static_cast<uint32_t>(i))));
+        outs.push_back(std::make_unique<RouteBuffers>(c));
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto launch = [&](int i) {
+        return cuda::moe_route(route_matrix(c, w), xs[static_cast<size_t>(i)].as<float>(), c.n_tokens, bias.as<float>(),
+                               c.top_k, c.renormalize, 2.5f, c.n_owners, route_capacity(c),
+                               outs[static_cast<size_t>(i)]->views(), tickets.as<int32_t>(),
+                               outs[static_cast<size_t>(i)]->flag.as<int32_t>(), stream);
+    };
+    for (int i = 0; i < kLaunches - 1; ++i) ASSERT_EQ(launch(i), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    ASSERT_EQ(launch(kLaunches - 1), cudaSuccess);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int r = 0; r < 3; ++r) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int i = 0; i < kLaunches; ++i) {
+        const RouteOut want = four_launchers(c, w, xs[static_cast<size_t>(i)], bias.as<float>());
+        expect_same_route(outs[static_cast<size_t>(i)]->read(c), want, "launch " + ::testing::PrintToString(i));
+    }
+    EXPECT_EQ(read_tickets(tickets), zeros);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+}
+
+TEST(CudaMoeRoute, ShapesOutsideTheKernelAreLeftToTheFourLaunchers) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    DeviceBuffer tickets = to_device(std::vector<int32_t>(static_cast<size_t>(cuda::kRouteTickets), 0));
+    DeviceBuffer w(513 * 256 * 4), x(4 * 256 * 4), buf(513 * 4 * 4 + 4);
+    const cuda::MoeRouteBuffers out{buf.as<float>(),   buf.as<int32_t>(), buf.as<float>(),  buf.as<int32_t>(),
+                                    buf.as<int32_t>(), buf.as<int32_t>(), buf.as<int32_t>()};
+    const cuda::CudaMatrix ok{
+        .dtype = DType::kF32, .data = w.as<void>(), .rows = 8, .cols = 256, .full_rows = 8, .k_full = 256};
+    cuda::CudaMatrix wide = ok;
+    wide.rows = wide.full_rows = 513;
+    cuda::CudaMatrix fp8 = ok;
+    fp8.dtype = DType::kF8E4M3;
+    cuda::CudaMatrix bf16_act = ok;
+    bf16_act.dtype = DType::kBF16;
+    bf16_act.act = cuda::ActRounding::kBf16;
+    cuda::CudaMatrix window = ok;
+    window.k_full = 512;  // a K window of a TP rank
+    cuda::CudaMatrix many_chunks = ok;
+    many_chunks.cols = many_chunks.k_full = 513 * 8;
+    many_chunks.block_cols = 8;  // 513 chunks: more than the area holds
+    EXPECT_TRUE(cuda::moe_route_covers(ok, 4, 2));
+    EXPECT_TRUE(cuda::moe_route_covers(ok, cuda::kRouteMaxTokens, 8));
+    for (const auto &[m, n, k] : {std::tuple{wide, 4, 2}, std::tuple{fp8, 4, 2}, std::tuple{bf16_act, 4, 2},
+                                  std::tuple{window, 4, 2}, std::tuple{many_chunks, 4, 2}, std::tuple{ok, 0, 2},
+                                  std::tuple{ok, int(cuda::kRouteMaxTokens + 1), 2}, std::tuple{ok, 4, 9}}) {
+        EXPECT_FALSE(cuda::moe_route_covers(m, n, k));
+        EXPECT_EQ(cuda::moe_route(m, x.as<float>(), n, nullptr, k, true, 1.0f, 1, 8, out, tickets.as<int32_t>(),
+                                  nullptr, nullptr),
+                  cudaErrorInvalidValue);
+    }
+    EXPECT_EQ(cuda::moe_route(ok, x.as<float>(), 4, nullptr, 2, true, 1.0f, 3, 8, out, tickets.as<int32_t>(), nullptr,
+                              nullptr),
+              cudaErrorInvalidValue);  // 8 experts over 3 owners
+    EXPECT_EQ(cuda::moe_route(ok, x.as<float>(), 4, nullptr, 2, true, 1.0f, 1, 8, out, nullptr, nullptr, nullptr),
+              cudaErrorInvalidValue);  // no tickets
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 }  // namespace

@@ -87,6 +87,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_index, Numer
     auto flag = be->device_alloc(sizeof(int32_t), "the kernels' error flag");
     if (!flag) return tl::unexpected(flag.error());
     be->error_flag_ = static_cast<int32_t *>(*flag);
+    auto tickets = be->device_alloc(cuda::kRouteTickets * sizeof(int32_t), "the routing's tickets");
+    if (!tickets) return tl::unexpected(tickets.error());
+    be->route_tickets_ = static_cast<int32_t *>(*tickets);
     auto split = be->device_alloc(kAttentionSplitFloats * sizeof(float), "the attention split workspace");
     if (!split) return tl::unexpected(split.error());
     be->attention_split_ = static_cast<float *>(*split);
@@ -715,6 +718,25 @@ void CudaBackend::moe_source_rows(TensorView expert_ids, TensorView row_of_pair,
     launched("moe_source_rows", cuda::moe_source_rows(i32c(expert_ids), i32c(row_of_pair), expert_ids.numel(),
                                                       i32c(offsets), n_experts, n_owners, capacity, i32(src_row),
                                                       error_flag_, stream()));
+}
+
+void CudaBackend::moe_route(TensorView x, MatrixId router, const RouterConfig &cfg, VectorId bias,
+                            const MoeRouteViews &r) {
+    const CudaMatrix &m = matrix(router);
+    const Vector &b = vector(bias);
+    op_checks::matmul("moe_route", x, m.rows, m.cols, r.logits);
+    op_checks::router_topk(cfg, r.logits, b.dtype, b.n, r.expert_ids, r.weights);
+    op_checks::moe_sort_pairs(r.expert_ids, cfg.n_experts, r.offsets, r.sorted_pair, r.row_of_pair);
+    op_checks::moe_source_rows(r.expert_ids, r.row_of_pair, r.offsets, r.n_owners, r.capacity, r.src_row);
+    if (!cuda::moe_route_covers(m, x.rows(), cfg.top_k)) {  // shapes the fused kernel does not take: the four ops
+        Backend::moe_route(x, router, cfg, bias, r);
+        return;
+    }
+    const cuda::MoeRouteBuffers out{f32(r.logits),      i32(r.expert_ids),  f32(r.weights), i32(r.offsets),
+                                    i32(r.sorted_pair), i32(r.row_of_pair), i32(r.src_row)};
+    launched("moe_route",
+             cuda::moe_route(m, f32(x), x.rows(), static_cast<const float *>(b.data), cfg.top_k, cfg.renormalize,
+                             cfg.scaling_factor, r.n_owners, r.capacity, out, route_tickets_, error_flag_, stream()));
 }
 
 void CudaBackend::moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,

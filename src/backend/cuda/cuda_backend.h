@@ -115,6 +115,8 @@ public:
                      int64_t expert_end, int64_t top_k, TensorView x_own) override;
     void moe_source_rows(TensorView expert_ids, TensorView row_of_pair, TensorView offsets, int64_t n_owners,
                          int64_t capacity, TensorView src_row) override;
+    void moe_route(TensorView x, MatrixId router, const RouterConfig &cfg, VectorId bias,
+                   const MoeRouteViews &r) override;
     void moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,
                      TensorView shared, TensorView out) override;
     void gather_rows(TensorView src, TensorView rows, TensorView dst) override;
@@ -184,6 +186,7 @@ private:
     // A device i32 the kernels raise on an index outside its range (a broken invariant: the engine checks its
     // inputs at plan time); read at every copy_to_host, which synchronises anyway.
     int32_t *error_flag_ = nullptr;
+    int32_t *route_tickets_ = nullptr;  // cuda::moe_route's tickets: zero between launches
     // Split-KV attention's states (cuda::paged_attention): 64 MiB hold every split of batch 128 at 4K positions, or
     // of one sequence up to ~1M; a larger step runs each work item's splits in one CTA (the same bits).
     static constexpr int64_t kAttentionSplitFloats = int64_t{16} << 20;

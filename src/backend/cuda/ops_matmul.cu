@@ -17,6 +17,7 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/exact_loop.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/ptx.cuh"
 #include "core/float_formats.h"
@@ -29,7 +30,7 @@ namespace {
 // Launch geometry. A block is 16 groups of 16 threads; a work item is one token and 16 consecutive output
 // rows (group g takes row 16 * tile + g). Neither number enters an element's K loop.
 
-constexpr int kLanes = 16;                        // lanes of the K loop = threads of a group
+constexpr int kLanes = kExactLanes;  // lanes of the K loop = threads of a group
 constexpr int kThreads = 256;
 constexpr int kRowsPerItem = kThreads / kLanes;   // 16 output rows per work item
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;  // the item loop covers anything larger
@@ -87,15 +88,7 @@ __device__ __forceinline__ float ftz_mul(float a, float b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The lane tree (((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))) + (((l8+l9)+(l10+l11))+((l12+l13)+(l14+l15))) over the 16
-// threads of a group: a butterfly whose level d adds the partner d lanes away, which at every level pairs
-// exactly the tree's neighbours (addition is commutative, so which side holds which operand does not show).
-// Every thread of the group ends with the sum. mask: the group's half of the warp.
-
-__device__ __forceinline__ float lane_tree_exact(float v, unsigned mask) {
-    for (int d = 1; d < kLanes; d <<= 1) v = __fadd_rn(v, __shfl_xor_sync(mask, v, d, kLanes));
-    return v;
-}
+// The lane tree of exact_loop.cuh (lane_tree_exact) in the FTZ/DAZ arithmetic.
 
 __device__ __forceinline__ float lane_tree_ftz(float v, unsigned mask) {
     for (int d = 1; d < kLanes; d <<= 1) v = ftz_add(v, __shfl_xor_sync(mask, v, d, kLanes));
@@ -181,24 +174,6 @@ struct ProductParams {
     ProductPart parts[kMaxMultiParts] = {};
 };
 
-// Bytes per stored weight element.
-template <DType kDt>
-constexpr int64_t kElemBytes = kDt == DType::kF32 ? 4 : (kDt == DType::kF8E4M3 ? 1 : 2);
-
-// Element i of a weight row, widened exactly (core/float_formats.h, as the CPU's widening).
-template <DType kDt>
-__device__ __forceinline__ float weight_at(const uint8_t *row, int64_t i) {
-    if constexpr (kDt == DType::kF32) {
-        return reinterpret_cast<const float *>(row)[i];
-    } else if constexpr (kDt == DType::kBF16) {
-        return bf16_to_f32(reinterpret_cast<const uint16_t *>(row)[i]);
-    } else if constexpr (kDt == DType::kF16) {
-        return f16_to_f32(reinterpret_cast<const uint16_t *>(row)[i]);
-    } else {
-        return fp8_e4m3_to_f32(row[i]);
-    }
-}
-
 // The item's token row of a grouped product and its held expert: the largest e with offsets[first + e] <=
 // base + t (empty experts share their offset with the next, so the largest is the one that owns the row).
 // False for a row past the held experts' rows. Reads only offsets[first .. first + n_experts].
@@ -229,27 +204,7 @@ __device__ bool grouped_expert(const ProductParams &p, int64_t t, int64_t *exper
 template <DType kDt>
 __device__ float exact_chunk(const ProductParams &p, const float *gx, const uint8_t *gw, const float *gs, int64_t c0,
                              int64_t c1, int64_t ci, int lane, unsigned mask) {
-    float acc = 0.0f;
-    int64_t k = c0 + lane;
-    // Eight elements' loads issued before their adds (the chain itself is serial): the loads of a lane
-    // otherwise wait one after another.
-    for (; k + 7 * kLanes < c1; k += 8 * kLanes) {
-        float xv[8];
-        float wv[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int64_t i = k + j * kLanes - p.k_begin;
-            xv[j] = gx[i];
-            wv[j] = weight_at<kDt>(gw, i);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc = __fadd_rn(acc, __fmul_rn(xv[j], wv[j]));
-    }
-    for (; k < c1; k += kLanes) {
-        const int64_t i = k - p.k_begin;
-        acc = __fadd_rn(acc, __fmul_rn(gx[i], weight_at<kDt>(gw, i)));
-    }
-    float chunk = lane_tree_exact(acc, mask);
+    float chunk = exact_chunk_sum<kDt>(gx, gw, p.k_begin, c0, c1, lane, mask);
     if constexpr (kDt == DType::kF8E4M3) chunk = __fmul_rn(chunk, gs[ci - p.scale_col0]);
     return chunk;
 }

@@ -6,11 +6,13 @@
 // (match_any ranks within the 32), which is the CPU's stable counting sort.
 #include "backend/cuda/ops_route.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
 #include "backend/cuda/arg_first.cuh"
+#include "backend/cuda/exact_loop.cuh"
 #include "backend/cuda/launch.cuh"
 #include "core/float_formats.h"
 #include "core/math.h"
@@ -28,6 +30,8 @@ constexpr int kSortTile = 4096;  // pairs staged in shared memory per round of t
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65536;  // grid-stride loops cover anything larger
 
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // Sets the caller's sticky error flag (ops_route.h); many threads may set it, all to 1.
 __device__ void raise_flag(int32_t *flag) {
     if (flag != nullptr) atomicExch(flag, 1);
@@ -35,22 +39,14 @@ __device__ void raise_flag(int32_t *flag) {
 
 // ---- Router ---------------------------------------------------------------------------------------------
 
-// glogits: [n_tokens, n_experts] f32; gbias: [n_experts] f32 or nullptr; gids, gweights: [n_tokens, top_k].
-// Dynamic shared memory: [warps per block, n_experts] f32 selection scores.
-__global__ void router_topk_kernel(const float *glogits, const float *gbias, int64_t n_tokens, int n_experts,
-                                   int top_k, bool renormalize, float scaling_factor, int32_t *gids,
-                                   float *gweights) {
-    pdl_enter();
-    extern __shared__ float s_score[];
-    const int warp = static_cast<int>(threadIdx.x) / kWarp;
-    const int lane = static_cast<int>(threadIdx.x) % kWarp;
-    const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + warp;
-    if (t >= n_tokens) return;  // whole warps leave together; no block barrier follows
-    const float *z = glogits + t * n_experts;
-    float *s = s_score + static_cast<int64_t>(warp) * n_experts;
+// Token t's selection by the calling warp (cpu::router_topk): z: its [n_experts] logits, read with ld.global.cg
+// (the fused route reads logits other blocks of its grid wrote); gbias: [n_experts] f32 or nullptr; s: the
+// warp's [n_experts] floats of shared memory (the selection scores); ids, w: its [top_k] outputs.
+__device__ void route_token(const float *z, const float *gbias, int n_experts, int top_k, bool renormalize,
+                            float scaling_factor, float *s, int32_t *ids, float *w, int lane) {
     const float kNegInf = u32_as_f32(0xff800000u);
     for (int e = lane; e < n_experts; e += kWarp) {
-        float v = sigmoid_f32(z[e]);
+        float v = sigmoid_f32(__ldcg(z + e));
         if (gbias != nullptr) v = v + gbias[e];
         s[e] = v != v ? kNegInf : v;
     }
@@ -60,8 +56,6 @@ __global__ void router_topk_kernel(const float *glogits, const float *gbias, int
     // enters the weights) is then loaded by every lane at once; renormalisation sums the weights in slot order
     // (the lanes' values folded one after another across the chunks). The last chunk's weights are stored
     // final from registers; earlier chunks' raw weights are rescaled in place by the lanes that wrote them.
-    int32_t *ids = gids + t * top_k;
-    float *w = gweights + t * top_k;
     float prev_s = 0.0f;
     int prev_e = -1;  // slot k picks the first expert strictly after slot k - 1's in the order
     float sum = 0.0f, wk = 0.0f;
@@ -86,7 +80,7 @@ __global__ void router_topk_kernel(const float *glogits, const float *gbias, int
             prev_s = best_s;
             prev_e = best_e;
         }
-        wk = lane < n ? sigmoid_f32(z[mine]) : 0.0f;
+        wk = lane < n ? sigmoid_f32(__ldcg(z + mine)) : 0.0f;
         if (lane < n) ids[base + lane] = mine;
         if (renormalize) {
             for (int l = 0; l < n; ++l) sum = sum + __shfl_sync(kFullMask, wk, l);
@@ -99,22 +93,36 @@ __global__ void router_topk_kernel(const float *glogits, const float *gbias, int
     for (int k = lane; k < base; k += kWarp) w[k] = finish(w[k]);
 }
 
+// glogits: [n_tokens, n_experts] f32; gbias: [n_experts] f32 or nullptr; gids, gweights: [n_tokens, top_k].
+// Dynamic shared memory: [warps per block, n_experts] f32 selection scores.
+__global__ void router_topk_kernel(const float *glogits, const float *gbias, int64_t n_tokens, int n_experts, int top_k,
+                                   bool renormalize, float scaling_factor, int32_t *gids, float *gweights) {
+    pdl_enter();
+    extern __shared__ float s_score[];
+    const int warp = static_cast<int>(threadIdx.x) / kWarp;
+    const int lane = static_cast<int>(threadIdx.x) % kWarp;
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + warp;
+    if (t >= n_tokens) return;  // whole warps leave together; no block barrier follows
+    route_token(glogits + t * n_experts, gbias, n_experts, top_k, renormalize, scaling_factor,
+                s_score + static_cast<int64_t>(warp) * n_experts, gids + t * top_k, gweights + t * top_k, lane);
+}
+
 // ---- Pair sort --------------------------------------------------------------------------------------------
 
-// gids: [n_pairs] i32; goffsets: [n_experts + 1]; gsorted, grow_of: [n_pairs]. One block of kSortThreads.
-// Dynamic shared memory: s_cursor [n_experts] i32 (counts, then each expert's next free row).
-__global__ void __launch_bounds__(kSortThreads)
-    moe_sort_pairs_kernel(const int32_t *gids, int64_t n_pairs, int n_experts, int32_t *goffsets, int32_t *gsorted,
-                          int32_t *grow_of, int32_t *flag) {
-    pdl_enter();
-    extern __shared__ int32_t s_cursor[];
-    __shared__ int32_t s_ids[kSortTile];  // one tile of expert ids, staged for the placement warp
+// The sort by the calling block, every thread of it (it has block barriers): gids: [n_pairs] i32, read with
+// ld.global.cg (the fused route sorts ids other blocks wrote); goffsets: [n_experts + 1]; gsorted, grow_of:
+// [n_pairs]. s_cursor: [n_experts] i32 of shared memory (counts, then each expert's next free row); s_ids:
+// [tile] i32 of shared memory, the ids staged for the placement warp a tile at a time.
+__device__ void sort_pairs_block(const int32_t *gids, int64_t n_pairs, int n_experts, int32_t *goffsets,
+                                 int32_t *gsorted, int32_t *grow_of, int32_t *flag, int32_t *s_cursor, int32_t *s_ids,
+                                 int tile) {
     const int tid = static_cast<int>(threadIdx.x);
+    const int threads = static_cast<int>(blockDim.x);
     const int lane = tid % kWarp;
-    for (int e = tid; e < n_experts; e += kSortThreads) s_cursor[e] = 0;
+    for (int e = tid; e < n_experts; e += threads) s_cursor[e] = 0;
     __syncthreads();
-    for (int64_t q = tid; q < n_pairs; q += kSortThreads) {
-        const int32_t e = gids[q];
+    for (int64_t q = tid; q < n_pairs; q += threads) {
+        const int32_t e = __ldcg(gids + q);
         if (e >= 0 && e < n_experts) {
             atomicAdd(&s_cursor[e], 1);
         } else {
@@ -142,15 +150,15 @@ __global__ void __launch_bounds__(kSortThreads)
     }
     // Placement: the block stages a tile of ids, warp 0 places its pairs 32 at a time in increasing q. Within
     // 32 pairs, a pair's rank among those of its expert is the number of lower lanes with the same expert.
-    for (int64_t tile = 0; tile < n_pairs; tile += kSortTile) {
-        const int tile_n = static_cast<int>(n_pairs - tile < kSortTile ? n_pairs - tile : kSortTile);
+    for (int64_t t0 = 0; t0 < n_pairs; t0 += tile) {
+        const int tile_n = static_cast<int>(n_pairs - t0 < tile ? n_pairs - t0 : tile);
         __syncthreads();  // the scan (first tile) or the previous tile's placement is done
-        for (int i = tid; i < tile_n; i += kSortThreads) s_ids[i] = gids[tile + i];
+        for (int i = tid; i < tile_n; i += threads) s_ids[i] = __ldcg(gids + t0 + i);
         __syncthreads();
         if (tid >= kWarp) continue;
         for (int base = 0; base < tile_n; base += kWarp) {
             const int i = base + lane;
-            const auto q = static_cast<int32_t>(tile + i);  // < n_pairs <= INT32_MAX where it is used
+            const auto q = static_cast<int32_t>(t0 + i);  // < n_pairs <= INT32_MAX where it is used
             const int32_t e = i < tile_n ? s_ids[i] : -1;
             const bool valid = i < tile_n && e >= 0 && e < n_experts;
             const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
@@ -167,6 +175,16 @@ __global__ void __launch_bounds__(kSortThreads)
             __syncwarp();
         }
     }
+}
+
+// One block of kSortThreads. Dynamic shared memory: s_cursor [n_experts] i32.
+__global__ void __launch_bounds__(kSortThreads)
+    moe_sort_pairs_kernel(const int32_t *gids, int64_t n_pairs, int n_experts, int32_t *goffsets, int32_t *gsorted,
+                          int32_t *grow_of, int32_t *flag) {
+    pdl_enter();
+    extern __shared__ int32_t s_cursor[];
+    __shared__ int32_t s_ids[kSortTile];
+    sort_pairs_block(gids, n_pairs, n_experts, goffsets, gsorted, grow_of, flag, s_cursor, s_ids, kSortTile);
 }
 
 // ---- Permute ------------------------------------------------------------------------------------------------
@@ -214,6 +232,22 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Source rows ----------------------------------------------------------------------------------------------
 
+// Pair q's source row (cpu::moe_source_rows), -1 (and the flag raised) where it has none. grow_of and goffsets
+// are read with ld.global.cg (the fused route reads what its sort just wrote).
+__device__ int32_t source_row(const int32_t *gids, const int32_t *grow_of, int64_t q, const int32_t *goffsets,
+                              int64_t n_experts, int64_t per_owner, int64_t capacity, int32_t *flag) {
+    const int64_t e = __ldcg(gids + q);
+    int32_t src = -1;
+    if (e >= 0 && e < n_experts) {
+        const int64_t owner = e / per_owner;
+        const int64_t local = static_cast<int64_t>(__ldcg(grow_of + q)) - __ldcg(goffsets + owner * per_owner);
+        const int64_t row = owner * capacity + local;
+        if (local >= 0 && local < capacity && row <= INT32_MAX) src = static_cast<int32_t>(row);
+    }
+    if (src < 0) raise_flag(flag);
+    return src;
+}
+
 // gids, grow_of, gsrc: [n_pairs]; goffsets: [n_experts + 1]. One thread per pair in a grid-stride loop.
 __global__ void moe_source_rows_kernel(const int32_t *gids, const int32_t *grow_of, int64_t n_pairs,
                                        const int32_t *goffsets, int64_t n_experts, int64_t per_owner,
@@ -221,16 +255,115 @@ __global__ void moe_source_rows_kernel(const int32_t *gids, const int32_t *grow_
     pdl_enter();
     for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < n_pairs;
          q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int64_t e = gids[q];
-        int32_t src = -1;
-        if (e >= 0 && e < n_experts) {
-            const int64_t owner = e / per_owner;
-            const int64_t local = static_cast<int64_t>(grow_of[q]) - goffsets[owner * per_owner];
-            const int64_t row = owner * capacity + local;
-            if (local >= 0 && local < capacity && row <= INT32_MAX) src = static_cast<int32_t>(row);
+        gsrc[q] = source_row(gids, grow_of, q, goffsets, n_experts, per_owner, capacity, flag);
+    }
+}
+
+// ---- Fused route ------------------------------------------------------------------------------------------
+
+constexpr int kRouteThreads = 512;
+constexpr int kRouteTileTokens = kRouteThreads / kWarp;  // a warp per token for the tile's selection
+constexpr int kRouteGroups = kRouteThreads / kExactLanes;
+constexpr int kRouteMaxTiles = static_cast<int>(kRouteMaxTokens / kRouteTileTokens);
+static_assert(kRouteMaxTiles * kRouteTileTokens == kRouteMaxTokens && kRouteMaxTiles + 1 <= kRouteTickets);
+constexpr int64_t kRouteMaxExperts = 512;
+constexpr int64_t kRouteAreaBytes = 32 * 1024;  // chunk sums, then the selection scores
+constexpr int kRouteSortTile = 2048;
+static_assert(kRouteTileTokens * kRouteMaxExperts * 4 <= kRouteAreaBytes, "the tile's scores fit the area");
+static_assert(kRouteAreaBytes + (kRouteMaxExperts + kRouteSortTile) * 4 <= kSharedBytes,
+              "the default dynamic shared memory holds the area, the cursors and a sort tile");
+
+struct RouteParams {
+    const uint8_t *w;  // [n_experts, k] router rows
+    int64_t k;
+    int64_t chunk;  // the exact loop's chunk edge
+    int n_chunks;
+    const float *x;  // [n_tokens, k]
+    const float *bias;
+    int64_t n_tokens;
+    int n_experts;
+    int top_k;
+    bool renormalize;
+    float scaling_factor;
+    int64_t per_owner;
+    int64_t capacity;
+    int n_tiles;
+    int sort_tile;
+    MoeRouteBuffers out;
+    int32_t *tickets;
+    int32_t *flag;
+};
+
+// Whether this block is the last of `of` to reach ticket `t` (the ticket then goes back to zero). Every thread
+// of the block calls it after its own stores: the barrier, then thread 0's fence (cumulative, so it orders the
+// whole block's stores before the ticket) and atomic; in the last block, thread 0's fence after the atomic and the
+// barrier order the earlier blocks' stores before any thread's loads (the pattern of a grid barrier).
+__device__ bool last_to_arrive(int32_t *t, int of) {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(t, 1) == of - 1;
+        if (s_last) *t = 0;  // every block of this launch has taken its ticket
+        __threadfence();
+    }
+    __syncthreads();
+    return s_last != 0;
+}
+
+// Block (r, tile): logits[t, r] for the tile's tokens, its 32 groups of 16 threads taking the (token, chunk) items
+// in turn (exact_chunk_sum, as the products), the chunk sums then added in K order from +0 by one thread per
+// token (dot_exact's bits). Dynamic shared memory: the area, s_cursor [n_experts] i32, s_ids [sort_tile] i32.
+template <DType kDt>
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const RouteParams p) {
+    pdl_enter();
+    extern __shared__ __align__(16) unsigned char s_raw[];
+    float *s_area = reinterpret_cast<float *>(s_raw);
+    int32_t *s_cursor = reinterpret_cast<int32_t *>(s_raw + kRouteAreaBytes);
+    int32_t *s_ids = s_cursor + p.n_experts;
+    const int tid = static_cast<int>(threadIdx.x);
+    const int row = static_cast<int>(blockIdx.x);
+    const int tile = static_cast<int>(blockIdx.y);
+    const int64_t t0 = int64_t{tile} * kRouteTileTokens;
+    const int tile_n = static_cast<int>(p.n_tokens - t0 < kRouteTileTokens ? p.n_tokens - t0 : kRouteTileTokens);
+    {
+        const int group = tid / kExactLanes;
+        const int lane = tid % kExactLanes;
+        const unsigned mask = 0xffffu << (threadIdx.x & 16u);
+        const uint8_t *gw = p.w + int64_t{row} * p.k * kElemBytes<kDt>;
+        for (int item = group; item < tile_n * p.n_chunks; item += kRouteGroups) {
+            const int t = item / p.n_chunks;
+            const int c = item % p.n_chunks;
+            const int64_t c0 = c * p.chunk;
+            const int64_t c1 = c0 + p.chunk < p.k ? c0 + p.chunk : p.k;
+            const float v = exact_chunk_sum<kDt>(p.x + (t0 + t) * p.k, gw, 0, c0, c1, lane, mask);
+            if (lane == 0) s_area[t * p.n_chunks + c] = v;
         }
-        if (src < 0) raise_flag(flag);
-        gsrc[q] = src;
+        __syncthreads();
+        if (tid < tile_n) {
+            float total = 0.0f;
+            for (int c = 0; c < p.n_chunks; ++c) total = __fadd_rn(total, s_area[tid * p.n_chunks + c]);
+            p.out.logits[(t0 + tid) * p.n_experts + row] = total;
+        }
+    }
+    if (!last_to_arrive(p.tickets + tile, p.n_experts)) return;
+    // The tile's selection, a warp per token (s_area now holds the warps' scores).
+    const int warp = tid / kWarp;
+    if (warp < tile_n) {
+        const int64_t t = t0 + warp;
+        route_token(p.out.logits + t * p.n_experts, p.bias, p.n_experts, p.top_k, p.renormalize, p.scaling_factor,
+                    s_area + int64_t{warp} * p.n_experts, p.out.expert_ids + t * p.top_k, p.out.weights + t * p.top_k,
+                    tid % kWarp);
+    }
+    if (p.n_tiles > 1 && !last_to_arrive(p.tickets + kRouteMaxTiles, p.n_tiles)) return;
+    __syncthreads();  // this block's selections are visible to all its threads
+    const int64_t n_pairs = p.n_tokens * p.top_k;
+    sort_pairs_block(p.out.expert_ids, n_pairs, p.n_experts, p.out.offsets, p.out.sorted_pair, p.out.row_of_pair,
+                     p.flag, s_cursor, s_ids, p.sort_tile);
+    __syncthreads();  // the sort's offsets and rows are visible to all the block's threads
+    for (int64_t q = tid; q < n_pairs; q += kRouteThreads) {
+        p.out.src_row[q] = source_row(p.out.expert_ids, p.out.row_of_pair, q, p.out.offsets, p.n_experts, p.per_owner,
+                                      p.capacity, p.flag);
     }
 }
 
@@ -302,6 +435,53 @@ cudaError_t moe_source_rows(const int32_t *expert_ids, const int32_t *row_of_pai
     const int64_t blocks = blocks_needed < kMaxBlocks ? blocks_needed : kMaxBlocks;
     launch_kernel(moe_source_rows_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, expert_ids, row_of_pair,
                   n_pairs, offsets, n_experts, n_experts / n_owners, capacity, src_row, error_flag);
+    return cudaGetLastError();
+}
+
+bool moe_route_covers(const CudaMatrix &router, int64_t n_tokens, int64_t top_k) {
+    return (router.dtype == DType::kF32 || router.dtype == DType::kBF16) && router.act == ActRounding::kNone &&
+           router.k_begin == 0 && router.cols >= 1 && router.cols == router.k_full && router.row_begin == 0 &&
+           router.rows == router.full_rows && router.rows <= kRouteMaxExperts && router.block_cols >= 1 &&
+           n_tokens >= 1 && n_tokens <= kRouteMaxTokens && top_k >= 1 && top_k <= router.rows &&
+           kRouteTileTokens * ceil_div(router.cols, router.block_cols) * 4 <= kRouteAreaBytes;
+}
+
+cudaError_t moe_route(const CudaMatrix &router, const float *x, int64_t n_tokens, const float *bias, int64_t top_k,
+                      bool renormalize, float scaling_factor, int64_t n_owners, int64_t capacity,
+                      const MoeRouteBuffers &out, int32_t *tickets, int32_t *error_flag, cudaStream_t stream) {
+    const int64_t n_experts = router.rows;
+    if (!moe_route_covers(router, n_tokens, top_k) || router.data == nullptr || x == nullptr || n_owners < 1 ||
+        n_experts % n_owners != 0 || capacity < 0 || out.logits == nullptr || out.expert_ids == nullptr ||
+        out.weights == nullptr || out.offsets == nullptr || out.sorted_pair == nullptr || out.row_of_pair == nullptr ||
+        out.src_row == nullptr || tickets == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    RouteParams p{};
+    p.w = static_cast<const uint8_t *>(router.data);
+    p.k = router.cols;
+    p.chunk = router.block_cols;
+    p.n_chunks = static_cast<int>(ceil_div(router.cols, router.block_cols));
+    p.x = x;
+    p.bias = bias;
+    p.n_tokens = n_tokens;
+    p.n_experts = static_cast<int>(n_experts);
+    p.top_k = static_cast<int>(top_k);
+    p.renormalize = renormalize;
+    p.scaling_factor = scaling_factor;
+    p.per_owner = n_experts / n_owners;
+    p.capacity = capacity;
+    p.n_tiles = static_cast<int>(ceil_div(n_tokens, kRouteTileTokens));
+    p.sort_tile = static_cast<int>(std::min<int64_t>(n_tokens * top_k, kRouteSortTile));
+    p.out = out;
+    p.tickets = tickets;
+    p.flag = error_flag;
+    const size_t smem = static_cast<size_t>(kRouteAreaBytes + (n_experts + p.sort_tile) * 4);
+    const dim3 grid(static_cast<unsigned>(n_experts), static_cast<unsigned>(p.n_tiles));
+    if (router.dtype == DType::kF32) {
+        launch_kernel(moe_route_kernel<DType::kF32>, grid, kRouteThreads, smem, stream, p);
+    } else {
+        launch_kernel(moe_route_kernel<DType::kBF16>, grid, kRouteThreads, smem, stream, p);
+    }
     return cudaGetLastError();
 }
 

@@ -5,12 +5,15 @@
 // pure function of the expert ids (integer counting, the placement in pair order by one warp). Launchers take
 // raw device pointers, sizes and a stream; they return cudaErrorInvalidValue for bad arguments (nothing is
 // launched), otherwise the launch status. None allocates, synchronises or reads device memory on the host
-// (counts and offsets stay on the device); each is one kernel launch (none when there is no work).
+// (counts and offsets stay on the device); each is one kernel launch (none when there is no work). moe_route fuses
+// the router product with the first, second and fourth.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
+
+#include "backend/cuda/ops_matmul.h"
 
 namespace memra::cuda {
 
@@ -61,5 +64,32 @@ cudaError_t moe_permute(const float *x, int64_t n_tokens, int64_t d, const int32
 cudaError_t moe_source_rows(const int32_t *expert_ids, const int32_t *row_of_pair, int64_t n_pairs,
                             const int32_t *offsets, int64_t n_experts, int64_t n_owners, int64_t capacity,
                             int32_t *src_row, int32_t *error_flag, cudaStream_t stream);
+
+// The routing of one MoE layer before its permute, for 1 .. kRouteMaxTokens tokens, in one launch: logits =
+// cuda_matmul(router, x) (the exact loop of a router with f32 activations: the same bits), then router_topk,
+// moe_sort_pairs and moe_source_rows on those buffers, bit for bit, as the four launchers in that order. A block
+// per router row and tile of 16 tokens computes its logits; the last block of a tile to finish (an integer
+// ticket) selects the tile's experts, a warp per token, and the last tile to finish sorts the pairs and writes
+// their source rows. Which block comes last changes no bit. tickets: kRouteTickets i32 of device memory, zero
+// before the first launch and zero again after each (the last blocks reset them), used by one stream at a time.
+// moe_route_covers says which shapes this kernel takes (a router that is a whole F32 or BF16 matrix with f32
+// activations, at most 512 experts, 1 .. kRouteMaxTokens tokens); for others the caller runs the four launchers
+// (moe_route refuses them with cudaErrorInvalidValue). logits: [n_tokens, n_experts] f32; bias: [n_experts] f32
+// or nullptr; the rest as the four launchers state, with n_experts = router.rows.
+inline constexpr int64_t kRouteMaxTokens = 65536;
+inline constexpr int64_t kRouteTickets = kRouteMaxTokens / 16 + 1;  // one per tile, and the tiles' own
+struct MoeRouteBuffers {
+    float *logits = nullptr;
+    int32_t *expert_ids = nullptr;
+    float *weights = nullptr;
+    int32_t *offsets = nullptr;
+    int32_t *sorted_pair = nullptr;
+    int32_t *row_of_pair = nullptr;
+    int32_t *src_row = nullptr;
+};
+bool moe_route_covers(const CudaMatrix &router, int64_t n_tokens, int64_t top_k);
+cudaError_t moe_route(const CudaMatrix &router, const float *x, int64_t n_tokens, const float *bias, int64_t top_k,
+                      bool renormalize, float scaling_factor, int64_t n_owners, int64_t capacity,
+                      const MoeRouteBuffers &out, int32_t *tickets, int32_t *error_flag, cudaStream_t stream);
 
 }  // namespace memra::cuda
