@@ -139,8 +139,9 @@ public:
     bool serves(int layer) const;
 
     // Routes the rows of x through layer `layer`'s router: logits, top-k ids and weights, the stable counting
-    // sort of the pairs by expert (offsets, sorted pairs, reverse map) and the input rows of the rank's own
-    // pairs in compact sorted order; then the generation goes up by one. x: [n, d_model] f32 backend rows,
+    // sort of the pairs by expert (offsets, sorted pairs, reverse map), each pair's source row among the owners'
+    // gathered rows (one Backend::moe_route), and the input rows of the rank's own pairs in compact sorted order;
+    // then the generation goes up by one. x: [n, d_model] f32 backend rows,
     // 1 <= n <= capacity(); run() reads x again (the shared expert), so it must hold the same values until
     // then. Refused before anything runs, leaving the previous routing and generation intact: a layer the
     // state does not serve, an x of another shape or dtype, n outside [1, capacity()].
@@ -150,7 +151,8 @@ public:
     // out = residual + (routed + shared) for the rows of the last refresh: each owner computes its own pairs'
     // experts whole (gate, up, SwiGLU, down: one K order), the owners' compact rows are exchanged (MoeExchange:
     // placed in each owner's slot, whichever way they travel), and every rank adds each token's rows in top-k slot order
-    // (rounded multiply, then add), placed by (token, slot) through moe_source_rows, plus the shared expert.
+    // (rounded multiply, then add), placed by (token, slot) through the refresh's source rows, plus the shared
+    // expert.
     // Every rank ends with the same bits, equal to TP = 1. residual, out: [n, d_model] f32; out may be
     // residual. Refused: no refresh yet, shapes that do not match the refresh; a communicator failure (the
     // group is then aborted). observe (when not empty) sees the expert and shared-expert stages.
