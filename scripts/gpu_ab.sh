@@ -27,6 +27,7 @@ pack() {
     for ref in "$@"; do
         git rev-parse --verify --quiet "$ref^{commit}" >/dev/null || { echo "gpu_ab.sh pack: '$ref' is not a commit" >&2; exit 2; }
         name=$(printf '%s' "$ref" | tr -c 'A-Za-z0-9._-' '_')
+        [ "$name" != tree ] || name=ref_tree  # "tree" is the working tree's column
         git archive --format=tar.gz -o "$ab/$name.tar.gz" "$ref" -- . ':!models/default/model.safetensors' || exit 1
         echo "$name" >>"$ab/order"
         echo "packed $ref ($(git rev-parse --short "$ref")) as $ab/$name.tar.gz"
