@@ -28,6 +28,10 @@ pack() {
         git rev-parse --verify --quiet "$ref^{commit}" >/dev/null || { echo "gpu_ab.sh pack: '$ref' is not a commit" >&2; exit 2; }
         name=$(printf '%s' "$ref" | tr -c 'A-Za-z0-9._-' '_')
         [ "$name" != tree ] || name=ref_tree  # "tree" is the working tree's column
+        if grep -qx "$name" "$ab/order" 2>/dev/null; then
+            echo "gpu_ab.sh pack: '$ref' is named $name like a ref before it; give each ref once" >&2
+            exit 2
+        fi
         git archive --format=tar.gz -o "$ab/$name.tar.gz" "$ref" -- . ':!models/default/model.safetensors' || exit 1
         echo "$name" >>"$ab/order"
         echo "packed $ref ($(git rev-parse --short "$ref")) as $ab/$name.tar.gz"
@@ -37,6 +41,8 @@ pack() {
 
 run() {
     [ -s "$ab/order" ] || { echo "gpu_ab.sh run: nothing packed in $ab (run 'gpu_ab.sh pack REF' here first)" >&2; exit 2; }
+    local runs=${MEMRA_AB_RUNS:-2}
+    [[ $runs =~ ^[1-9][0-9]?$ ]] || { echo "gpu_ab.sh run: MEMRA_AB_RUNS is '$runs', expected rounds from 1 to 99" >&2; exit 2; }
     local out=${OUT:-gpu-out} tmp=${TMPDIR:-/tmp}/memra-ab
     mkdir -p "$out" "$tmp"
     out=$(cd "$out" && pwd)
@@ -78,7 +84,7 @@ run() {
     fi
     local bench=${MEMRA_AB_BENCH:-'bm_bf16_product/.*/tokens:(1|8)/|bm_bf16_multi|bm_e4m3_grouped/.*/pairs:(8|256)/|bm_routing'}
     local i j
-    for ((i = 1; i <= ${MEMRA_AB_RUNS:-2}; ++i)); do
+    for ((i = 1; i <= runs; ++i)); do
         for j in "${!names[@]}"; do
             local b
             b=$(bin "${dirs[$j]}" memra_bench_cuda_products)
