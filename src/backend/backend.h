@@ -355,6 +355,20 @@ public:
     virtual void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView bias,
                         TensorView out) = 0;
 
+    // ---- A side branch (CUDA.md 4: streams joined by events) ----
+
+    // Independent work may overlap: side_fork() marks the point the step's ops have reached; the ops issued
+    // between side_begin() and side_end() run after that point, alongside the ops issued outside them since the
+    // fork; side_join() orders every op issued after it after the branch. The caller promises that the branch
+    // neither writes what the ops alongside it read or write nor reads what they write, so no bit depends on the
+    // overlap. At most one branch is open: a fork joins the one before; a host copy waits for the branch's ops
+    // issued so far, and the end of a recorded step closes and joins it. A backend without a side branch runs the
+    // ops in issue order (the default).
+    virtual void side_fork() {}
+    virtual void side_begin() {}
+    virtual void side_end() {}
+    virtual void side_join() {}
+
     // ---- Step recording ----
 
     // Runs body, the ops of one step. A backend may record the ops body issues under `key` and, for a later call

@@ -1,7 +1,7 @@
 // MoeState (step35_moe.h): the MoE layer's op sequence over the Backend interface, shared by the forward,
-// `memra bench --experts` and the tests. refresh() = router, top-k, pair sort, the own pairs' rows; run() =
-// grouped whole-expert projections of the own pairs, the exchange of the owners' rows (fixed capacity or exact
-// counts), the shared expert and the slot-order combine.
+// `memra bench --experts` and the tests. refresh() = router, top-k, pair sort, the own pairs' rows, the shared
+// expert on the side branch; run() = grouped whole-expert projections of the own pairs, the exchange of the
+// owners' rows (fixed capacity or exact counts), the join of the side branch and the slot-order combine.
 #include "model/step35_moe.h"
 
 #include <algorithm>
@@ -169,6 +169,9 @@ Result<void> MoeState::refresh(int layer, TensorView x, const MoeObserver &obser
     const TensorView row_of_pair = mat(row_of_pair_, n * k, 1);
     const int64_t own = moe_owner_capacity(n, k, shape_.experts.size());
     const TensorView x_own = mat(x_own_, own, d);  // [own capacity, d_model], the own pairs in expert order
+    // The shared expert needs only x: it runs on the side branch (Backend::side_fork), alongside the routing and
+    // the routed experts, whose latency-bound launches leave the memory idle; run() joins it before the combine.
+    be.side_fork();
     // The source rows too: where each pair's expert row lies once the owners' rows are gathered (routed_experts).
     be.moe_route(
         x, w.moe.router,
@@ -181,9 +184,19 @@ Result<void> MoeState::refresh(int layer, TensorView x, const MoeObserver &obser
         observe(MoeStage::kExpertWeights, weights);
     }
     be.moe_permute(x, sorted_pair, offsets, shape_.experts.begin, shape_.experts.end, k, x_own);
+
+    // The shared expert is replicated: every rank computes it whole.
+    const TensorView s_gate = mat(s_gate_, n, shape_.d_shared);  // [n, d_shared]
+    const TensorView s_up = mat(s_up_, n, shape_.d_shared);
+    const MatrixId shared_w[] = {w.moe.shared.gate, w.moe.shared.up};
+    const TensorView shared_y[] = {s_gate, s_up};
+    be.side_begin();
+    be.matmul_multi(x, shared_w, shared_y);
+    be.swiglu(s_gate, s_up, g.clamp_shared, s_gate);
+    be.matmul_canonical(s_gate, w.moe.shared.down, mat(shared_, n, d), workspace_);
+    be.side_end();
     layer_ = layer;
     n_ = n;
-    x_ = x;
     ++generation_;
     return {};
 }
@@ -199,18 +212,9 @@ Result<void> MoeState::run(TensorView residual, TensorView out, const MoeObserve
     }
     if (auto ok = routed_experts(observe); !ok) return ok;
 
-    // The shared expert is replicated: every rank computes it whole.
-    const LayerGeometry &g = model_->cfg.layers[static_cast<size_t>(layer_)];
-    const LayerWeights &w = model_->layers[static_cast<size_t>(layer_)];
     Backend &be = *backend_;
-    const TensorView s_gate = mat(s_gate_, n_, shape_.d_shared);  // [n, d_shared]
-    const TensorView s_up = mat(s_up_, n_, shape_.d_shared);
+    be.side_join();                                 // the shared expert, issued by refresh
     const TensorView shared = mat(shared_, n_, d);  // [n, d_model]
-    const MatrixId shared_w[] = {w.moe.shared.gate, w.moe.shared.up};
-    const TensorView shared_y[] = {s_gate, s_up};
-    be.matmul_multi(x_, shared_w, shared_y);
-    be.swiglu(s_gate, s_up, g.clamp_shared, s_gate);
-    be.matmul_canonical(s_gate, w.moe.shared.down, shared, workspace_);
     if (observe) observe(MoeStage::kSharedOut, shared);
     // out = residual + (routed + shared), each pair's row read through src_row, added in canonical slot order.
     const int64_t pairs = n_ * shape_.top_k;

@@ -1,12 +1,13 @@
 // MoeState: one Step-3.5 MoE layer's routed and shared experts as a prepared state (DETERMINISM.md rule 5,
 // D4, ENGINE.md section 3). create() allocates every backend buffer for a token capacity; refresh() routes new
 // input rows (router product, sigmoid top-k, stable counting sort of the (token, slot) pairs by expert, the
-// rank's own pairs' rows in expert order) and bumps a generation counter; run() projects the own pairs
-// through their whole experts (gate, up, SwiGLU, down) as grouped work, exchanges the owners' rows (MoeExchange)
-// and adds them in canonical top-k slot order (separate multiply and add) with the shared expert onto the
-// residual, so every rank holds the layer's output with the TP = 1 bits. Neither refresh() nor run() allocates;
-// only the exact exchange of a large step on a device backend reads the routing's counts back to the host. The
-// forward keeps one state per distinct MoE shape and refreshes it layer by layer; the bench times one directly.
+// rank's own pairs' rows in expert order), issues the shared expert on the backend's side branch and bumps a
+// generation counter; run() projects the own pairs through their whole experts (gate, up, SwiGLU, down) as
+// grouped work, exchanges the owners' rows (MoeExchange) and adds them in canonical top-k slot order (separate
+// multiply and add) with the shared expert onto the residual, so every rank holds the layer's output with the
+// TP = 1 bits. Neither refresh() nor run() allocates; only the exact exchange of a large step on a device backend
+// reads the routing's counts back to the host. The forward keeps one state per distinct MoE shape and refreshes
+// it layer by layer; the bench times one directly.
 #pragma once
 
 #include <cstdint>
@@ -141,9 +142,10 @@ public:
     // Routes the rows of x through layer `layer`'s router: logits, top-k ids and weights, the stable counting
     // sort of the pairs by expert (offsets, sorted pairs, reverse map), each pair's source row among the owners'
     // gathered rows (one Backend::moe_route), and the input rows of the rank's own pairs in compact sorted order;
-    // then the generation goes up by one. x: [n, d_model] f32 backend rows,
-    // 1 <= n <= capacity(); run() reads x again (the shared expert), so it must hold the same values until
-    // then. Refused before anything runs, leaving the previous routing and generation intact: a layer the
+    // then issues the shared expert on the backend's side branch (Backend::side_fork: it may run alongside the
+    // routing and the routed experts; run() joins it) and the generation goes up by one. x: [n, d_model] f32
+    // backend rows, 1 <= n <= capacity(); the side branch reads x until run(), so it must hold the same values
+    // until then. Refused before anything runs, leaving the previous routing and generation intact: a layer the
     // state does not serve, an x of another shape or dtype, n outside [1, capacity()].
     // observe (when not empty) sees kRouterLogits, kExpertIds, kExpertWeights.
     Result<void> refresh(int layer, TensorView x, const MoeObserver &observe = {});
@@ -198,7 +200,6 @@ private:
     uint64_t generation_ = 0;
     int layer_ = -1;
     int64_t n_ = 0;
-    TensorView x_;  // [n, d_model] its input (the caller's rows)
 
     // Backend buffers, flat, sized for the capacity (T rows, T * top_k pairs, C = own capacity of T rows).
     TensorView router_;                              // [T, n_experts]

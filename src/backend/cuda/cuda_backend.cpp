@@ -84,6 +84,12 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_index, Numer
         return make_error("cuda backend: stream: {}", cuda_message(e));
     }
     std::unique_ptr<CudaBackend> be(new CudaBackend(device_index, stream, forcing));
+    if (be->side_on_) {
+        cudaError_t e = cudaStreamCreateWithFlags(&be->side_, cudaStreamDefault);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&be->fork_event_, cudaEventDisableTiming);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&be->join_event_, cudaEventDisableTiming);
+        if (e != cudaSuccess) return make_error("cuda backend: the side stream: {}", cuda_message(e));
+    }
     auto flag = be->device_alloc(sizeof(int32_t), "the kernels' error flag");
     if (!flag) return tl::unexpected(flag.error());
     be->error_flag_ = static_cast<int32_t *>(*flag);
@@ -97,9 +103,11 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_index, Numer
 }
 
 CudaBackend::CudaBackend(int device_index, cudaStream_t stream, const DraftForcing *forcing)
-    : device_(device_index), stream_(stream), forcing_(forcing) {
+    : device_(device_index), stream_(stream), op_stream_(stream), forcing_(forcing) {
     const char *profile = std::getenv("MEMRA_CUDA_PROFILE");
     profile_ = profile != nullptr && std::strcmp(profile, "1") == 0;
+    const char *side = std::getenv("MEMRA_CUDA_SIDE");
+    side_on_ = !profile_ && !(side != nullptr && std::strcmp(side, "0") == 0);
     profile_mark_ = std::chrono::steady_clock::now();
     const char *graphs = std::getenv("MEMRA_CUDA_GRAPHS");
     graphs_ = !profile_ && forcing_ == nullptr && !(graphs != nullptr && std::strcmp(graphs, "0") == 0);
@@ -109,6 +117,7 @@ CudaBackend::CudaBackend(int device_index, cudaStream_t stream, const DraftForci
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
+    if (side_ != nullptr) cudaStreamSynchronize(side_);
     if (profile_ && !op_times_.empty()) {
         std::fprintf(stderr, "cuda op times (MEMRA_CUDA_PROFILE; GPU %d, this backend's life):\n%s", device_,
                      op_time_table().c_str());
@@ -117,6 +126,9 @@ CudaBackend::~CudaBackend() {
         if (step_graphs_[i].exec != nullptr) cudaGraphExecDestroy(step_graphs_[i].exec);
     }
     for (void *p : allocations_) cudaFree(p);
+    if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
+    if (join_event_ != nullptr) cudaEventDestroy(join_event_);
+    if (side_ != nullptr) cudaStreamDestroy(side_);
     cudaStreamDestroy(stream_);
 }
 
@@ -175,7 +187,11 @@ Result<void> CudaBackend::run_recorded(std::span<const int64_t> key, FunctionRef
     cudaError_t e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
     MEMRA_CHECK(e == cudaSuccess, "cuda: starting a step capture: {}", cuda_message(e));
     capturing_ = true;
+    forked_ = false;  // a fork marked outside the capture cannot order the captured work
     Result<void> ok = body();
+    if (side_open_) side_end();  // (a body that failed inside a branch)
+    settle_side();               // the side stream's captured work joins the capture's origin before it ends
+    forked_ = false;             // nor can one marked inside it order later work
     capturing_ = false;
     cudaGraph_t graph = nullptr;
     e = cudaStreamEndCapture(stream_, &graph);
@@ -223,6 +239,7 @@ Result<void *> CudaBackend::device_alloc(size_t bytes, const std::string &what) 
 
 Result<double> CudaBackend::copy_bandwidth(int64_t bytes) {
     MEMRA_CHECK(!capturing_, "cuda: copy_bandwidth inside a recorded step");
+    settle_side();
     if (bytes < 1) return make_error("cuda copy bandwidth: {} bytes, expected >= 1", bytes);
     cudaSetDevice(device_);
     const auto n = static_cast<size_t>(bytes);
@@ -257,6 +274,53 @@ Result<double> CudaBackend::copy_bandwidth(int64_t bytes) {
         return make_error("cuda copy bandwidth of 2 x {} bytes: {}", bytes, cuda_message(e));
     }
     return best;
+}
+
+void CudaBackend::side_fork() {
+    if (!side_on_) return;
+    MEMRA_CHECK(!side_open_, "cuda side_fork: inside a side branch (side_end first)");
+    side_join();  // one branch at a time
+    const cudaError_t e = cudaEventRecord(fork_event_, stream_);
+    MEMRA_CHECK(e == cudaSuccess, "cuda side_fork: {}", cuda_message(e));
+    forked_ = true;
+}
+
+void CudaBackend::side_begin() {
+    if (!side_on_) return;
+    MEMRA_CHECK(forked_ && !side_open_, "cuda side_begin: {}", side_open_ ? "the branch is open" : "no fork marked");
+    const cudaError_t e = cudaStreamWaitEvent(side_, fork_event_, 0);
+    MEMRA_CHECK(e == cudaSuccess, "cuda side_begin: {}", cuda_message(e));
+    op_stream_ = side_;
+    side_open_ = true;
+}
+
+void CudaBackend::side_end() {
+    if (!side_on_) return;
+    MEMRA_CHECK(side_open_, "cuda side_end: no side branch is open");
+    const cudaError_t e = cudaEventRecord(join_event_, side_);
+    MEMRA_CHECK(e == cudaSuccess, "cuda side_end: {}", cuda_message(e));
+    op_stream_ = stream_;
+    side_open_ = false;
+    side_ran_ = true;
+}
+
+void CudaBackend::side_join() {
+    if (!side_on_) return;
+    MEMRA_CHECK(!side_open_, "cuda side_join: the branch is open (side_end first)");
+    if (side_ran_) {
+        const cudaError_t e = cudaStreamWaitEvent(stream_, join_event_, 0);
+        MEMRA_CHECK(e == cudaSuccess, "cuda side_join: {}", cuda_message(e));
+    }
+    side_ran_ = false;  // the fork stays marked: a later side_begin still starts after it
+}
+
+void CudaBackend::settle_side() {
+    if (!side_on_ || !(side_open_ || side_ran_)) return;
+    // The side's work so far, joined; an open branch stays open (its later ops join at its end).
+    cudaError_t e = cudaEventRecord(join_event_, side_);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, join_event_, 0);
+    MEMRA_CHECK(e == cudaSuccess, "cuda: joining the side branch: {}", cuda_message(e));
+    side_ran_ = false;
 }
 
 void CudaBackend::launched(const char *op, int status) {
@@ -453,6 +517,7 @@ const CudaBackend::Vector &CudaBackend::vector(VectorId id) const {
 
 void CudaBackend::copy_from_host(const void *src, TensorView dst) {
     MEMRA_CHECK(!capturing_, "cuda: a host copy inside a recorded step");
+    settle_side();
     ++counters_.h2d_copies;
     counters_.copy_bytes += static_cast<int64_t>(dst.n_bytes());
     if (dst.n_bytes() == 0) return;
@@ -468,6 +533,7 @@ void CudaBackend::copy_from_host(const void *src, TensorView dst) {
 
 void CudaBackend::copy_to_host(TensorView src, void *dst) {
     MEMRA_CHECK(!capturing_, "cuda: a host copy inside a recorded step");
+    settle_side();
     ++counters_.d2h_copies;
     counters_.copy_bytes += static_cast<int64_t>(src.n_bytes());
     if (src.n_bytes() == 0) return;
@@ -501,7 +567,7 @@ Result<void> CudaBackend::embedding(MatrixId table, TensorView ids, TensorView o
                 ids.numel(), out.rows(), out.row_elems(), w.rows, w.cols);
     // Ids were checked against the vocabulary when the step was planned; one outside it would raise the flag.
     launched("embedding", cuda::embedding(w.data, w.dtype, w.rows, w.cols, i32c(ids), ids.numel(), f32(out),
-                                          error_flag_, stream()));
+                                          error_flag_, op_stream()));
     return {};
 }
 
@@ -509,14 +575,14 @@ void CudaBackend::rms_norm(TensorView x, VectorId w, float eps, TensorView y) {
     same_shape("rms_norm", x, y);
     const Vector &v = vector(w);
     op_checks::norm_weight("rms_norm", v.n, x);
-    launched("rms_norm", cuda::rms_norm(f32(x), x.rows(), x.row_elems(), v.dtype, v.data, eps, f32(y), stream()));
+    launched("rms_norm", cuda::rms_norm(f32(x), x.rows(), x.row_elems(), v.dtype, v.data, eps, f32(y), op_stream()));
 }
 
 void CudaBackend::rms_norm_heads(TensorView x, int64_t n_heads, int64_t head_dim, VectorId w, float eps) {
     const Vector &v = vector(w);
     op_checks::rms_norm_heads(x, n_heads, head_dim, v.n);
-    launched("rms_norm_heads", cuda::rms_norm_heads(f32(x), x.rows(), x.row_elems(), n_heads, head_dim, v.dtype,
-                                                    v.data, eps, stream()));
+    launched("rms_norm_heads", cuda::rms_norm_heads(f32(x), x.rows(), x.row_elems(), n_heads, head_dim, v.dtype, v.data,
+                                                    eps, op_stream()));
 }
 
 void CudaBackend::qk_norm_rope(TensorView q, int64_t n_heads, VectorId q_norm, TensorView k, int64_t n_kv_heads,
@@ -530,15 +596,16 @@ void CudaBackend::qk_norm_rope(TensorView q, int64_t n_heads, VectorId q_norm, T
     const cuda::QkHeads hk{f32(k), k.row_elems(), n_kv_heads, vk.dtype, vk.data};
     if (!table.valid()) {
         launched("qk_norm_rope", cuda::qk_norm_rope(hq, hk, q.rows(), head_dim, eps, nullptr, nullptr, 0, 0, nullptr,
-                                                    error_flag_, stream()));
+                                                    error_flag_, op_stream()));
         return;
     }
     MEMRA_CHECK(static_cast<size_t>(table.id) < ropes_.size(), "qk_norm_rope: unknown table {}", table.id);
     op_checks::rope(q, n_heads, head_dim, positions);
     op_checks::rope(k, n_kv_heads, head_dim, positions);
     const Rope &r = ropes_[static_cast<size_t>(table.id)];
-    launched("qk_norm_rope", cuda::qk_norm_rope(hq, hk, q.rows(), head_dim, eps, r.cos, r.sin, r.n_positions, r.half,
-                                                static_cast<const int64_t *>(positions.data), error_flag_, stream()));
+    launched("qk_norm_rope",
+             cuda::qk_norm_rope(hq, hk, q.rows(), head_dim, eps, r.cos, r.sin, r.n_positions, r.half,
+                                static_cast<const int64_t *>(positions.data), error_flag_, op_stream()));
 }
 
 void CudaBackend::add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) {
@@ -548,19 +615,19 @@ void CudaBackend::add_rms_norm(TensorView x, TensorView r, VectorId w, float eps
     const Vector &v = vector(w);
     op_checks::norm_weight("add_rms_norm", v.n, x);
     launched("add_rms_norm", cuda::add_rms_norm(f32(x), f32(r), x.rows(), x.row_elems(), v.dtype, v.data, eps, f32(h),
-                                                f32(y), stream()));
+                                                f32(y), op_stream()));
 }
 
 void CudaBackend::residual_add(TensorView a, TensorView b, TensorView out) {
     same_shape("residual_add", a, b);
     same_shape("residual_add", a, out);
-    launched("residual_add", cuda::residual_add(f32(a), f32(b), a.rows(), a.row_elems(), f32(out), stream()));
+    launched("residual_add", cuda::residual_add(f32(a), f32(b), a.rows(), a.row_elems(), f32(out), op_stream()));
 }
 
 void CudaBackend::matmul(TensorView x, MatrixId w, TensorView y) {
     const CudaMatrix &m = matrix(w);
     op_checks::matmul("matmul", x, m.rows, m.cols, y);
-    launched_product("matmul", cuda_matmul(m, f32(x), x.rows(), f32(y), stream()), m, x.rows());
+    launched_product("matmul", cuda_matmul(m, f32(x), x.rows(), f32(y), op_stream()), m, x.rows());
 }
 
 void CudaBackend::matmul_multi(TensorView x, std::span<const MatrixId> w, std::span<const TensorView> y) {
@@ -575,7 +642,7 @@ void CudaBackend::matmul_multi(TensorView x, std::span<const MatrixId> w, std::s
             op_checks::matmul("matmul_multi", x, ms[i]->rows, ms[i]->cols, y[static_cast<size_t>(i)]);
             ys[i] = f32(y[static_cast<size_t>(i)]);
         }
-        e = cuda_matmul_multi(ms, ys, n, f32(x), x.rows(), stream());
+        e = cuda_matmul_multi(ms, ys, n, f32(x), x.rows(), op_stream());
     }
     if (e == cudaErrorNotSupported) {  // not one launch: each product as matmul runs it
         Backend::matmul_multi(x, w, y);
@@ -602,7 +669,7 @@ int64_t CudaBackend::canonical_workspace_floats(int64_t, MatrixId) const { retur
 void CudaBackend::matmul_canonical(TensorView x, MatrixId w, TensorView y, TensorView) {
     const CudaMatrix &m = matrix(w);
     op_checks::matmul("matmul_canonical", x, m.rows, m.cols, y);
-    launched_product("matmul_canonical", cuda_matmul_canonical(m, f32(x), x.rows(), f32(y), stream()), m, x.rows());
+    launched_product("matmul_canonical", cuda_matmul_canonical(m, f32(x), x.rows(), f32(y), op_stream()), m, x.rows());
 }
 
 void CudaBackend::matmul_grouped_pair(TensorView x, BankId a, BankId b, TensorView offsets, TensorView y_a,
@@ -613,7 +680,7 @@ void CudaBackend::matmul_grouped_pair(TensorView x, BankId a, BankId b, TensorVi
     op_checks::grouped("matmul_grouped_pair", x, bb.n_experts, bb.rows, bb.cols, bb.first_expert, offsets, y_b);
     if (x.rows() > 0) counters_.launches += cuda_matmul_grouped_pair_launches(ba, bb, x.rows(), e4m3_scratch_) - 1;
     launched("matmul_grouped_pair", cuda_matmul_grouped_pair(ba, bb, f32(x), x.rows(), i32c(offsets), offsets.numel(),
-                                                             f32(y_a), f32(y_b), e4m3_scratch_, stream()));
+                                                             f32(y_a), f32(y_b), e4m3_scratch_, op_stream()));
 }
 
 void CudaBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) {
@@ -621,19 +688,20 @@ void CudaBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, Ten
     op_checks::grouped("matmul_grouped", x, bk.n_experts, bk.rows, bk.cols, bk.first_expert, offsets, y);
     if (x.rows() > 0) counters_.launches += cuda_matmul_grouped_launches(bk, x.rows(), e4m3_scratch_) - 1;
     launched("matmul_grouped", cuda_matmul_grouped(bk, f32(x), x.rows(), i32c(offsets), offsets.numel(), f32(y),
-                                                   e4m3_scratch_, stream()));
+                                                   e4m3_scratch_, op_stream()));
 }
 
 void CudaBackend::canonical_combine(TensorView subtree_sums, TensorView out) {
     op_checks::canonical_combine(subtree_sums, out);
     launched("canonical_combine",
-             cuda::canonical_combine(f32(subtree_sums), subtree_sums.rows(), out.numel(), f32(out), stream()));
+             cuda::canonical_combine(f32(subtree_sums), subtree_sums.rows(), out.numel(), f32(out), op_stream()));
 }
 
 void CudaBackend::join_col_shards(TensorView shards, TensorView out) {
     op_checks::join_col_shards(shards, out);
-    launched("join_col_shards", cuda::join_col_shards(shards.data, shards.dim(0), shards.dim(1), shards.dim(2),
-                                                      static_cast<int64_t>(dtype_size(out.dtype)), out.data, stream()));
+    launched("join_col_shards",
+             cuda::join_col_shards(shards.data, shards.dim(0), shards.dim(1), shards.dim(2),
+                                   static_cast<int64_t>(dtype_size(out.dtype)), out.data, op_stream()));
 }
 
 void CudaBackend::rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) {
@@ -641,7 +709,7 @@ void CudaBackend::rope(RopeId table, TensorView x, int64_t n_heads, int64_t head
     op_checks::rope(x, n_heads, head_dim, positions);
     const Rope &r = ropes_[static_cast<size_t>(table.id)];
     launched("rope", cuda::rope(r.cos, r.sin, r.n_positions, r.half, f32(x), x.rows(), x.row_elems(), n_heads, head_dim,
-                                static_cast<const int64_t *>(positions.data), error_flag_, stream()));
+                                static_cast<const int64_t *>(positions.data), error_flag_, op_stream()));
 }
 
 cpu::PagedLayer CudaBackend::paged_layer(const KvPool &pool, int layer) const {
@@ -662,7 +730,7 @@ void CudaBackend::paged_attention(const AttentionParams &p, TensorView q, Tensor
     launched("paged_attention",
              cuda::paged_attention(shape, f32(q), row, static_cast<const int64_t *>(q_pos.data), i32c(q_seq), q.rows(),
                                    pl, i32c(block_tables), block_tables.row_elems(), block_tables.rows(), first_pos,
-                                   gated ? f32(gate) : nullptr, p.n_heads, f32(out), error_flag_, stream(),
+                                   gated ? f32(gate) : nullptr, p.n_heads, f32(out), error_flag_, op_stream(),
                                    attention_split_, kAttentionSplitFloats));
 }
 
@@ -672,52 +740,52 @@ void CudaBackend::kv_write(KvPoolId pool, int layer, TensorView k, TensorView v,
     const int64_t row_elems = kp.layout.row_elems[static_cast<size_t>(layer)];
     op_checks::kv_write(k, v, slots, layer, row_elems);
     launched("kv_write",
-             cuda::kv_write(pl, row_elems, f32(k), f32(v), i32c(slots), k.rows(), error_flag_, stream()));
+             cuda::kv_write(pl, row_elems, f32(k), f32(v), i32c(slots), k.rows(), error_flag_, op_stream()));
 }
 
 void CudaBackend::round_rows(TensorView x, RowRounding r) {
-    launched("round_rows", cuda::round_rows(f32(x), x.rows(), x.row_elems(), r, stream()));
+    launched("round_rows", cuda::round_rows(f32(x), x.rows(), x.row_elems(), r, op_stream()));
 }
 
 void CudaBackend::swiglu(TensorView gate, TensorView up, float limit, TensorView out) {
     same_shape("swiglu", gate, up);
     same_shape("swiglu", gate, out);
     launched("swiglu", cuda::swiglu(f32(gate), f32(up), gate.row_elems(), gate.rows(), gate.row_elems(), limit,
-                                    f32(out), stream()));
+                                    f32(out), op_stream()));
 }
 
 void CudaBackend::router_topk(const RouterConfig &cfg, TensorView logits, VectorId bias, TensorView expert_ids,
                               TensorView weights) {
     const Vector &b = vector(bias);
     op_checks::router_topk(cfg, logits, b.dtype, b.n, expert_ids, weights);
-    launched("router_topk", cuda::router_topk(f32(logits), static_cast<const float *>(b.data), logits.rows(),
-                                              cfg.n_experts, cfg.top_k, cfg.renormalize, cfg.scaling_factor,
-                                              i32(expert_ids), f32(weights), stream()));
+    launched("router_topk",
+             cuda::router_topk(f32(logits), static_cast<const float *>(b.data), logits.rows(), cfg.n_experts, cfg.top_k,
+                               cfg.renormalize, cfg.scaling_factor, i32(expert_ids), f32(weights), op_stream()));
 }
 
 void CudaBackend::moe_sort_pairs(TensorView expert_ids, int64_t n_experts, TensorView offsets, TensorView sorted_pair,
                                  TensorView row_of_pair) {
     op_checks::moe_sort_pairs(expert_ids, n_experts, offsets, sorted_pair, row_of_pair);
-    launched("moe_sort_pairs", cuda::moe_sort_pairs(i32c(expert_ids), expert_ids.rows(), expert_ids.row_elems(),
-                                                    n_experts, i32(offsets), i32(sorted_pair), i32(row_of_pair),
-                                                    error_flag_, stream()));
+    launched("moe_sort_pairs",
+             cuda::moe_sort_pairs(i32c(expert_ids), expert_ids.rows(), expert_ids.row_elems(), n_experts, i32(offsets),
+                                  i32(sorted_pair), i32(row_of_pair), error_flag_, op_stream()));
 }
 
 void CudaBackend::moe_permute(TensorView x, TensorView sorted_pair, TensorView offsets, int64_t expert_begin,
                               int64_t expert_end, int64_t top_k, TensorView x_own) {
     op_checks::moe_permute(x, sorted_pair, offsets, expert_begin, expert_end, top_k, x_own);
-    launched("moe_permute", cuda::moe_permute(f32(x), x.rows(), x.row_elems(), i32c(sorted_pair), i32c(offsets),
-                                              offsets.numel() - 1, expert_begin, expert_end, top_k, f32(x_own),
-                                              x_own.rows(), error_flag_, stream()));
+    launched("moe_permute",
+             cuda::moe_permute(f32(x), x.rows(), x.row_elems(), i32c(sorted_pair), i32c(offsets), offsets.numel() - 1,
+                               expert_begin, expert_end, top_k, f32(x_own), x_own.rows(), error_flag_, op_stream()));
 }
 
 void CudaBackend::moe_source_rows(TensorView expert_ids, TensorView row_of_pair, TensorView offsets, int64_t n_owners,
                                   int64_t capacity, TensorView src_row) {
     const int64_t n_experts = offsets.numel() - 1;
     op_checks::moe_source_rows(expert_ids, row_of_pair, offsets, n_owners, capacity, src_row);
-    launched("moe_source_rows", cuda::moe_source_rows(i32c(expert_ids), i32c(row_of_pair), expert_ids.numel(),
-                                                      i32c(offsets), n_experts, n_owners, capacity, i32(src_row),
-                                                      error_flag_, stream()));
+    launched("moe_source_rows",
+             cuda::moe_source_rows(i32c(expert_ids), i32c(row_of_pair), expert_ids.numel(), i32c(offsets), n_experts,
+                                   n_owners, capacity, i32(src_row), error_flag_, op_stream()));
 }
 
 void CudaBackend::moe_route(TensorView x, MatrixId router, const RouterConfig &cfg, VectorId bias,
@@ -734,9 +802,9 @@ void CudaBackend::moe_route(TensorView x, MatrixId router, const RouterConfig &c
     }
     const cuda::MoeRouteBuffers out{f32(r.logits),      i32(r.expert_ids),  f32(r.weights), i32(r.offsets),
                                     i32(r.sorted_pair), i32(r.row_of_pair), i32(r.src_row)};
-    launched("moe_route",
-             cuda::moe_route(m, f32(x), x.rows(), static_cast<const float *>(b.data), cfg.top_k, cfg.renormalize,
-                             cfg.scaling_factor, r.n_owners, r.capacity, out, route_tickets_, error_flag_, stream()));
+    launched("moe_route", cuda::moe_route(m, f32(x), x.rows(), static_cast<const float *>(b.data), cfg.top_k,
+                                          cfg.renormalize, cfg.scaling_factor, r.n_owners, r.capacity, out,
+                                          route_tickets_, error_flag_, op_stream()));
 }
 
 void CudaBackend::moe_combine(TensorView h, TensorView expert_out, TensorView src_row, TensorView weights,
@@ -746,21 +814,21 @@ void CudaBackend::moe_combine(TensorView h, TensorView expert_out, TensorView sr
     const bool has_shared = shared.data != nullptr;
     launched("moe_combine", cuda::moe_combine(f32(h), f32(expert_out), expert_out.rows(), i32c(src_row), f32(weights),
                                               has_shared ? f32(shared) : nullptr, h.rows(), top_k, h.row_elems(),
-                                              f32(out), error_flag_, stream()));
+                                              f32(out), error_flag_, op_stream()));
 }
 
 void CudaBackend::gather_rows(TensorView src, TensorView rows, TensorView dst) {
     op_checks::gather_rows(src, rows, dst);
-    launched("gather_rows", cuda::gather_rows(src.data, src.rows(), i32c(rows), rows.numel(), src.row_elems(),
-                                              static_cast<int64_t>(dtype_size(src.dtype)), dst.data, error_flag_,
-                                              stream()));
+    launched("gather_rows",
+             cuda::gather_rows(src.data, src.rows(), i32c(rows), rows.numel(), src.row_elems(),
+                               static_cast<int64_t>(dtype_size(src.dtype)), dst.data, error_flag_, op_stream()));
 }
 
 void CudaBackend::scatter_rows(TensorView src, TensorView rows, TensorView dst) {
     op_checks::scatter_rows(src, rows, dst);
     launched("scatter_rows", cuda::scatter_rows(src.data, i32c(rows), rows.numel(), src.row_elems(),
                                                 static_cast<int64_t>(dtype_size(src.dtype)), dst.data, dst.rows(),
-                                                error_flag_, stream()));
+                                                error_flag_, op_stream()));
 }
 
 void CudaBackend::scatter_ids(TensorView tokens, TensorView pairs, TensorView dst) {
@@ -773,19 +841,20 @@ void CudaBackend::scatter_ids(TensorView tokens, TensorView pairs, TensorView ds
         }
         const int k = forcing_stage_++;
         if (k < 3 && forcing_->ids[static_cast<size_t>(k)] >= 0 && pairs.numel() >= 2) {
-            launched("force_draft", cuda::force_draft_id(tokens.data, n_tokens, static_cast<int64_t>(sizeof(SampledToken)),
-                                                         i32c(pairs), forcing_->ids[static_cast<size_t>(k)], stream()));
+            launched("force_draft",
+                     cuda::force_draft_id(tokens.data, n_tokens, static_cast<int64_t>(sizeof(SampledToken)),
+                                          i32c(pairs), forcing_->ids[static_cast<size_t>(k)], op_stream()));
         }
     }
-    launched("scatter_ids", cuda::scatter_ids(tokens.data, n_tokens, static_cast<int64_t>(sizeof(SampledToken)),
-                                              i32c(pairs), pairs.numel() / 2, i32(dst), dst.numel(), error_flag_,
-                                              stream()));
+    launched("scatter_ids",
+             cuda::scatter_ids(tokens.data, n_tokens, static_cast<int64_t>(sizeof(SampledToken)), i32c(pairs),
+                               pairs.numel() / 2, i32(dst), dst.numel(), error_flag_, op_stream()));
 }
 
 void CudaBackend::concat_cols(TensorView a, TensorView b, TensorView out) {
     op_checks::concat_cols(a, b, out);
     launched("concat_cols", cuda::concat_cols(a.data, a.row_elems(), b.data, b.row_elems(), a.rows(),
-                                              static_cast<int64_t>(dtype_size(out.dtype)), out.data, stream()));
+                                              static_cast<int64_t>(dtype_size(out.dtype)), out.data, op_stream()));
 }
 
 Result<void> CudaBackend::prepare_sampling(int32_t vocab_size) {
@@ -803,11 +872,12 @@ void CudaBackend::sample(TensorView logits, int32_t n_valid, TensorView rows, Te
                          TensorView out) {
     const int64_t n = op_checks::sample(logits, n_valid, rows, bias, out, sample_vocab_);
     const auto n_bias = static_cast<int64_t>(bias.n_bytes() / sizeof(LogitBias));
-    launched("sample", cuda::sample(f32(logits), logits.rows(), logits.row_elems(), n_valid, static_cast<const SampleRow *>(rows.data),
-                                    n, history.numel() > 0 ? i32c(history) : nullptr, history.numel(),
-                                    n_bias > 0 ? static_cast<const LogitBias *>(bias.data) : nullptr, n_bias,
-                                    static_cast<SampledToken *>(out.data), sample_workspace_, sample_workspace_bytes_,
-                                    sample_vocab_, error_flag_, stream()));
+    launched("sample",
+             cuda::sample(f32(logits), logits.rows(), logits.row_elems(), n_valid,
+                          static_cast<const SampleRow *>(rows.data), n, history.numel() > 0 ? i32c(history) : nullptr,
+                          history.numel(), n_bias > 0 ? static_cast<const LogitBias *>(bias.data) : nullptr, n_bias,
+                          static_cast<SampledToken *>(out.data), sample_workspace_, sample_workspace_bytes_,
+                          sample_vocab_, error_flag_, op_stream()));
 }
 
 }  // namespace memra::cuda

@@ -59,6 +59,8 @@ public:
     int device_index() const { return device_; }
     // The stream every op of this backend is issued on (a communicator of its rank enqueues there too).
     cudaStream_t stream() const { return stream_; }
+    // The stream the next op goes to: the side stream inside a side branch (side_begin .. side_end), else stream().
+    cudaStream_t op_stream() const { return op_stream_; }
     void bind_thread() override { cudaSetDevice(device_); }
     // Device bytes this backend holds (weights, buffers, pools, workspaces).
     int64_t bytes_allocated() const { return bytes_; }
@@ -126,6 +128,14 @@ public:
     void sample(TensorView logits, int32_t n_valid, TensorView rows, TensorView history, TensorView bias,
                 TensorView out) override;
 
+    // The side branch on a second stream, forked from and joined into the backend's stream by events (a captured
+    // step records both streams). Off (every op on the one stream, these calls doing nothing) with
+    // MEMRA_CUDA_SIDE=0 and with MEMRA_CUDA_PROFILE=1 (each op synchronises).
+    void side_fork() override;
+    void side_begin() override;
+    void side_end() override;
+    void side_join() override;
+
     // Steps recorded as CUDA graphs: a key seen for the second time is captured (its ops run as the graph's
     // first replay), later ones replay it; the least recently used of kMaxStepGraphs is dropped for a new one.
     // Off with MEMRA_CUDA_GRAPHS=0, with MEMRA_CUDA_PROFILE=1 (each op synchronises) and with draft forcing
@@ -176,6 +186,19 @@ private:
 
     int device_;
     cudaStream_t stream_;
+    // The side branch (side_fork .. side_join): its stream and events, created with the backend; op_stream_ is
+    // the stream the next op goes to (side_ between side_begin and side_end, else stream_).
+    bool side_on_ = true;
+    cudaStream_t side_ = nullptr;
+    cudaEvent_t fork_event_ = nullptr;
+    cudaEvent_t join_event_ = nullptr;
+    cudaStream_t op_stream_;
+    bool forked_ = false;     // a fork is marked
+    bool side_open_ = false;  // between side_begin and side_end
+    bool side_ran_ = false;   // the branch has ops the stream must wait for at the join
+    // Joins the side's work so far into the stream, an open branch staying open: before a host copy, a bandwidth
+    // probe and the end of a capture.
+    void settle_side();
     int64_t bytes_ = 0;
     std::vector<void *> allocations_;
     std::vector<CudaMatrix> matrices_;
