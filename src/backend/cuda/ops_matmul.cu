@@ -1238,8 +1238,9 @@ __device__ bool wgmma_unit(const ProductParams &p, int64_t unit, int64_t *expert
 
 template <int kN>
 __global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductParams p) {
+#ifndef MEMRA_WGMMA
     pdl_enter();
-#ifdef MEMRA_WGMMA
+#else
     extern __shared__ uint8_t s_raw[];
     const auto raw = static_cast<uint32_t>(__cvta_generic_to_shared(s_raw));
     uint8_t *s_stages = s_raw + ((1024u - raw % 1024u) % 1024u);  // [kWgStages][64 weight rows + kN tokens][128]
@@ -1257,6 +1258,10 @@ __global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductPar
     const float *wscale = second ? p.pair_scale : p.scale;
     float *const y = second ? p.pair_y : p.y;
     int64_t e = 0;
+    // Before the wait on the kernel before (pdl_enter), the block reads only the weights and the offsets: the
+    // launch before this one is always the product's quantization (cuda_matmul_grouped), which waited for the
+    // kernel that wrote them before it let this one launch. So the first stages' weights stream in while the
+    // quantization ends.
     if (!wgmma_unit<kN>(p, blockIdx.x, &e, &t_lo, &t_hi)) return;
     wdata += e * p.expert_elems;
     wscale += e * p.expert_scales;
@@ -1264,24 +1269,38 @@ __global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductPar
     const uint8_t *codes = p.qcodes + (t_lo - p.t_begin) * p.q_ld;
     // The weight rows' 16-byte units: unit tid % 8 of rows tid / 8 + 16 i (zero past the rows and past K).
     const int wu = tid % 8;
+    const auto issue_weights = [&](int c) {
+        uint8_t *st = s_stages + (c % kStagesN) * kWgStageBytes<kN>;
+        const int64_t kb = static_cast<int64_t>(c) * kE4m3Chunk + wu * 16;
+#pragma unroll
+        for (int i = 0; i < kWgRows * 8 / kWgThreads; ++i) {
+            const int r = tid / 8 + (kWgThreads / 8) * i;
+            const bool in = m0 + r < p.rows && kb < p.k1;
+            cp_async16_zfill(st + swizzled(r, wu), in ? wdata + (m0 + r) * p.ld + kb : wdata, in ? 16 : 0);
+        }
+    };
+    const auto issue_codes = [&](int c) {  // the tokens' codes (rows past cnt stay zero)
+        uint8_t *st = s_stages + (c % kStagesN) * kWgStageBytes<kN>;
+        for (int i = tid; i < cnt * 8; i += kWgThreads) {
+            cp_async16_zfill(st + kWgRows * kSwizzleRow + swizzled(i / 8, i % 8),
+                             codes + (i / 8) * p.q_ld + static_cast<int64_t>(c) * kE4m3Chunk + (i % 8) * 16, 16);
+        }
+    };
+    // Stage c's copies are commit group c: the first group also holds the weights of the stages after it that
+    // went out before the wait.
     const auto issue = [&](int c) {
         if (c < n_chunks) {
-            uint8_t *st = s_stages + (c % kStagesN) * kWgStageBytes<kN>;
-            const int64_t kb = static_cast<int64_t>(c) * kE4m3Chunk + wu * 16;
-#pragma unroll
-            for (int i = 0; i < kWgRows * 8 / kWgThreads; ++i) {
-                const int r = tid / 8 + (kWgThreads / 8) * i;
-                const bool in = m0 + r < p.rows && kb < p.k1;
-                cp_async16_zfill(st + swizzled(r, wu), in ? wdata + (m0 + r) * p.ld + kb : wdata, in ? 16 : 0);
-            }
-            for (int i = tid; i < cnt * 8; i += kWgThreads) {  // the tokens' codes (rows past cnt stay zero)
-                cp_async16_zfill(st + kWgRows * kSwizzleRow + swizzled(i / 8, i % 8),
-                                 codes + (i / 8) * p.q_ld + static_cast<int64_t>(c) * kE4m3Chunk + (i % 8) * 16, 16);
-            }
+            issue_weights(c);
+            issue_codes(c);
         }
         cp_async_commit();
     };
-    for (int s = 0; s < kStagesN - 1; ++s) issue(s);
+    for (int s = 0; s < kStagesN - 1 && s < n_chunks; ++s) issue_weights(s);
+    pdl_enter();
+    for (int s = 0; s < kStagesN - 1; ++s) {
+        if (s < n_chunks) issue_codes(s);
+        cp_async_commit();
+    }
     // The token rows past cnt: zero codes in every stage. The scales: the weight tile row's, the tokens'.
     for (int i = tid; i < kStagesN * (kN - cnt) * 8; i += kWgThreads) {
         const int s = i / ((kN - cnt) * 8);
