@@ -12,7 +12,9 @@
 #   MEMRA_AB_RUNS    rounds over the trees (default 2); the table keeps each tree's best
 #   MEMRA_AB_MEMRA   arguments of `memra bench` run once per tree after the rounds, e.g. '--synthetic e128
 #                    --synthetic-dtype fp8 --synthetic-layers 20 -p 0 -n 32 -d 4096 --fill-depth -r 2' (default none)
-# Logs go to $OUT (or ./gpu-out); the table (microseconds, and each tree's ratio to the first packed REF) is last.
+# The table (microseconds, and each tree's ratio to the first packed REF) is printed last and kept as table.md in
+# $OUT (or ./gpu-out), beside gpu.txt; every log and benchmark file goes into one archive there, ab-logs.tgz (the
+# device tool returns only a few files of a call).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ab=.deps/ab
@@ -105,7 +107,14 @@ run() {
         done
     fi
     echo "total $(( $(date +%s) - t0 )) s"
-    python3 scripts/gpu_ab_table.py "$out" "${names[@]}"
+    python3 scripts/gpu_ab_table.py "$out" "${names[@]}" | tee "$out/table.md"
+    local logs=() f
+    for f in "$out"/*; do
+        case ${f##*/} in gpu.txt | table.md | ab-logs.tgz) ;; *) [ -f "$f" ] && logs+=("${f##*/}") ;; esac
+    done
+    if [ ${#logs[@]} -gt 0 ]; then
+        tar czf "$out/ab-logs.tgz" -C "$out" "${logs[@]}" && (cd "$out" && rm -f -- "${logs[@]}")
+    fi
 }
 
 case "${1:-}" in
