@@ -157,6 +157,10 @@ void add_counts(BackendCounters &to, const BackendCounters &d) {
 Result<void> CudaBackend::run_recorded(std::span<const int64_t> key, FunctionRef<Result<void>()> body) {
     if (!graphs_ || key.size() > kMaxStepKey) return body();
     cudaSetDevice(device_);
+    // A branch issued before the step joins first: a replay or a capture on the stream must order after it (a
+    // capture cannot wait on an event recorded outside it).
+    MEMRA_CHECK(!side_open_, "cuda: a recorded step begun inside a side branch (side_end first)");
+    settle_side();
     StepGraph *lru = &step_graphs_[0];
     for (size_t i = 0; i < kMaxStepGraphs; ++i) {
         StepGraph &g = step_graphs_[i];
@@ -297,8 +301,6 @@ void CudaBackend::side_begin() {
 void CudaBackend::side_end() {
     if (!side_on_) return;
     MEMRA_CHECK(side_open_, "cuda side_end: no side branch is open");
-    const cudaError_t e = cudaEventRecord(join_event_, side_);
-    MEMRA_CHECK(e == cudaSuccess, "cuda side_end: {}", cuda_message(e));
     op_stream_ = stream_;
     side_open_ = false;
     side_ran_ = true;
@@ -307,16 +309,13 @@ void CudaBackend::side_end() {
 void CudaBackend::side_join() {
     if (!side_on_) return;
     MEMRA_CHECK(!side_open_, "cuda side_join: the branch is open (side_end first)");
-    if (side_ran_) {
-        const cudaError_t e = cudaStreamWaitEvent(stream_, join_event_, 0);
-        MEMRA_CHECK(e == cudaSuccess, "cuda side_join: {}", cuda_message(e));
-    }
-    side_ran_ = false;  // the fork stays marked: a later side_begin still starts after it
+    settle_side();  // the fork stays marked: a later side_begin still starts after it
 }
 
 void CudaBackend::settle_side() {
     if (!side_on_ || !(side_open_ || side_ran_)) return;
-    // The side's work so far, joined; an open branch stays open (its later ops join at its end).
+    // The side's work so far, joined (the event recorded on the side stream now); an open branch stays open (its
+    // later ops join at its end).
     cudaError_t e = cudaEventRecord(join_event_, side_);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, join_event_, 0);
     MEMRA_CHECK(e == cudaSuccess, "cuda: joining the side branch: {}", cuda_message(e));

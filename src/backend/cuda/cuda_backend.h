@@ -196,8 +196,8 @@ private:
     bool forked_ = false;     // a fork is marked
     bool side_open_ = false;  // between side_begin and side_end
     bool side_ran_ = false;   // the branch has ops the stream must wait for at the join
-    // Joins the side's work so far into the stream, an open branch staying open: before a host copy, a bandwidth
-    // probe and the end of a capture.
+    // Joins the side's work so far into the stream, an open branch staying open: side_join, and before a host
+    // copy, a bandwidth probe, a recorded step and the end of its capture.
     void settle_side();
     int64_t bytes_ = 0;
     std::vector<void *> allocations_;
