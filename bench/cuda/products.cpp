@@ -6,7 +6,7 @@
 // o_proj/down_proj (K 12288 in 8 blocks), at 1, 8 and 64 tokens (decode) and 512 (prefill; with TFLOP/s); the FP8
 // experts of one token (K3), decode attention (K9, K10: one row; K8: 32 and 128 sequences; bf16 KV on the tensor
 // cores, q8_0 / q5_1 on the CUDA-core kernel) and causal prefill attention (K7: 512, 2048 and 8192 positions), and
-// one MoE layer's routing (K6). Random bf16
+// one MoE layer's routing (K6), and the sampling op over E128's vocabulary. Random bf16
 // weights (the values do not change the work), in copies that exceed the L2 and take turns, so every launch streams
 // from HBM.
 #include <algorithm>
@@ -24,6 +24,7 @@
 #include "backend/cuda/ops_matmul.h"
 #include "backend/cuda/ops_route.h"
 #include "backend/cuda/ops_rows.h"
+#include "backend/cuda/ops_sample.h"
 #include "core/kv_page.h"
 #include "core/quant_blocks.h"
 
@@ -173,15 +174,17 @@ void bm_bf16_product(benchmark::State &state) {
 
 // args: set, fused (0/1), tokens. Products of one x by several bf16 matrices of K 4096 (rotating copies): set 0
 // the E128 SWA layer's q, k, v and head gate ([12288 | 1024 | 1024 | 96]), set 1 the shared expert's gate and up
-// ([1280 | 1280]); as one launch per matrix (cuda_matmul) or one for all (cuda_matmul_multi).
+// ([1280 | 1280]), set 2 the full-attention layer's ([8192 | 1024 | 1024 | 64]); as one launch per matrix
+// (cuda_matmul) or one for all (cuda_matmul_multi).
 void bm_bf16_multi(benchmark::State &state) {
     if (!gpu_present()) {
         state.SkipWithError("no CUDA device");
         return;
     }
     constexpr int64_t kK = 4096;
-    const std::vector<int64_t> rows = state.range(0) == 0 ? std::vector<int64_t>{12288, 1024, 1024, 96}
-                                                          : std::vector<int64_t>{1280, 1280};
+    const std::vector<int64_t> rows = state.range(0) == 0   ? std::vector<int64_t>{12288, 1024, 1024, 96}
+                                      : state.range(0) == 1 ? std::vector<int64_t>{1280, 1280}
+                                                            : std::vector<int64_t>{8192, 1024, 1024, 64};
     const bool fused = state.range(1) != 0;
     const int64_t tokens = state.range(2);
     const int n = static_cast<int>(rows.size());
@@ -449,6 +452,41 @@ void bm_add_rms_norm(benchmark::State &state) {
     state.counters["us"] = time_state(state, launch, 50) * 1e6;
 }
 
+// args: rows, mode (0 greedy, 1 temperature 0.7 with top-p 0.9). The sampling op over a 128,896-id vocabulary
+// (E128's), logits uniform in [-2, 2): with a temperature every id is within the relevant gap of the top one, the
+// sampler's worst case (all of them sorted).
+void bm_sample(benchmark::State &state) {
+    if (!gpu_present()) {
+        state.SkipWithError("no CUDA device");
+        return;
+    }
+    constexpr int32_t kVocab = 128896;
+    const int64_t n_rows = state.range(0);
+    const auto logits = random_activations(n_rows * kVocab, 21);
+    std::vector<SampleRow> rows(static_cast<size_t>(n_rows));
+    for (int64_t i = 0; i < n_rows; ++i) {
+        SampleRow &r = rows[static_cast<size_t>(i)];
+        r.params.temperature = state.range(1) == 0 ? 0.0f : 0.7f;
+        r.params.top_k = 0;
+        r.params.top_p = state.range(1) == 0 ? 1.0f : 0.9f;
+        r.params.min_p = 0.0f;
+        r.position = 4096 + i;
+        r.logit_row = static_cast<int32_t>(i);
+    }
+    const auto d_rows = device_copy(rows);
+    const int64_t ws_bytes = cuda::sample_workspace_bytes(kVocab, n_rows);
+    DeviceBlock ws(static_cast<size_t>(ws_bytes), false),
+        out(static_cast<size_t>(n_rows) * sizeof(SampledToken), false);
+    const auto launch = [&] {
+        const cudaError_t e =
+            cuda::sample(static_cast<const float *>(logits->ptr), n_rows, kVocab, kVocab,
+                         static_cast<const SampleRow *>(d_rows->ptr), n_rows, nullptr, 0, nullptr, 0,
+                         static_cast<SampledToken *>(out.ptr), ws.ptr, ws_bytes, kVocab, nullptr, nullptr);
+        if (e != cudaSuccess) std::fprintf(stderr, "sample: %s\n", cudaGetErrorString(e));
+    };
+    state.counters["us"] = time_state(state, launch, 20) * 1e6;
+}
+
 void product_args(benchmark::internal::Benchmark *b) {
     b->ArgNames({"rows", "K", "tokens", "canonical"});
     for (const int64_t tokens : {1, 8, 64, 512}) {
@@ -460,8 +498,12 @@ void product_args(benchmark::internal::Benchmark *b) {
 }
 
 BENCHMARK(bm_bf16_product)->Apply(product_args)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
-BENCHMARK(bm_bf16_multi)->ArgNames({"set", "fused", "tokens"})->ArgsProduct({{0, 1}, {0, 1}, {1, 8}})
-    ->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_bf16_multi)
+    ->ArgNames({"set", "fused", "tokens"})
+    ->ArgsProduct({{0, 1, 2}, {0, 1}, {1, 8}})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_f32_router)->ArgNames({"experts", "tokens"})->Args({128, 1})->Args({288, 1})->Args({128, 8})
     ->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_e4m3_grouped)->ArgNames({"rows", "K", "experts", "pairs"})->Args({2560, 4096, 8, 8})
@@ -483,6 +525,12 @@ BENCHMARK(bm_attention)
 BENCHMARK(bm_routing)
     ->ArgNames({"tokens", "fused"})
     ->ArgsProduct({{1, 8, 32, 64}, {0, 1}})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_sample)
+    ->ArgNames({"rows", "mode"})
+    ->ArgsProduct({{1, 32}, {0, 1}})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);

@@ -256,6 +256,15 @@ public:
         matmul_grouped(x, a, offsets, y_a);
         matmul_grouped(x, b, offsets, y_b);
     }
+    // The routed experts' down product on their activation: swiglu(gate, up, limit, gate) (gate holds the
+    // activation afterwards), then matmul_grouped(gate, b, offsets, y), bit for bit whatever the backend fuses
+    // (CUDA: an e4m3 bank's quantization forms the activation, with no launch of its own). Here: one after the
+    // other.
+    virtual void matmul_grouped_swiglu(TensorView gate, TensorView up, float limit, BankId b, TensorView offsets,
+                                       TensorView y) {
+        swiglu(gate, up, limit, gate);
+        matmul_grouped(gate, b, offsets, y);
+    }
     // Finishes row-parallel products from the TP ranks' subtree sums, gathered in rank order
     // (cpu::canonical_tree_combine): out = the canonical tree over them. subtree_sums: [tp, ...] with tp
     // 1, 2, 4 or 8, each rank's slot holding out.numel() values ([n, d] row-major); out: [n, d].

@@ -99,6 +99,18 @@ MEMRA_HD float sigmoid_f32(float x) {
 // product keeps only an absolute accuracy of about |x| * 2^-149.
 MEMRA_HD float silu_f32(float x) { return x * sigmoid_f32(x); }
 
+// One SwiGLU value with the Step clamp (limit 0 = off): min(silu(g), limit) * clamp(u, -limit, limit), each clamp a
+// compare and select that keeps a NaN (a min/max instruction would turn it into the limit). cpu::swiglu,
+// cuda::swiglu and the CUDA experts' fused activation all use it.
+MEMRA_HD float swiglu_f32(float g, float u, float limit) {
+    float act = silu_f32(g);
+    if (limit > 0.0f) {
+        act = act > limit ? limit : act;
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+    }
+    return act * u;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The canonical row reduction (DETERMINISM.md rule 1): a sum over n terms v_i (i = 0..n-1) is formed in
 // 16 lanes and a fixed pairwise tree, whatever the thread count or kernel (the same lane assignment and

@@ -245,10 +245,10 @@ Result<void> MoeState::routed_experts(const MoeObserver &observe) {
     be.matmul_grouped_pair(x_own, w.moe.gate, w.moe.up, offsets, e_gate, e_up);
     seen(MoeStage::kExpertGate, e_gate);
     seen(MoeStage::kExpertUp, e_up);
-    // Over the whole capacity: the rows past the own pair count are stale and never read.
-    be.swiglu(e_gate, e_up, g.clamp_routed, e_gate);
+    // Over the whole capacity: the rows past the own pair count are stale and never read. The activation goes
+    // into e_gate.
+    be.matmul_grouped_swiglu(e_gate, e_up, g.clamp_routed, w.moe.down, offsets, own);
     seen(MoeStage::kExpertAct, e_gate);
-    be.matmul_grouped(e_gate, w.moe.down, offsets, own);
     seen(MoeStage::kExpertDownOwn, own);
     if (comm_ != nullptr) {
         const bool exact = exchange_ == MoeExchange::kExact ||

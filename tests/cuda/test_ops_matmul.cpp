@@ -28,6 +28,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/matmul.h"
 #include "backend/cuda/ops_matmul.h"
+#include "backend/cuda/ops_rows.h"
 #include "core/device_numerics.h"
 #include "core/float_formats.h"
 #include "core/fp8_block.h"
@@ -892,6 +893,86 @@ TEST(CudaMatmulE4m3, ExpertShapesNearTheCpuAndRowsAlone) {
         EXPECT_SAME_BITS(from_device<float>(dya, sz(n * rows)), got, what + " first of a pair");
         EXPECT_SAME_BITS(from_device<float>(dyb, sz(n * rows)), got2, what + " second of a pair");
     }
+}
+
+// The down product on the SwiGLU formed in its quantization (cuda_matmul_grouped_swiglu) against cuda::swiglu, then
+// cuda_matmul_grouped: the same output and activation bits, with and without the clamp, NaN and Inf among the
+// gates and ups, the scratch whole and in slices of 5 rows; one launch fewer than the two ops for a tensor-core
+// bank, the two ops' launches for another.
+TEST(CudaMatmulE4m3, SwigluInTheQuantizationKeepsBothOpsBits) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const int64_t rows = 4096;
+    const int64_t k = 1280;
+    const int64_t n_experts = 4;
+    const Weights w = make_weights(DType::kF8E4M3, n_experts, rows, k, 51);
+    GpuBank g;
+    ASSERT_NO_FATAL_FAILURE(gpu_upload(w.bank(), BankWindow::whole(w.bank()), &g));
+    const std::vector<int32_t> offsets = offsets_of({2, 7, 0, 4});
+    const int64_t n = offsets.back();
+    Floats gate = activations(n, k, 52);
+    Floats up = activations(n, k, 53);
+    for (float &v : gate) v *= 8.0f;  // past the clamp's limit of 7 now and then
+    gate[5] = std::numeric_limits<float>::quiet_NaN();
+    gate[k + 9] = std::numeric_limits<float>::infinity();
+    up[2 * k + 3] = -std::numeric_limits<float>::infinity();
+    up[3 * k + 300] = std::numeric_limits<float>::quiet_NaN();
+    const Floats y_init(sz(n * rows), 0.0f);
+    const DeviceBuffer doff = to_device(offsets);
+    const DeviceBuffer dup = to_device(up);
+    const cuda::E4m3Scratch full = full_scratch();
+    const int64_t n_chunks = ceil_div(k, 128);
+    const cuda::E4m3Scratch five{full.codes, full.scales, 5 * n_chunks * 128, 5 * n_chunks};
+    EXPECT_EQ(cuda::cuda_matmul_grouped_swiglu_launches(g.w, n, full), 2);
+    EXPECT_EQ(cuda::cuda_matmul_grouped_swiglu_launches(g.w, n, five), 2 * ceil_div(n, 5));
+    for (const float limit : {0.0f, 7.0f}) {
+        // The two ops.
+        const DeviceBuffer dact = to_device(gate);
+        const DeviceBuffer dy = to_device(y_init);
+        ASSERT_EQ(cuda::swiglu(dact.as<float>(), dup.as<float>(), k, n, k, limit, dact.as<float>(), nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(cuda::cuda_matmul_grouped(g.w, dact.as<float>(), n, doff.as<int32_t>(),
+                                            static_cast<int64_t>(offsets.size()), dy.as<float>(), full, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const Floats want_act = from_device<float>(dact, sz(n * k));
+        const Floats want = from_device<float>(dy, sz(n * rows));
+        for (const cuda::E4m3Scratch &scratch : {full, five}) {
+            const std::string what = "limit " + std::to_string(limit) +
+                                     (scratch.code_bytes == full.code_bytes ? ", whole scratch" : ", slices of 5 rows");
+            const DeviceBuffer dgate = to_device(gate);
+            const DeviceBuffer dy2 = to_device(y_init);
+            ASSERT_EQ(cuda::cuda_matmul_grouped_swiglu(g.w, dgate.as<float>(), dup.as<float>(), limit, n,
+                                                       doff.as<int32_t>(), static_cast<int64_t>(offsets.size()),
+                                                       dy2.as<float>(), scratch, nullptr),
+                      cudaSuccess);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            EXPECT_SAME_BITS(from_device<float>(dy2, sz(n * rows)), want, what + ": output");
+            EXPECT_SAME_BITS(from_device<float>(dgate, sz(n * k)), want_act, what + ": activation");
+        }
+    }
+    // A bank off the tensor cores (bf16 weights, exact loop): the two ops as they are.
+    const Weights wb = make_weights(DType::kBF16, n_experts, 64, k, 54);
+    GpuBank gb;
+    ASSERT_NO_FATAL_FAILURE(gpu_upload(wb.bank(), BankWindow::whole(wb.bank()), &gb));
+    EXPECT_EQ(cuda::cuda_matmul_grouped_swiglu_launches(gb.w, n, full),
+              1 + cuda::cuda_matmul_grouped_launches(gb.w, n, full));
+    const DeviceBuffer dgate = to_device(gate);
+    const DeviceBuffer dy = to_device(Floats(sz(n * 64), 0.0f));
+    ASSERT_EQ(cuda::cuda_matmul_grouped_swiglu(gb.w, dgate.as<float>(), dup.as<float>(), 7.0f, n, doff.as<int32_t>(),
+                                               static_cast<int64_t>(offsets.size()), dy.as<float>(), full, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const DeviceBuffer dact = to_device(gate);
+    ASSERT_EQ(cuda::swiglu(dact.as<float>(), dup.as<float>(), k, n, k, 7.0f, dact.as<float>(), nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Floats act = from_device<float>(dact, sz(n * k));
+    EXPECT_SAME_BITS(from_device<float>(dgate, sz(n * k)), act, "bf16 bank: activation");
+    Floats want;
+    ASSERT_NO_FATAL_FAILURE(gpu_grouped(gb.w, offsets, act, n, Floats(sz(n * 64), 0.0f), &want));
+    EXPECT_SAME_BITS(from_device<float>(dy, sz(n * 64)), want, "bf16 bank: output");
+    EXPECT_EQ(cuda::cuda_matmul_grouped_swiglu(g.w, dgate.as<float>(), dup.as<float>(), -1.0f, n, doff.as<int32_t>(),
+                                               static_cast<int64_t>(offsets.size()), dy.as<float>(), full, nullptr),
+              cudaErrorInvalidValue);
 }
 
 // ---------------------------------------------------------------------------------------------

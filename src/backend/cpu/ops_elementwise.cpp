@@ -73,15 +73,7 @@ namespace {
 
 // One row of swiglu: out[j] = clamp(silu(g[j])) * clamp(u[j]) (the clamps only when limit > 0).
 void swiglu_row(const float *g, const float *u, int64_t n, float limit, float *o) {
-    for (int64_t j = 0; j < n; ++j) {
-        float act = silu_f32(g[j]);
-        float uj = u[j];
-        if (limit > 0.0f) {
-            act = act > limit ? limit : act;
-            uj = uj < -limit ? -limit : (uj > limit ? limit : uj);
-        }
-        o[j] = act * uj;
-    }
+    for (int64_t j = 0; j < n; ++j) o[j] = swiglu_f32(g[j], u[j], limit);
 }
 
 #if MEMRA_X86

@@ -690,6 +690,17 @@ void CudaBackend::matmul_grouped(TensorView x, BankId b, TensorView offsets, Ten
                                                    e4m3_scratch_, op_stream()));
 }
 
+void CudaBackend::matmul_grouped_swiglu(TensorView gate, TensorView up, float limit, BankId b, TensorView offsets,
+                                        TensorView y) {
+    const CudaBank &bk = bank(b);
+    same_shape("matmul_grouped_swiglu", gate, up);
+    op_checks::grouped("matmul_grouped_swiglu", gate, bk.n_experts, bk.rows, bk.cols, bk.first_expert, offsets, y);
+    if (gate.rows() > 0) counters_.launches += cuda_matmul_grouped_swiglu_launches(bk, gate.rows(), e4m3_scratch_) - 1;
+    launched("matmul_grouped_swiglu",
+             cuda_matmul_grouped_swiglu(bk, f32(gate), f32(up), limit, gate.rows(), i32c(offsets), offsets.numel(),
+                                        f32(y), e4m3_scratch_, op_stream()));
+}
+
 void CudaBackend::canonical_combine(TensorView subtree_sums, TensorView out) {
     op_checks::canonical_combine(subtree_sums, out);
     launched("canonical_combine",

@@ -100,6 +100,8 @@ public:
     void matmul_grouped(TensorView x, BankId b, TensorView offsets, TensorView y) override;
     void matmul_grouped_pair(TensorView x, BankId a, BankId b, TensorView offsets, TensorView y_a,
                              TensorView y_b) override;
+    void matmul_grouped_swiglu(TensorView gate, TensorView up, float limit, BankId b, TensorView offsets,
+                               TensorView y) override;
     void canonical_combine(TensorView subtree_sums, TensorView out) override;
     void join_col_shards(TensorView shards, TensorView out) override;
     void rope(RopeId table, TensorView x, int64_t n_heads, int64_t head_dim, TensorView positions) override;

@@ -24,6 +24,25 @@ __device__ __forceinline__ float lane_tree_exact(float v, unsigned mask) {
     return v;
 }
 
+// The sum of term(i) over i in [0, n), from +0 in increasing i (a serial chain of _rn adds: the same bits as the
+// plain loop), with the terms of kLoads i read before their adds, so the chain waits on one load latency per
+// kLoads terms instead of one per term (fewer where registers are short).
+inline constexpr int kChainLoads = 16;
+template <int kLoads = kChainLoads, class Term>
+__device__ __forceinline__ float chain_sum(int n, Term term) {
+    float acc = 0.0f;
+    int i = 0;
+    for (; i + kLoads <= n; i += kLoads) {
+        float v[kLoads];
+#pragma unroll
+        for (int j = 0; j < kLoads; ++j) v[j] = term(i + j);
+#pragma unroll
+        for (int j = 0; j < kLoads; ++j) acc = __fadd_rn(acc, v[j]);
+    }
+    for (; i < n; ++i) acc = __fadd_rn(acc, term(i));
+    return acc;
+}
+
 // Bytes per stored weight element.
 template <DType kDt>
 inline constexpr int64_t kElemBytes = kDt == DType::kF32 ? 4 : (kDt == DType::kF8E4M3 ? 1 : 2);

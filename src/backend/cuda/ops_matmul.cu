@@ -19,6 +19,7 @@
 
 #include "backend/cuda/exact_loop.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/ops_rows.h"
 #include "backend/cuda/ptx.cuh"
 #include "core/float_formats.h"
 
@@ -153,6 +154,12 @@ struct ProductParams {
     uint8_t *qcodes;
     float *qscales;
     int64_t q_ld;
+    // The quantization of a down product's SwiGLU (cuda_matmul_grouped_swiglu): x is the gate, swiglu_up the up
+    // (both [n_tokens, x_ld]), and the activation swiglu_f32(gate, up, swiglu_limit) is what is quantized, also
+    // written to swiglu_act ([n_tokens, x_ld]); nullptr: x itself.
+    const float *swiglu_up;
+    float *swiglu_act;
+    float swiglu_limit;
     // A pair of banks of one shape on one x (cuda_matmul_grouped_pair): row tiles from pair_tiles on are the second
     // bank's; 0 for one bank.
     int64_t pair_tiles;
@@ -252,9 +259,7 @@ __global__ void __launch_bounds__(kThreads) exact_chunks_kernel(const ProductPar
         }
         __syncthreads();
         if (threadIdx.x == 0) {
-            float total = 0.0f;
-            for (int64_t c = 0; c < n_chunks; ++c) total = __fadd_rn(total, s_chunk[c]);
-            p.y[t * p.y_ld + n] = total;
+            p.y[t * p.y_ld + n] = chain_sum(static_cast<int>(n_chunks), [&](int c) { return s_chunk[c]; });
         }
         __syncthreads();  // s_chunk is reused by the block's next item
     }
@@ -681,7 +686,8 @@ __global__ void __launch_bounds__(kThreads) mma_bf16_kernel(const ProductParams 
 
 constexpr int kStreamDepth = 2;      // chunks of weights a warp has in flight
 constexpr int kStreamPadElems = 32;  // bf16 pad per staged x row: 64 bytes, conflict-free B fragment loads
-constexpr int kStreamStage = 4;      // 8-element x groups a thread loads at once while staging
+constexpr int kStreamStage = 2;      // 8-element x groups a thread loads at once while staging
+constexpr int kStreamFoldLoads = 4;  // chunk partials a thread of the fold loads at once (registers are short)
 
 // Warps per row tile for a product of n_chunks chunks per tile: the largest power of two up to 8 that has a
 // chunk for every warp.
@@ -797,8 +803,11 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
             if (kOp == Op::kMatmul && li < my_groups) lg = group_of(li);
         }
     };
+    // Every buffer's weights go out before the wait on the kernel before and before the staging (whose loads
+    // therefore have fewer registers: kStreamStage).
     uint4 a[kDepth][kMmaSpans][2];
-    load_next(a[0]);  // the rest after staging, whose loads share the registers
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) load_next(a[d]);
     if constexpr (kOp != Op::kGrouped) pdl_enter();  // the first weights stream in while the kernel before ends
 
     // Stage x: token row t_lo + r as bf16 (RNE), segment by segment, each padded to whole chunks with +0;
@@ -832,8 +841,6 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
             }
         }
     }
-#pragma unroll
-    for (int d = 1; d < kDepth; ++d) load_next(a[d]);
     __syncthreads();
 
     // This thread's fold state across the phases of a tile (several phases only when the tile's partials do
@@ -844,6 +851,9 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
     const int outs = sh.tiles * tokens * 16;
     const int n_phases = (sh.n_chunks + phase - 1) / phase;
     const int per_phase = phase / sh.tile_warps;  // a warp's steps per full phase
+    // A tile whose partials all fit folds with a thread per (output, segment): a power of two of segments at
+    // most a warp wide, as every canonical product has (8 / TP).
+    const bool tree_fold = n_phases == 1 && (sh.n_segs & (sh.n_segs - 1)) == 0 && sh.n_segs <= 32;
 
     const uint16_t *xg = s_x + g * sh.x_stride + 8 * q;  // this thread's B column (token t_lo + g)
     const auto step = [&](int c, int c0, uint4 (&ac)[kMmaSpans][2]) {
@@ -887,6 +897,29 @@ __global__ void __launch_bounds__(kThreads, 2) stream_bf16_kernel(const ProductP
                 u = u + 1 == kDepth ? 0 : u + 1;
             }
             __syncthreads();  // the phase's partials are whole
+            if (tree_fold) {
+                // The segment is the fastest index, so an output's n_segs threads are adjacent lanes: each adds
+                // its segment's chunks in K order (chain_sum, the loop below's chain), then the canonical tree
+                // over the segments is a butterfly across those lanes, whose level d pairs exactly the tree's
+                // neighbours (the adds commute). items is a multiple of 32 wherever there is a shuffle, so every
+                // lane of a warp that shuffles is in the loop.
+                const int items = outs * sh.n_segs;
+                const int chunk_stride = sh.tiles * tokens * 16;  // floats between a slot's chunk partials
+                for (int it = static_cast<int>(threadIdx.x); it < items; it += kThreads) {
+                    const int seg = it & (sh.n_segs - 1);
+                    const int o = it / sh.n_segs;
+                    const int o_rt = o / (tokens * 16);
+                    const int col = (o / 16) % tokens;
+                    const int r = o % 16;
+                    const float *src = s_part + seg * sh.per_seg * chunk_stride + (o_rt * tokens + col) * 16 + r;
+                    float v = chain_sum<kStreamFoldLoads>(sh.per_seg, [&](int j) { return src[j * chunk_stride]; });
+                    for (int d = 1; d < sh.n_segs; d <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, d));
+                    const int64_t n = og.row0 + o_rt * 16 + r;
+                    if (seg == 0 && col < live && n < og.rows) og.y[(t_lo + col) * og.y_ld + n] = v;
+                }
+                __syncthreads();  // the partials were read before the next group writes them
+                continue;
+            }
             const int c1 = min(sh.n_chunks, c0 + phase);
             for (int o = static_cast<int>(threadIdx.x); o < outs; o += kThreads) {
                 const int o_rt = o / (tokens * 16);
@@ -930,16 +963,13 @@ __device__ __forceinline__ uint16_t e4m3_codes2(float a, float b) {
 #endif
 }
 
-// The scale of memra::e4m3_quantize_group by one warp: x[c0, c1) (at most 128 values of the row gx, column 0 =
-// K 0), lane l holding v[i] = x[c0 + l + 32 i] (0 past c1): amax ignoring NaN, IEEE division, scale 1 for amax 0 and
-// 2^-149 on underflow. Every lane returns it.
-__device__ float warp_group_scale(const float *gx, int64_t c0, int64_t c1, float (&v)[kE4m3Chunk / 32]) {
-    const int l = static_cast<int>(threadIdx.x % 32);
+// The scale of memra::e4m3_quantize_group by one warp over a group's values, lane l holding v[i] = x[c0 + l + 32 i]
+// (0 past the group's end): amax ignoring NaN, IEEE division, scale 1 for amax 0 and 2^-149 on underflow. Every
+// lane returns it.
+__device__ float warp_values_scale(const float (&v)[kE4m3Chunk / 32]) {
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < kE4m3Chunk / 32; ++i) {
-        const int64_t k = c0 + l + 32 * i;
-        v[i] = k < c1 ? gx[k] : 0.0f;
         const float a = fabsf(v[i]);
         amax = a > amax ? a : amax;  // a NaN never wins
     }
@@ -951,6 +981,17 @@ __device__ float warp_group_scale(const float *gx, int64_t c0, int64_t c1, float
     float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, 448.0f);
     if (scale == 0.0f) scale = 0x1p-149f;  // amax / 448 underflowed
     return scale;
+}
+
+// warp_values_scale of x[c0, c1) (at most 128 values of the row gx, column 0 = K 0), loaded into v.
+__device__ float warp_group_scale(const float *gx, int64_t c0, int64_t c1, float (&v)[kE4m3Chunk / 32]) {
+    const int l = static_cast<int>(threadIdx.x % 32);
+#pragma unroll
+    for (int i = 0; i < kE4m3Chunk / 32; ++i) {
+        const int64_t k = c0 + l + 32 * i;
+        v[i] = k < c1 ? gx[k] : 0.0f;
+    }
+    return warp_values_scale(v);
 }
 
 // memra::e4m3_quantize_group by one warp: x[c0, c1) as e4m3 values (saturating RNE) widened to f32 into
@@ -1157,9 +1198,9 @@ __device__ __forceinline__ float add_ftz_fast(float a, float b) {
 }
 #endif
 
-// Rows [t_begin, n_tokens) of x quantized by memra::e4m3_quantize_group: group c of row t (K [128 c, 128 c + 128))
-// by one warp into codes[(t - t_begin) * q_ld + 128 c ..] (zero codes past K) and scales[(t - t_begin) * n_chunks
-// + c].
+// Rows [t_begin, n_tokens) of x (or of its SwiGLU with up, ProductParams::swiglu_up) quantized by
+// memra::e4m3_quantize_group: group c of row t (K [128 c, 128 c + 128)) by one warp into codes[(t - t_begin) * q_ld
+// + 128 c ..] (zero codes past K) and scales[(t - t_begin) * n_chunks + c].
 __global__ void __launch_bounds__(256) e4m3_quantize_kernel(const ProductParams p) {
     pdl_enter();
     const int n_chunks = static_cast<int>((p.k1 + kE4m3Chunk - 1) / kE4m3Chunk);
@@ -1170,8 +1211,20 @@ __global__ void __launch_bounds__(256) e4m3_quantize_kernel(const ProductParams 
     const int64_t c0 = static_cast<int64_t>(c) * kE4m3Chunk;
     const int64_t c1 = min_i64(p.k1, c0 + kE4m3Chunk);
     float v[kE4m3Chunk / 32];
-    const float scale = warp_group_scale(p.x + (p.t_begin + t) * p.x_ld, c0, c1, v);
     const int l = static_cast<int>(threadIdx.x % 32);
+    const int64_t row = (p.t_begin + t) * p.x_ld;
+    float scale;
+    if (p.swiglu_up != nullptr) {
+#pragma unroll
+        for (int i = 0; i < kE4m3Chunk / 32; ++i) {
+            const int64_t k = c0 + l + 32 * i;
+            v[i] = k < c1 ? swiglu_f32(p.x[row + k], p.swiglu_up[row + k], p.swiglu_limit) : 0.0f;
+            if (k < c1) p.swiglu_act[row + k] = v[i];
+        }
+        scale = warp_values_scale(v);
+    } else {
+        scale = warp_group_scale(p.x + row, c0, c1, v);
+    }
     uint8_t *out = p.qcodes + t * p.q_ld + c0;
 #pragma unroll
     for (int i = 0; i < kE4m3Chunk / 32; i += 2) {
@@ -2087,13 +2140,49 @@ int64_t cuda_matmul_grouped_pair_launches(const CudaBank &a, const CudaBank &b, 
     return cuda_matmul_grouped_launches(a, n_rows, scratch);
 }
 
+namespace {
+
+// The rows of one slice of launch_wgmma for b (0 where b's products do not run there).
+int64_t wgmma_slice(const CudaBank &b, int64_t n_rows, const E4m3Scratch &scratch) {
+    const ProductParams p = grouped_params(b, nullptr, n_rows, nullptr, nullptr);
+    if (b.act != ActRounding::kE4m3x128 || !wgmma_e4m3(p)) return 0;
+    const int64_t n_chunks = ceil_div(p.k1, kE4m3Chunk);
+    return std::max<int64_t>(0,
+                             std::min(scratch.code_bytes / (n_chunks * kE4m3Chunk), scratch.scale_floats / n_chunks));
+}
+
+}  // namespace
+
 int64_t cuda_matmul_grouped_launches(const CudaBank &b, int64_t n_rows, const E4m3Scratch &scratch) {
     if (n_rows <= 0) return 0;
-    const ProductParams p = grouped_params(b, nullptr, n_rows, nullptr, nullptr);
-    if (b.act != ActRounding::kE4m3x128 || !wgmma_e4m3(p)) return 1;
-    const int64_t n_chunks = ceil_div(p.k1, kE4m3Chunk);
-    const int64_t slice = std::min(scratch.code_bytes / (n_chunks * kE4m3Chunk), scratch.scale_floats / n_chunks);
+    const int64_t slice = wgmma_slice(b, n_rows, scratch);
     return slice < 1 ? 1 : 2 * ceil_div(n_rows, slice);
+}
+
+cudaError_t cuda_matmul_grouped_swiglu(const CudaBank &b, float *gate, const float *up, float limit, int64_t n_rows,
+                                       const int32_t *offsets, int64_t n_offsets, float *y, const E4m3Scratch &scratch,
+                                       cudaStream_t stream) {
+    if (n_rows < 0 || up == nullptr || !(limit >= 0.0f)) return cudaErrorInvalidValue;
+    if (n_rows > 0 && wgmma_slice(b, n_rows, scratch) >= 1) {
+        if (b.first_expert < 0 || n_offsets < b.first_expert + b.n_experts + 1 || offsets == nullptr ||
+            gate == nullptr || y == nullptr ||
+            !valid_weight(b.dtype, b.act, b.data, b.scale_inv, b.block_rows, b.block_cols)) {
+            return cudaErrorInvalidValue;
+        }
+        ProductParams p = grouped_params(b, gate, n_rows, offsets, y);
+        p.swiglu_up = up;
+        p.swiglu_act = gate;
+        p.swiglu_limit = limit;
+        return launch_wgmma(p, scratch, stream);
+    }
+    if (const cudaError_t e = swiglu(gate, up, b.cols, n_rows, b.cols, limit, gate, stream); e != cudaSuccess) return e;
+    return cuda_matmul_grouped(b, gate, n_rows, offsets, n_offsets, y, scratch, stream);
+}
+
+int64_t cuda_matmul_grouped_swiglu_launches(const CudaBank &b, int64_t n_rows, const E4m3Scratch &scratch) {
+    if (n_rows <= 0) return 0;
+    return wgmma_slice(b, n_rows, scratch) >= 1 ? cuda_matmul_grouped_launches(b, n_rows, scratch)
+                                                : 1 + cuda_matmul_grouped_launches(b, n_rows, scratch);
 }
 
 }  // namespace memra::cuda

@@ -134,6 +134,14 @@ cudaError_t cuda_matmul_grouped_pair(const CudaBank &a, const CudaBank &b, const
 int64_t cuda_matmul_grouped_pair_launches(const CudaBank &a, const CudaBank &b, int64_t n_rows,
                                           const E4m3Scratch &scratch);
 
+// cuda::swiglu(gate, up, .., limit, gate) (the activation written into gate), then cuda_matmul_grouped(b, gate, ..)
+// bit for bit (the routed experts' down product): for a tensor-core e4m3 bank the activation is formed, stored and
+// quantized by the product's quantization launch, with no launch of its own. gate, up: [n_rows, b.cols] f32.
+cudaError_t cuda_matmul_grouped_swiglu(const CudaBank &b, float *gate, const float *up, float limit, int64_t n_rows,
+                                       const int32_t *offsets, int64_t n_offsets, float *y, const E4m3Scratch &scratch,
+                                       cudaStream_t stream);
+int64_t cuda_matmul_grouped_swiglu_launches(const CudaBank &b, int64_t n_rows, const E4m3Scratch &scratch);
+
 }  // namespace memra::cuda
 
 // ---------------------------------------------------------------------------------------------

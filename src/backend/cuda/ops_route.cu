@@ -45,10 +45,25 @@ __device__ void raise_flag(int32_t *flag) {
 __device__ void route_token(const float *z, const float *gbias, int n_experts, int top_k, bool renormalize,
                             float scaling_factor, float *s, int32_t *ids, float *w, int lane) {
     const float kNegInf = u32_as_f32(0xff800000u);
-    for (int e = lane; e < n_experts; e += kWarp) {
-        float v = sigmoid_f32(__ldcg(z + e));
-        if (gbias != nullptr) v = v + gbias[e];
-        s[e] = v != v ? kNegInf : v;
+    // A lane's logits and biases, kChainLoads of each at once, are loaded before any score is formed (a store to
+    // s between them would keep the compiler from moving the next loads ahead of it).
+    for (int e0 = lane; e0 < n_experts; e0 += kWarp * kChainLoads) {
+        float zv[kChainLoads];
+        float bv[kChainLoads];
+#pragma unroll
+        for (int j = 0; j < kChainLoads; ++j) {
+            const int e = e0 + j * kWarp;
+            zv[j] = e < n_experts ? __ldcg(z + e) : 0.0f;
+            bv[j] = e < n_experts && gbias != nullptr ? gbias[e] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kChainLoads; ++j) {
+            const int e = e0 + j * kWarp;
+            if (e >= n_experts) break;
+            float v = sigmoid_f32(zv[j]);
+            if (gbias != nullptr) v = v + bv[j];
+            s[e] = v != v ? kNegInf : v;
+        }
     }
     __syncwarp();
 
@@ -341,9 +356,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const RoutePar
         }
         __syncthreads();
         if (tid < tile_n) {
-            float total = 0.0f;
-            for (int c = 0; c < p.n_chunks; ++c) total = __fadd_rn(total, s_area[tid * p.n_chunks + c]);
-            p.out.logits[(t0 + tid) * p.n_experts + row] = total;
+            const float *sums = s_area + tid * p.n_chunks;
+            p.out.logits[(t0 + tid) * p.n_experts + row] = chain_sum(p.n_chunks, [&](int c) { return sums[c]; });
         }
     }
     if (!last_to_arrive(p.tickets + tile, p.n_experts)) return;

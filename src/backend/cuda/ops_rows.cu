@@ -277,8 +277,7 @@ __global__ void qk_norm_rope_kernel(HeadRows q, HeadRows k, int64_t n_tokens, in
     }
 }
 
-// ggate, gup: [n_rows, in_stride]; gout: [n_rows, d_ff]. The clamps are the CPU's compares and selects (a
-// min/max instruction would turn a NaN into the limit; nvcc keeps the selects without fast-math).
+// ggate, gup: [n_rows, in_stride]; gout: [n_rows, d_ff]. swiglu_f32's selects survive: no fast-math here.
 __global__ void swiglu_kernel(const float *ggate, const float *gup, int64_t in_stride, int64_t n_rows, int64_t d_ff,
                               float limit, float *gout) {
     pdl_enter();
@@ -286,13 +285,7 @@ __global__ void swiglu_kernel(const float *ggate, const float *gup, int64_t in_s
     for (int64_t i = first_index(); i < total; i += grid_stride()) {
         const int64_t t = i / d_ff;
         const int64_t j = i - t * d_ff;
-        float act = silu_f32(ggate[t * in_stride + j]);
-        float u = gup[t * in_stride + j];
-        if (limit > 0.0f) {
-            act = act > limit ? limit : act;
-            u = u < -limit ? -limit : (u > limit ? limit : u);
-        }
-        gout[i] = act * u;
+        gout[i] = swiglu_f32(ggate[t * in_stride + j], gup[t * in_stride + j], limit);
     }
 }
 

@@ -153,6 +153,44 @@ struct Shared {
     float value;
 };
 
+// Calls use(i, value(i)) for every i in [0, n) of this thread (i = threadIdx.x + j * kThreads), reading kScanLoads
+// values before it uses any: one at a time, each load would wait on the uses before it, and a row of the vocabulary
+// is hundreds of loads per thread.
+constexpr int kScanLoads = 16;
+template <class Value, class Use>
+__device__ void batched_pass(int64_t n, Value value, Use use) {
+    for (int64_t base = threadIdx.x; base < n; base += int64_t{kThreads} * kScanLoads) {
+        float x[kScanLoads];
+#pragma unroll
+        for (int j = 0; j < kScanLoads; ++j) {
+            const int64_t i = base + int64_t{j} * kThreads;
+            x[j] = i < n ? value(i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kScanLoads; ++j) {
+            const int64_t i = base + int64_t{j} * kThreads;
+            if (i < n) use(i, x[j]);
+        }
+    }
+}
+
+// The first under (value descending, id ascending) of value(i) over the i in [0, n) that take(value(i), i) accepts
+// (id -1 where it takes none); every thread gets it. The order is strict and total over distinct ids, so the order
+// of the compares does not show.
+template <class Value, class Take>
+__device__ Best block_scan(int64_t n, Value value, Take take, Shared &sh) {
+    float v = 0.0f;
+    int32_t id = -1;
+    batched_pass(n, value, [&](int64_t i, float x) {
+        const auto c = static_cast<int32_t>(i);
+        if (take(x, c) && first_before(x, c, v, id)) {
+            v = x;
+            id = c;
+        }
+    });
+    return block_best(v, id, sh.best_v, sh.best_id);
+}
+
 // Thread 0's sum of term(i) over i in [0, n), added in increasing i (the CPU loop's order and operation): the
 // block computes the terms into shared-memory tiles, thread 0 adds them. Every thread calls it; only thread 0's
 // result is the sum. Contains __syncthreads.
@@ -182,13 +220,19 @@ __device__ int32_t sample_row(const float *glogits, int32_t n, const SampleRow &
                               int32_t *flag) {
     const int tid = static_cast<int>(threadIdx.x);
     const SamplingParams &p = r.params;
+    const auto logit = [&](int64_t i) {
+        const float l = glogits[i];
+        return l != l ? neg_inf() : l;
+    };
+    const int64_t window = p.penalty_context(r.history_len);
+    // 0. Greedy with neither bias nor penalties: the first index of the largest logit (NaN -> -Inf), read in place.
+    if (p.temperature == 0.0f && r.bias_len == 0 && window == 0) {
+        return block_scan(n, logit, [](float, int32_t) { return true; }, sh).id;
+    }
     // 1. Penalised logits (NaN -> -Inf), the bias added (each id once: no two threads touch one logit), then the
     //    penalties of the window's distinct tokens: counts in gkeys as i32 (zeroed, counted, then taken by
-    //    exactly one thread per token with an exchange).
-    for (int64_t i = tid; i < n; i += kThreads) {
-        const float l = glogits[i];
-        gwork[i] = l != l ? neg_inf() : l;
-    }
+    //    exactly one thread per token with an exchange); batched_pass keeps kScanLoads logits in flight.
+    batched_pass(n, logit, [&](int64_t i, float l) { gwork[i] = l; });
     if (r.bias_len > 0) {
         __syncthreads();
         for (int64_t j = tid; j < r.bias_len; j += kThreads) {
@@ -196,7 +240,6 @@ __device__ int32_t sample_row(const float *glogits, int32_t n, const SampleRow &
             if (b.id < n) gwork[b.id] = gwork[b.id] + b.value;
         }
     }
-    const int64_t window = p.penalty_context(r.history_len);
     if (window > 0) {
         const int32_t *recent = ghistory + r.history_begin + (r.history_len - window);
         auto *count = reinterpret_cast<int32_t *>(gkeys);
@@ -228,33 +271,18 @@ __device__ int32_t sample_row(const float *glogits, int32_t n, const SampleRow &
     __syncthreads();
 
     // 2. Greedy: the first index of the largest non-NaN value (Sampler::greedy's scan; a NaN at id 0 keeps 0).
+    const auto not_nan = [](float x, int32_t) { return x == x; };
     if (p.temperature == 0.0f) {
-        float v = 0.0f;
-        int32_t id = -1;
-        for (int64_t i = tid; i < n; i += kThreads) {
-            const float w = gwork[i];
-            if (w == w && first_before(w, static_cast<int32_t>(i), v, id)) {
-                v = w;
-                id = static_cast<int32_t>(i);
-            }
-        }
-        const Best b = block_best(v, id, sh.best_v, sh.best_id);
+        const Best b = block_scan(
+            n, [&](int64_t i) { return gwork[i]; }, not_nan, sh);
         const float w0 = gwork[0];
         return w0 != w0 || b.id < 0 ? 0 : b.id;
     }
 
     // 3. The top score (the CPU's order_[0]); a non-finite one is the answer itself.
     const float temperature = p.temperature;
-    float v = 0.0f;
-    int32_t id = -1;
-    for (int64_t i = tid; i < n; i += kThreads) {
-        const float s = gwork[i] / temperature;
-        if (s == s && first_before(s, static_cast<int32_t>(i), v, id)) {
-            v = s;
-            id = static_cast<int32_t>(i);
-        }
-    }
-    const Best top_b = block_best(v, id, sh.best_v, sh.best_id);
+    const Best top_b = block_scan(
+        n, [&](int64_t i) { return gwork[i] / temperature; }, not_nan, sh);
     if (top_b.id < 0) return 0;  // every score NaN: outside the contract (ops_sample.h)
     const float top = top_b.v;
     if (!is_finite(top)) return top_b.id;
@@ -314,8 +342,8 @@ __device__ int32_t sample_row(const float *glogits, int32_t n, const SampleRow &
     }
 
     // 7. Gumbel-max over the kept candidates (min-p on their weights); the order-free arg-max of the CPU's loop.
-    v = 0.0f;
-    id = -1;
+    float v = 0.0f;
+    int32_t id = -1;
     for (int64_t i = tid; i < keep; i += kThreads) {
         const uint64_t key = gkeys[i];
         if (p.min_p > 0.0f && !(key_weight(key) >= p.min_p)) continue;
@@ -339,16 +367,9 @@ __device__ void logprobs_row(const float *glogits, int32_t n, int32_t chosen, in
         return l != l ? neg_inf() : l;
     };
     // The largest value, the one at its lowest id (the CPU's running max keeps the first of equals: +-0).
-    float v = 0.0f;
-    int32_t id = -1;
-    for (int64_t i = tid; i < n; i += kThreads) {
-        const float x = value(i);
-        if (first_before(x, static_cast<int32_t>(i), v, id)) {
-            v = x;
-            id = static_cast<int32_t>(i);
-        }
-    }
-    const float top = block_best(v, id, sh.best_v, sh.best_id).v;
+    const float top = block_scan(
+                          n, value, [](float, int32_t) { return true; }, sh)
+                          .v;
     const bool finite = is_finite(top);
     // log(sum of exp(l - top)), the sum on one thread in increasing id order.
     if (finite) {
@@ -366,17 +387,8 @@ __device__ void logprobs_row(const float *glogits, int32_t n, int32_t chosen, in
     float prev_v = 0.0f;
     int32_t prev_id = -1;
     for (int32_t j = 0; j < n_top && j < n; ++j) {
-        v = 0.0f;
-        id = -1;
-        for (int64_t i = tid; i < n; i += kThreads) {
-            const float x = value(i);
-            const auto c = static_cast<int32_t>(i);
-            if ((prev_id < 0 || first_before(prev_v, prev_id, x, c)) && first_before(x, c, v, id)) {
-                v = x;
-                id = c;
-            }
-        }
-        const Best b = block_best(v, id, sh.best_v, sh.best_id);
+        const Best b = block_scan(
+            n, value, [&](float x, int32_t c) { return prev_id < 0 || first_before(prev_v, prev_id, x, c); }, sh);
         if (tid == 0) {
             glp->top_ids[j] = b.id;
             glp->top_logprobs[j] = logprob(b.id);
