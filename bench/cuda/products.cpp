@@ -452,9 +452,11 @@ void bm_add_rms_norm(benchmark::State &state) {
     state.counters["us"] = time_state(state, launch, 50) * 1e6;
 }
 
-// args: rows, mode (0 greedy, 1 temperature 0.7 with top-p 0.9). The sampling op over a 128,896-id vocabulary
-// (E128's), logits uniform in [-2, 2): with a temperature every id is within the relevant gap of the top one, the
-// sampler's worst case (all of them sorted).
+// The sampling op over rows of E128's 128896 logits. shape 0: uniform in [-2, 2), with a temperature every id within
+// the relevant gap of the top one (the sampler's worst case: every key bucketed, sorted where the filters read them
+// all); shape 1: a trained model's shape, normal(-4, 2.5) under 40 peaks at 12 to 14. mode 0: greedy; 1: T 0.7,
+// top-p 0.9; 2: the CLI's defaults (T 0.8, top-k 40, top-p 0.95, min-p 0.05); 3: the OpenAI API's (T 1, no filter);
+// 4: T 0.7 with top-k one short of the vocabulary (every key sorted, no sums).
 void bm_sample(benchmark::State &state) {
     if (!gpu_present()) {
         state.SkipWithError("no CUDA device");
@@ -462,14 +464,28 @@ void bm_sample(benchmark::State &state) {
     }
     constexpr int32_t kVocab = 128896;
     const int64_t n_rows = state.range(0);
-    const auto logits = random_activations(n_rows * kVocab, 21);
+    const int64_t mode = state.range(1);
+    std::vector<float> hl(static_cast<size_t>(n_rows * kVocab));
+    std::mt19937 rng(21);
+    if (state.range(2) == 0) {
+        std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+        for (float &v : hl) v = u(rng);
+    } else {
+        std::normal_distribution<float> lm(-4.0f, 2.5f);
+        for (float &v : hl) v = lm(rng);
+        for (int64_t k = 0; k < 40 * n_rows; ++k) hl[rng() % hl.size()] = 12.0f + 0.05f * static_cast<float>(k % 40);
+    }
+    const auto logits = device_copy(hl);
     std::vector<SampleRow> rows(static_cast<size_t>(n_rows));
     for (int64_t i = 0; i < n_rows; ++i) {
         SampleRow &r = rows[static_cast<size_t>(i)];
-        r.params.temperature = state.range(1) == 0 ? 0.0f : 0.7f;
-        r.params.top_k = 0;
-        r.params.top_p = state.range(1) == 0 ? 1.0f : 0.9f;
-        r.params.min_p = 0.0f;
+        r.params = SamplingParams{};
+        if (mode != 2) {
+            r.params.temperature = mode == 0 ? 0.0f : (mode == 3 ? 1.0f : 0.7f);
+            r.params.top_k = mode == 4 ? kVocab - 1 : 0;
+            r.params.top_p = mode == 1 ? 0.9f : 1.0f;
+            r.params.min_p = 0.0f;
+        }
         r.position = 4096 + i;
         r.logit_row = static_cast<int32_t>(i);
     }
@@ -529,8 +545,9 @@ BENCHMARK(bm_routing)
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_sample)
-    ->ArgNames({"rows", "mode"})
-    ->ArgsProduct({{1, 32}, {0, 1}})
+    ->ArgNames({"rows", "mode", "shape"})
+    ->ArgsProduct({{1}, {0, 1, 2, 3, 4}, {0, 1}})
+    ->ArgsProduct({{32}, {0, 2}, {1}})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);

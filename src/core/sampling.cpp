@@ -75,7 +75,7 @@ float philox_uniform(uint64_t seed, uint64_t choice, int64_t position, int32_t i
 }
 
 float gumbel_noise(uint64_t seed, uint64_t choice, int64_t position, int32_t id) {
-    return -log_f32(-log_f32(philox_uniform(seed, choice, position, id)));
+    return gumbel_from_uniform(philox_uniform(seed, choice, position, id));
 }
 
 Result<Sampler> Sampler::create(int32_t vocab_size, const SamplingParams &params) {

@@ -108,20 +108,37 @@ MEMRA_HD float log_f32(float x) {
     return ef * kLn2Hi + (log_m + ef * kLn2Lo);
 }
 
+// The uniform in (0, 1) of one Philox output word: 23 bits + 0.5 fit a float exactly, so u lies in
+// [2^-24, 1 - 2^-24], never 0 or 1.
+MEMRA_HD float uniform_from_word(uint32_t word) { return (static_cast<float>(word >> 9) + 0.5f) * (1.0f / 8388608.0f); }
+
+// The four uniforms behind ids 4 quad .. 4 quad + 3 at (seed, choice, position): one Philox block serves four
+// consecutive ids (the caller guarantees 0 <= position < 2^32).
+MEMRA_HD void philox_uniform_quad(uint64_t seed, uint64_t choice, int64_t position, uint32_t quad, float *u) {
+    uint32_t c[4] = {quad, static_cast<uint32_t>(position), static_cast<uint32_t>(choice),
+                     static_cast<uint32_t>(choice >> 32)};
+    philox4x32_10_words(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+    for (int k = 0; k < 4; ++k) u[k] = uniform_from_word(c[k]);
+}
+
 // core/sampling.h's philox_uniform (the uniform in (0, 1) behind token `id` at (seed, choice, position))
 // without its argument checks: the caller guarantees 0 <= position < 2^32 and id >= 0.
 MEMRA_HD float philox_uniform_unchecked(uint64_t seed, uint64_t choice, int64_t position, int32_t id) {
-    uint32_t c[4] = {static_cast<uint32_t>(id) / 4u, static_cast<uint32_t>(position), static_cast<uint32_t>(choice),
-                     static_cast<uint32_t>(choice >> 32)};
-    philox4x32_10_words(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
-    const uint32_t word = c[static_cast<uint32_t>(id) % 4u];
-    // 23 bits + 0.5 fit a float exactly: u in [2^-24, 1 - 2^-24], never 0 or 1.
-    return (static_cast<float>(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
+    float u[4];
+    philox_uniform_quad(seed, choice, position, static_cast<uint32_t>(id) / 4u, u);
+    return u[static_cast<uint32_t>(id) % 4u];
 }
 
-// core/sampling.h's gumbel_noise, -log(-log(u)) of that uniform, without the argument checks.
+// Gumbel noise -log(-log(u)) of a uniform. Over every uniform_from_word value it lies in
+// [kGumbelNoiseMin, kGumbelNoiseMax] (tests/core/test_sampling.cpp checks all 2^23 of them), so a candidate whose
+// (score - top) + kGumbelNoiseMax rounds below a key already drawn can never be drawn.
+MEMRA_HD float gumbel_from_uniform(float u) { return -log_f32(-log_f32(u)); }
+inline constexpr float kGumbelNoiseMin = -2.82f;
+inline constexpr float kGumbelNoiseMax = 16.64f;
+
+// core/sampling.h's gumbel_noise without the argument checks.
 MEMRA_HD float gumbel_noise_unchecked(uint64_t seed, uint64_t choice, int64_t position, int32_t id) {
-    return -log_f32(-log_f32(philox_uniform_unchecked(seed, choice, position, id)));
+    return gumbel_from_uniform(philox_uniform_unchecked(seed, choice, position, id));
 }
 
 // Most top alternatives a sampled token reports (OpenAI's top_logprobs limit).

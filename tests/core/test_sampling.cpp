@@ -80,6 +80,33 @@ TEST(Philox, UniformIsOpenIntervalAndKeyed) {
     EXPECT_EQ(philox_uniform(1, 2, 3, 5), (static_cast<float>(word >> 9) + 0.5f) / 8388608.0f);
 }
 
+TEST(Philox, QuadServesFourConsecutiveIds) {
+    for (const uint32_t quad : {0u, 1u, 77u, 32223u}) {
+        float u[4];
+        philox_uniform_quad(9, uint64_t{5} << 33, 4096, quad, u);
+        for (uint32_t k = 0; k < 4; ++k) {
+            EXPECT_EQ(u[k], philox_uniform(9, uint64_t{5} << 33, 4096, static_cast<int32_t>(4 * quad + k)));
+        }
+    }
+}
+
+// The bound the device sampler prunes its draws with: every uniform the generator can return (all 2^23 words'
+// values, an exhaustive check) gives a noise inside [kGumbelNoiseMin, kGumbelNoiseMax]; both ends are reached to
+// within 0.01, so the bounds are tight.
+TEST(Gumbel, NoiseOfEveryUniformLiesWithinTheBounds) {
+    float lo = 0.0f;
+    float hi = 0.0f;
+    for (uint32_t top = 0; top < (1u << 23); ++top) {
+        const float g = gumbel_from_uniform(uniform_from_word(top << 9));
+        lo = std::min(lo, g);
+        hi = std::max(hi, g);
+    }
+    EXPECT_GE(lo, kGumbelNoiseMin);
+    EXPECT_LE(hi, kGumbelNoiseMax);
+    EXPECT_LT(lo, kGumbelNoiseMin + 0.01f);
+    EXPECT_GT(hi, kGumbelNoiseMax - 0.01f);
+}
+
 TEST(LogF32, MatchesLibmAndSpecialValues) {
     double worst = 0.0;
     for (float x = 1e-30f; x < 1e30f; x *= 1.0137f) {

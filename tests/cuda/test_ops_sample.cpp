@@ -405,18 +405,26 @@ TEST(CudaSample, Vocab128k) {
     c.vocab = 128896;
     c.n_valid = 128815;
     const auto v = static_cast<size_t>(c.vocab);
-    c.logits.resize(3 * v);
+    c.logits.resize(5 * v);
     std::mt19937 rng(21);
     std::normal_distribution<float> normal(0.0f, 2.0f);
     std::normal_distribution<float> lm(-4.0f, 2.5f);
     for (size_t i = 0; i < v; ++i) {
         c.logits[i] = normal(rng);  // every id within 20 of the top: the whole row is sorted
         c.logits[v + i] = lm(rng);  // a real model's shape: a few peaks far above the rest
-        c.logits[2 * v + i] = 1.5f;  // all equal
+        c.logits[2 * v + i] = 1.5f;  // all equal: one score bucket of every id
+        c.logits[3 * v + i] = normal(rng);
+        c.logits[4 * v + i] = normal(rng);
     }
     for (int k = 0; k < 40; ++k) c.logits[v + rng() % v] = 12.0f + 0.25f * static_cast<float>(k % 9);
+    // Row 3: a leader, then 6000 equal scores: one bucket of more than a shared-memory chunk (the network over all).
+    c.logits[3 * v + 77] = 9.0f;
+    for (int k = 0; k < 6000; ++k) c.logits[3 * v + (rng() % v)] = 5.0f;
+    // Row 4: the same with 1000 equal scores, a bucket sorted by the whole block in shared memory.
+    c.logits[4 * v + 77] = 9.0f;
+    for (int k = 0; k < 1000; ++k) c.logits[4 * v + (rng() % v)] = 5.0f;
     c.history = random_history(c.vocab, 5000, 22);
-    for (int32_t lr = 0; lr < 3; ++lr) {
+    for (int32_t lr = 0; lr < 5; ++lr) {
         c.rows.push_back(row(params(0.0f, 0, 1.0f, 0.0f, 1), 0, 10, lr, 0, 0, kMaxTopLogprobs));
         c.rows.push_back(row(params(1.0f, 0, 1.0f, 0.0f, 2), 0, 11, lr, 0, 0, 5));  // the full sorted sum
         c.rows.push_back(row(params(0.8f, 50, 0.9f, 0.05f, 3), 0, 12, lr, 0, 0, -1));
@@ -424,6 +432,9 @@ TEST(CudaSample, Vocab128k) {
         c.rows.push_back(row(params(1.0f, 0, 1.0f, 1e-7f, 5), 0, 14, lr, 0, 0, 0));
         c.rows.push_back(
             row(with_penalties(params(0.7f, 0, 0.95f, 0.0f, 6), 1.2f, 0.3f, 0.1f, -1), 0, 15, lr, 0, 5000, 20));
+        c.rows.push_back(row(params(0.8f, 40, 1.0f, 0.0f, 7), 0, 16, lr, 0, 0, -1));  // top-k alone: a sorted prefix
+        c.rows.push_back(row(params(1.0f, 10000, 0.95f, 0.0f, 8), 0, 17, lr, 0, 0, -1));  // a prefix of many runs
+        c.rows.push_back(row(params(0.8f, 40, 0.95f, 0.05f, 9), 0, 18, lr, 0, 0, -1));    // the CLI's defaults
     }
     const std::vector<SampledToken> want = cpu_sample(c);
     const std::vector<SampledToken> got = gpu_sample(c);
