@@ -2087,13 +2087,20 @@ ProductParams grouped_params(const CudaBank &b, const float *x, int64_t n_rows, 
 
 }  // namespace
 
+namespace {
+
+// The checks of a grouped product's row count, bank and expert offsets.
+bool valid_grouped(const CudaBank &b, int64_t n_rows, const int32_t *offsets, int64_t n_offsets) {
+    return n_rows >= 0 && b.n_experts > 0 && b.rows > 0 && b.cols > 0 && b.first_expert >= 0 &&
+           n_offsets >= b.first_expert + b.n_experts + 1 && offsets != nullptr &&
+           valid_weight(b.dtype, b.act, b.data, b.scale_inv, b.block_rows, b.block_cols);
+}
+
+}  // namespace
+
 cudaError_t cuda_matmul_grouped(const CudaBank &b, const float *x, int64_t n_rows, const int32_t *offsets,
                                 int64_t n_offsets, float *y, const E4m3Scratch &scratch, cudaStream_t stream) {
-    if (n_rows < 0 || b.n_experts <= 0 || b.rows <= 0 || b.cols <= 0 || b.first_expert < 0 ||
-        n_offsets < b.first_expert + b.n_experts + 1 || offsets == nullptr ||
-        !valid_weight(b.dtype, b.act, b.data, b.scale_inv, b.block_rows, b.block_cols)) {
-        return cudaErrorInvalidValue;
-    }
+    if (!valid_grouped(b, n_rows, offsets, n_offsets)) return cudaErrorInvalidValue;
     if (n_rows == 0) return cudaSuccess;
     if (x == nullptr || y == nullptr) return cudaErrorInvalidValue;
     return dispatch<Op::kGrouped>(b.dtype, b.act, grouped_params(b, x, n_rows, offsets, y), stream, scratch);
@@ -2162,13 +2169,10 @@ int64_t cuda_matmul_grouped_launches(const CudaBank &b, int64_t n_rows, const E4
 cudaError_t cuda_matmul_grouped_swiglu(const CudaBank &b, float *gate, const float *up, float limit, int64_t n_rows,
                                        const int32_t *offsets, int64_t n_offsets, float *y, const E4m3Scratch &scratch,
                                        cudaStream_t stream) {
-    if (n_rows < 0 || up == nullptr || !(limit >= 0.0f)) return cudaErrorInvalidValue;
-    if (n_rows > 0 && wgmma_slice(b, n_rows, scratch) >= 1) {
-        if (b.first_expert < 0 || n_offsets < b.first_expert + b.n_experts + 1 || offsets == nullptr ||
-            gate == nullptr || y == nullptr ||
-            !valid_weight(b.dtype, b.act, b.data, b.scale_inv, b.block_rows, b.block_cols)) {
-            return cudaErrorInvalidValue;
-        }
+    if (!valid_grouped(b, n_rows, offsets, n_offsets) || !(limit >= 0.0f)) return cudaErrorInvalidValue;
+    if (n_rows == 0) return cudaSuccess;
+    if (gate == nullptr || up == nullptr || y == nullptr) return cudaErrorInvalidValue;
+    if (wgmma_slice(b, n_rows, scratch) >= 1) {
         ProductParams p = grouped_params(b, gate, n_rows, offsets, y);
         p.swiglu_up = up;
         p.swiglu_act = gate;
