@@ -314,24 +314,35 @@ __device__ Best block_scan(int64_t n, const float *src, F f, Take take, Shared &
 
 // acc += t[i] for i = 0, 1, ... in turn (IEEE single additions, the CPU's `+=`), stopping after the first i whose
 // sum reaches `stop` where kStop: returns that i, or -1 after all len terms. t is a 16-byte aligned shared-memory
-// tile; 16 terms are loaded (as float4) ahead of their additions, so the additions' own latency is the loop's pace.
+// tile of terms >= 0 (so the running sum never falls): the terms come in batches of 16 (as float4), the next batch
+// loaded while one is added, and a batch whose end reaches `stop` is added again one term at a time from its start
+// to find the term. The additions' own latency is the loop's pace.
 template <bool kStop>
 __device__ int64_t serial_add(float &acc, const float *t, int64_t len, float stop) {
     const auto *t4 = reinterpret_cast<const float4 *>(t);
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16) {
-        float4 q[4];
+    const int64_t batches = len / 16;
+    float4 next[4];
+    const auto load = [&](int64_t b) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) q[j] = t4[i / 4 + j];
-        const float x[16] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w,
-                             q[2].x, q[2].y, q[2].z, q[2].w, q[3].x, q[3].y, q[3].z, q[3].w};
+        for (int j = 0; j < 4; ++j) next[j] = t4[4 * b + j];
+    };
+    if (batches > 0) load(0);
+    for (int64_t b = 0; b < batches; ++b) {
+        const float x[16] = {next[0].x, next[0].y, next[0].z, next[0].w, next[1].x, next[1].y, next[1].z, next[1].w,
+                             next[2].x, next[2].y, next[2].z, next[2].w, next[3].x, next[3].y, next[3].z, next[3].w};
+        if (b + 1 < batches) load(b + 1);
+        const float before = acc;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            acc = __fadd_rn(acc, x[j]);
-            if (kStop && acc >= stop) return i + j;
+        for (int j = 0; j < 16; ++j) acc = __fadd_rn(acc, x[j]);
+        if (kStop && acc >= stop) {
+            acc = before;
+            for (int j = 0; j < 16; ++j) {
+                acc = __fadd_rn(acc, x[j]);
+                if (acc >= stop) return 16 * b + j;
+            }
         }
     }
-    for (; i < len; ++i) {
+    for (int64_t i = 16 * batches; i < len; ++i) {
         acc = __fadd_rn(acc, t[i]);
         if (kStop && acc >= stop) return i;
     }
