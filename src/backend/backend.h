@@ -131,6 +131,24 @@ enum class RowRounding {
     kQ8,    // q8_0 keys (partner q8_0) and q5_1 keys (partner q8_1, the same values): GGML q8_0 blocks of 32
 };
 
+// A layer's attention inputs for a step (Backend::attention_prologue): q [n, n_heads * head_dim], k and v
+// [n, n_kv_heads * head_dim] f32; the per-head norm weights; the RoPE table (invalid: no rotation) and the rows'
+// positions [n] i64; the K/V pool, its layer and the rows' slots [n] i32; the query's rounding for the keys.
+struct AttentionInputs {
+    TensorView q, k, v;
+    int64_t n_heads = 0;
+    int64_t n_kv_heads = 0;
+    int64_t head_dim = 0;
+    VectorId q_norm, k_norm;
+    float eps = 0.0f;
+    RopeId table;
+    TensorView positions;
+    KvPoolId pool;
+    int layer = 0;
+    TensorView slots;
+    RowRounding q_round = RowRounding::kNone;
+};
+
 struct RouterConfig {
     int64_t n_experts = 0;
     int64_t top_k = 0;
@@ -286,6 +304,13 @@ public:
             rope(table, q, n_heads, head_dim, positions);
             rope(table, k, n_kv_heads, head_dim, positions);
         }
+    }
+    // The inputs of a layer's attention for a step: qk_norm_rope(q, k), kv_write(pool, layer, k, v, slots), then
+    // round_rows(q, q_round), bit for bit (CUDA: one launch). Here: those calls in that order.
+    virtual void attention_prologue(const AttentionInputs &a) {
+        qk_norm_rope(a.q, a.n_heads, a.q_norm, a.k, a.n_kv_heads, a.k_norm, a.head_dim, a.eps, a.table, a.positions);
+        kv_write(a.pool, a.layer, a.k, a.v, a.slots);
+        round_rows(a.q, a.q_round);
     }
     // Causal (+ sliding window) GQA attention over a paged KV pool, for every sequence of a step at once,
     // with the optional per-head sigmoid gate: cpu::paged_attention. Query row i (position q_pos[i], step

@@ -397,22 +397,20 @@ Result<void> Step35Forward::attention_block(int layer, const StepTables &t, int 
     const TensorView proj_y[] = {q, k, v, gate};
     const size_t n_proj = w.attn.g.valid() ? 4 : 3;
     be.matmul_multi(a, std::span(proj_w, n_proj), std::span(proj_y, n_proj));
-    be.qk_norm_rope(q, n_heads, w.attn.q_norm, k, n_kv_heads, w.attn.k_norm, g.head_dim, eps_,
-                    rope_[static_cast<size_t>(layer)], s.pos);
-    tap(layer, Tap::kQ, q);
-    tap(layer, Tap::kK, k);
-    tap(layer, Tap::kV, v);
-    if (w.attn.g.valid()) tap(layer, Tap::kAttnGate, gate);
-
-    // The step's new K/V rows go into their slots first; attention then reads every key of every sequence
-    // back from the pool in its stored format, the new ones included, so every chunking sees the same keys
-    // (rule 9).
+    // q and k normalised and rotated, the step's new K/V rows into their slots, the query rounded for the keys:
+    // attention then reads every key of every sequence back from the pool in its stored format, the new ones
+    // included, so every chunking sees the same keys (rule 9).
     const auto li = static_cast<size_t>(layer);
     const bool swa = g.attn == AttnKind::kSliding || g.is_mtp;
     const KvPoolId pool = swa ? kv_.swa : kv_.full;
     const int pool_layer = kv_.pool_layer[li];
-    be.kv_write(pool, pool_layer, k, v, swa ? s.slot_swa : s.slot_full);
-    be.round_rows(q, query_rounding(kv_.k_format, be.numerics()));
+    be.attention_prologue(AttentionInputs{q, k, v, n_heads, n_kv_heads, g.head_dim, w.attn.q_norm, w.attn.k_norm, eps_,
+                                          rope_[li], s.pos, pool, pool_layer, swa ? s.slot_swa : s.slot_full,
+                                          query_rounding(kv_.k_format, be.numerics())});
+    tap(layer, Tap::kQ, q);
+    tap(layer, Tap::kK, k);
+    tap(layer, Tap::kV, v);
+    if (w.attn.g.valid()) tap(layer, Tap::kAttnGate, gate);
     const TensorView att = mat(att_, n, q_w);  // [n, n_heads * head_dim]
     const AttentionParams params{n_heads, n_kv_heads, g.head_dim,
                                  g.attn == AttnKind::kSliding ? int64_t{g.window} : 0};

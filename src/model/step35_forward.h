@@ -117,7 +117,7 @@ struct RankContext {
 enum class Tap {
     kLayerIn,        // [n, d_model] x entering the layer
     kAttnNorm,       // [n, d_model] RMSNorm_in(x)
-    kQ,              // [n, q heads * head_dim] after q_norm and RoPE (before a K-format rounding)
+    kQ,              // [n, q heads * head_dim] after q_norm, RoPE and the rounding for the K format
     kK,              // [n, kv heads * head_dim] after k_norm and RoPE
     kV,              // [n, kv heads * head_dim]
     kAttnGate,       // [n, q heads] head-wise gate logits (only when the model has the gate)

@@ -711,6 +711,117 @@ TEST(CudaAttention, KvWriteBytesEqualCpu) {
     }
 }
 
+// attention_prologue against the three launches it replaces (qk_norm_rope, kv_write, round_rows; each held to the
+// CPU's bits by its own tests): every K/V format pair and query rounding, f32 and bf16 norm weights, head_dim 128
+// and 64, q rows wider than their heads, with and without a RoPE table, a token at a position outside the table
+// and one in a slot outside the pool (both flagged, both skipped alike). q, k and the two pools compare by bits.
+TEST(CudaAttention, PrologueEqualsItsThreeLaunches) {
+    MEMRA_SKIP_WITHOUT_GPU();
+    const int64_t n = 6, n_heads = 8, n_kv = 2, n_positions = 50, n_pages = 2;
+    uint32_t seed = 40;
+    for (int64_t hd : {int64_t{128}, int64_t{64}}) {
+        for (KvFormat kf : kFormats) {
+            for (KvFormat vf : kFormats) {
+                for (RowRounding r : {RowRounding::kNone, RowRounding::kBf16, RowRounding::kQ8}) {
+                    ++seed;
+                    const bool table = seed % 3 != 0;
+                    const bool bf16_w = seed % 2 == 0;
+                    const int64_t q_stride = n_heads * hd + 32;
+                    const Floats q = adversarial_rows(n, q_stride, seed);
+                    const Floats k = uniform(sz(n * n_kv * hd), seed + 1, -3.0f, 3.0f);
+                    const Floats v = adversarial_rows(n, n_kv * hd, seed + 2);
+                    const Floats cos = uniform(sz(n_positions * hd / 2), seed + 3, -1.0f, 1.0f);
+                    const Floats sin = uniform(sz(n_positions * hd / 2), seed + 4, -1.0f, 1.0f);
+                    const Floats wq = uniform(sz(hd), seed + 5, -0.5f, 0.5f),
+                                 wk = uniform(sz(hd), seed + 6, -0.5f, 0.5f);
+                    std::vector<uint16_t> wq16(sz(hd)), wk16(sz(hd));
+                    for (size_t i = 0; i < sz(hd); ++i) {
+                        wq16[i] = f32_to_bf16(wq[i]);
+                        wk16[i] = f32_to_bf16(wk[i]);
+                    }
+                    std::vector<int64_t> pos = {3, n_positions, 0, 49, 17, 8};  // token 1 outside the table
+                    std::vector<int32_t> slots = {5, 70, 127, 0, int32_t{n_pages * kKvPageRows},
+                                                  64};  // token 4 outside
+                    DeviceBuffer d_wq = bf16_w ? to_device(wq16) : to_device(wq);
+                    DeviceBuffer d_wk = bf16_w ? to_device(wk16) : to_device(wk);
+                    DeviceBuffer d_cos = to_device(cos), d_sin = to_device(sin), d_pos = to_device(pos);
+                    DeviceBuffer d_v = to_device(v), d_slots = to_device(slots);
+                    const DType wt = bf16_w ? DType::kBF16 : DType::kF32;
+                    struct Run {
+                        Floats q, k;
+                        std::vector<std::byte> pool;
+                        int32_t flag;
+                    };
+                    const auto run = [&](bool fused) {
+                        Pool pool(kf, vf, n_pages, n_kv, hd);
+                        DeviceBuffer d_q = to_device(q), d_k = to_device(k);
+                        DeviceBuffer d_flag = to_device(std::vector<int32_t>{0});
+                        const QkHeads hq{d_q.as<float>(), q_stride, n_heads, wt, d_wq.as<void>()};
+                        const QkHeads hk{d_k.as<float>(), n_kv * hd, n_kv, wt, d_wk.as<void>()};
+                        const RopeRows rope{table ? d_cos.as<float>() : nullptr, d_sin.as<float>(), n_positions, hd / 2,
+                                            d_pos.as<int64_t>()};
+                        if (fused) {
+                            EXPECT_EQ(attention_prologue(hq, hk, d_v.as<float>(), n_kv * hd, n, hd, 1e-6f, rope, r,
+                                                         pool.device_layer(), d_slots.as<int32_t>(),
+                                                         d_flag.as<int32_t>(), nullptr),
+                                      cudaSuccess);
+                        } else {
+                            EXPECT_EQ(qk_norm_rope(hq, hk, n, hd, 1e-6f, rope.cos, rope.sin, rope.n_positions,
+                                                   rope.half, rope.positions, d_flag.as<int32_t>(), nullptr),
+                                      cudaSuccess);
+                            EXPECT_EQ(kv_write(pool.device_layer(), pool.row_elems(), d_k.as<float>(), d_v.as<float>(),
+                                               d_slots.as<int32_t>(), n, d_flag.as<int32_t>(), nullptr),
+                                      cudaSuccess);
+                            for (int64_t t = 0; t < n; ++t) {  // the heads of each row, not the columns past them
+                                EXPECT_EQ(round_rows(d_q.as<float>() + t * q_stride, 1, n_heads * hd, r, nullptr),
+                                          cudaSuccess);
+                            }
+                        }
+                        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+                        return Run{from_device<float>(d_q, q.size()), from_device<float>(d_k, k.size()),
+                                   pool.device_bytes(), from_device<int32_t>(d_flag, 1)[0]};
+                    };
+                    const Run want = run(false), got = run(true);
+                    const std::string what =
+                        fmt::format("head_dim {} K {} V {} rounding {}{}{}", hd, kv_format_name(kf), kv_format_name(vf),
+                                    static_cast<int>(r), table ? "" : " no table", bf16_w ? " bf16 w" : "");
+                    EXPECT_EQ(bit_mismatches(got.q, want.q), 0) << what;
+                    EXPECT_EQ(bit_mismatches(got.k, want.k), 0) << what;
+                    EXPECT_TRUE(got.pool == want.pool) << what;
+                    EXPECT_EQ(got.flag, 1) << what;
+                    EXPECT_EQ(want.flag, 1) << what;
+                }
+            }
+        }
+    }
+    // Bad arguments launch nothing.
+    Pool pool(KvFormat::kQ8_0, KvFormat::kBf16, 2, 2, 64, /*host_only=*/true);
+    float f = 0.0f;
+    int32_t i32 = 0;
+    const QkHeads h{&f, 8 * 64, 8, DType::kF32, &f};
+    const QkHeads hk{&f, 2 * 64, 2, DType::kF32, &f};
+    const auto call = [&](const QkHeads &q, const QkHeads &k, int64_t v_stride, int64_t tokens, int64_t hd,
+                          RowRounding r, const cpu::PagedLayer &l) {
+        return attention_prologue(q, k, &f, v_stride, tokens, hd, 1e-6f, RopeRows{}, r, l, &i32, nullptr, nullptr);
+    };
+    const cpu::PagedLayer layer = pool.host_layer();
+    EXPECT_EQ(call(h, hk, 128, 0, 64, RowRounding::kQ8, layer), cudaSuccess);
+    EXPECT_EQ(call(h, hk, 127, 1, 64, RowRounding::kQ8, layer), cudaErrorInvalidValue);  // v_stride < 2 x 64
+    EXPECT_EQ(call(h, hk, 128, -1, 64, RowRounding::kQ8, layer), cudaErrorInvalidValue);
+    EXPECT_EQ(call(h, QkHeads{&f, 2 * 64, 2, DType::kF16, &f}, 128, 1, 64, RowRounding::kNone, layer),
+              cudaErrorInvalidValue);  // f16 norm weights
+    EXPECT_EQ(call(h, QkHeads{&f, 2 * 64, 1, DType::kF32, &f}, 128, 1, 64, RowRounding::kNone, layer),
+              cudaErrorInvalidValue);  // the layer's rows hold 2 heads
+    EXPECT_EQ(call(QkHeads{&f, 8 * 48, 8, DType::kF32, &f}, QkHeads{&f, 2 * 48, 2, DType::kF32, &f}, 96, 1, 48,
+                   RowRounding::kNone, layer),
+              cudaErrorInvalidValue);  // q8_0 keys of heads of 48
+    EXPECT_EQ(call(QkHeads{nullptr, 8 * 64, 8, DType::kF32, &f}, hk, 128, 1, 64, RowRounding::kNone, layer),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(attention_prologue(h, hk, &f, 128, 1, 64, 1e-6f, RopeRows{&f, &f, 10, 33, nullptr}, RowRounding::kNone,
+                                 layer, &i32, nullptr, nullptr),
+              cudaErrorInvalidValue);  // a half of 33 rotates 66 dims of a 64-wide head
+}
+
 TEST(CudaAttention, KvWriteSkipsABadSlotAndRaisesTheFlag) {
     MEMRA_SKIP_WITHOUT_GPU();
     Pool pool(KvFormat::kQ8_0, KvFormat::kBf16, 2, 2, 64);

@@ -21,6 +21,8 @@
 #include "backend/cuda/ops_sample.h"
 #include "backend/op_checks.h"
 #include "core/check.h"
+#include "core/kv_format.h"
+#include "core/quant_blocks.h"
 #include "core/thread_pool.h"
 
 namespace memra::cuda {
@@ -605,6 +607,37 @@ void CudaBackend::qk_norm_rope(TensorView q, int64_t n_heads, VectorId q_norm, T
     launched("qk_norm_rope",
              cuda::qk_norm_rope(hq, hk, q.rows(), head_dim, eps, r.cos, r.sin, r.n_positions, r.half,
                                 static_cast<const int64_t *>(positions.data), error_flag_, op_stream()));
+}
+
+void CudaBackend::attention_prologue(const AttentionInputs &a) {
+    const KvPool &kp = kv_pool(a.pool);
+    const bool blocks =
+        kv_format_is_block(kp.spec.k_format) || kv_format_is_block(kp.spec.v_format) || a.q_round == RowRounding::kQ8;
+    if (blocks && a.head_dim % kQuantBlock != 0) {  // blocks of 32 across heads: the three launches
+        Backend::attention_prologue(a);
+        return;
+    }
+    const Vector &vq = vector(a.q_norm);
+    const Vector &vk = vector(a.k_norm);
+    op_checks::rms_norm_heads(a.q, a.n_heads, a.head_dim, vq.n);
+    op_checks::rms_norm_heads(a.k, a.n_kv_heads, a.head_dim, vk.n);
+    MEMRA_CHECK(a.q.rows() == a.k.rows(), "attention_prologue: q has {} rows, k {}", a.q.rows(), a.k.rows());
+    const int64_t row_elems = kp.layout.row_elems[static_cast<size_t>(a.layer)];
+    op_checks::kv_write(a.k, a.v, a.slots, a.layer, row_elems);
+    cuda::RopeRows rope;
+    if (a.table.valid()) {
+        MEMRA_CHECK(static_cast<size_t>(a.table.id) < ropes_.size(), "attention_prologue: unknown table {}",
+                    a.table.id);
+        op_checks::rope(a.q, a.n_heads, a.head_dim, a.positions);
+        op_checks::rope(a.k, a.n_kv_heads, a.head_dim, a.positions);
+        const Rope &r = ropes_[static_cast<size_t>(a.table.id)];
+        rope = {r.cos, r.sin, r.n_positions, r.half, static_cast<const int64_t *>(a.positions.data)};
+    }
+    const cuda::QkHeads hq{f32(a.q), a.q.row_elems(), a.n_heads, vq.dtype, vq.data};
+    const cuda::QkHeads hk{f32(a.k), a.k.row_elems(), a.n_kv_heads, vk.dtype, vk.data};
+    launched("attention_prologue",
+             cuda::attention_prologue(hq, hk, f32(a.v), a.v.row_elems(), a.q.rows(), a.head_dim, a.eps, rope, a.q_round,
+                                      paged_layer(kp, a.layer), i32c(a.slots), error_flag_, op_stream()));
 }
 
 void CudaBackend::add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) {

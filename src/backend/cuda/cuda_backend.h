@@ -92,6 +92,7 @@ public:
     void rms_norm_heads(TensorView x, int64_t n_heads, int64_t head_dim, VectorId w, float eps) override;
     void qk_norm_rope(TensorView q, int64_t n_heads, VectorId q_norm, TensorView k, int64_t n_kv_heads,
                       VectorId k_norm, int64_t head_dim, float eps, RopeId table, TensorView positions) override;
+    void attention_prologue(const AttentionInputs &a) override;
     void add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) override;
     void residual_add(TensorView a, TensorView b, TensorView out) override;
     void matmul(TensorView x, MatrixId w, TensorView y) override;

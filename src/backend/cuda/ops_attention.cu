@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/norm_rope.cuh"
 #include "backend/cuda/ptx.cuh"
 #include "core/float_formats.h"
 #include "core/kv_format.h"
@@ -84,46 +85,49 @@ bool valid_format(KvFormat f) {
 // ---------------------------------------------------------------------------------------------
 // KV write.
 
-// Elements [0, n) of a row by the CTA's kRowThreads threads, kRowBatch loads in flight per thread before their
-// stores: store(e, load(e)) (the pool and the rows may alias as far as the compiler knows, so it would not move a
-// load above an earlier store by itself).
+// Elements [0, n) of a row by `lanes` threads (this one is `lane`), kRowBatch loads in flight per thread before
+// their stores: store(e, load(e)) (the pool and the rows may alias as far as the compiler knows, so it would not
+// move a load above an earlier store by itself).
 constexpr int kRowBatch = 8;
 
 template <class Load, class Store>
-__device__ void for_row_batches(int64_t n, Load load, Store store) {
-    for (int64_t e0 = threadIdx.x; e0 < n; e0 += int64_t{kRowBatch} * kRowThreads) {
+__device__ void for_row_batches(int64_t n, int lane, int lanes, Load load, Store store) {
+    for (int64_t e0 = lane; e0 < n; e0 += int64_t{kRowBatch} * lanes) {
         decltype(load(e0)) v[kRowBatch];
 #pragma unroll
         for (int u = 0; u < kRowBatch; ++u) {
-            const int64_t e = e0 + int64_t{u} * kRowThreads;
+            const int64_t e = e0 + int64_t{u} * lanes;
             v[u] = e < n ? load(e) : decltype(load(e0)){};
         }
 #pragma unroll
         for (int u = 0; u < kRowBatch; ++u) {
-            const int64_t e = e0 + int64_t{u} * kRowThreads;
+            const int64_t e = e0 + int64_t{u} * lanes;
             if (e < n) store(e, v[u]);
         }
     }
 }
 
-// kv_encode of n values x into `out`, by the threads of the CTA: f32 copies the bits, bf16 rounds each value,
-// the block formats quantize one block of 32 per thread (2-byte aligned: every row and block offset is even).
-__device__ void encode_row(KvFormat f, const float *x, int64_t n, std::byte *out) {
+// kv_encode of n values x into `out` by `lanes` threads (this one is `lane`): f32 copies the bits, bf16 rounds
+// each value, the block formats quantize one block of 32 per thread (2-byte aligned: every row and block offset
+// is even). n values of a row's head start a block too (head_dim a multiple of 32 for the block formats).
+__device__ void encode_row(KvFormat f, const float *x, int64_t n, std::byte *out, int lane, int lanes) {
     switch (f) {
         case KvFormat::kF32: {
             const uint32_t *gx = reinterpret_cast<const uint32_t *>(x);
             uint32_t *gout = reinterpret_cast<uint32_t *>(out);
-            for_row_batches(n, [&](int64_t e) { return gx[e]; }, [&](int64_t e, uint32_t b) { gout[e] = b; });
+            for_row_batches(
+                n, lane, lanes, [&](int64_t e) { return gx[e]; }, [&](int64_t e, uint32_t b) { gout[e] = b; });
             return;
         }
         case KvFormat::kBf16: {
             uint16_t *gout = reinterpret_cast<uint16_t *>(out);
-            for_row_batches(n, [&](int64_t e) { return x[e]; }, [&](int64_t e, float v) { gout[e] = f32_to_bf16(v); });
+            for_row_batches(
+                n, lane, lanes, [&](int64_t e) { return x[e]; }, [&](int64_t e, float v) { gout[e] = f32_to_bf16(v); });
             return;
         }
         case KvFormat::kQ8_0: {
             BlockQ8_0 *gout = reinterpret_cast<BlockQ8_0 *>(out);
-            for (int64_t b = threadIdx.x; b < n / kQuantBlock; b += blockDim.x) {
+            for (int64_t b = lane; b < n / kQuantBlock; b += lanes) {
                 BlockQ8_0 block;
                 quantize_block_q8_0(x + b * kQuantBlock, block);
                 gout[b] = block;
@@ -132,7 +136,7 @@ __device__ void encode_row(KvFormat f, const float *x, int64_t n, std::byte *out
         }
         case KvFormat::kQ5_1: {
             BlockQ5_1 *gout = reinterpret_cast<BlockQ5_1 *>(out);
-            for (int64_t b = threadIdx.x; b < n / kQuantBlock; b += blockDim.x) {
+            for (int64_t b = lane; b < n / kQuantBlock; b += lanes) {
                 BlockQ5_1 block;
                 quantize_block_q5_1(x + b * kQuantBlock, block);
                 gout[b] = block;
@@ -156,9 +160,11 @@ __global__ void kv_write_kernel(const cpu::PagedLayer layer, int64_t row_elems, 
     std::byte *page = layer.base + (slot / kKvPageRows) * layer.page_bytes;
     const int64_t r = slot % kKvPageRows;
     if (blockIdx.y == 0) {
-        encode_row(layer.k_format, gk + i * row_elems, row_elems, page + layer.k_offset + r * layer.k_row_bytes);
+        encode_row(layer.k_format, gk + i * row_elems, row_elems, page + layer.k_offset + r * layer.k_row_bytes,
+                   static_cast<int>(threadIdx.x), kRowThreads);
     } else {
-        encode_row(layer.v_format, gv + i * row_elems, row_elems, page + layer.v_offset + r * layer.v_row_bytes);
+        encode_row(layer.v_format, gv + i * row_elems, row_elems, page + layer.v_offset + r * layer.v_row_bytes,
+                   static_cast<int>(threadIdx.x), kRowThreads);
     }
 }
 
@@ -189,6 +195,117 @@ __global__ void round_q8_kernel(float *gx, int64_t n_blocks) {
 int64_t grid_for(int64_t n) {
     const int64_t blocks = (n + kElemThreads - 1) / kElemThreads;
     return blocks < kMaxBlocks ? blocks : kMaxBlocks;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The attention prologue: qk_norm_rope, kv_write and round_rows(q) in one launch.
+
+constexpr int kPrologueThreads = 256;
+constexpr int kPrologueWarps = kPrologueThreads / 32;
+
+struct PrologueHeads {
+    float *x;
+    int64_t token_stride;
+    int64_t n_heads;
+    const void *w;
+    bool w_bf16;
+};
+
+struct PrologueArgs {
+    PrologueHeads q, k;
+    const float *v;
+    int64_t v_stride;
+    int64_t n_tokens;
+    int64_t head_dim;
+    float eps;
+    const float *cos;  // nullptr: the norms alone
+    const float *sin;
+    int64_t n_positions;
+    int64_t half;
+    const int64_t *positions;
+    RowRounding q_round;
+    cpu::PagedLayer layer;
+    int64_t k_head_bytes;  // one head's bytes in the K (V) format
+    int64_t v_head_bytes;
+    const int32_t *slots;
+    int32_t *error_flag;
+};
+
+// Head h's bytes in token t's K (or V) row of the layer, or nullptr (and the flag raised) when t's slot is outside
+// the pool: kv_write_kernel's check.
+__device__ std::byte *prologue_row(const PrologueArgs &a, int64_t t, bool v, int64_t h) {
+    const int64_t slot = a.slots[t];
+    if (slot < 0 || slot >= a.layer.n_pages * kKvPageRows) {
+        if (threadIdx.x % 32 == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
+        return nullptr;
+    }
+    std::byte *page = a.layer.base + (slot / kKvPageRows) * a.layer.page_bytes;
+    const int64_t r = slot % kKvPageRows;
+    return v ? page + a.layer.v_offset + r * a.layer.v_row_bytes + h * a.v_head_bytes
+             : page + a.layer.k_offset + r * a.layer.k_row_bytes + h * a.k_head_bytes;
+}
+
+// A warp per head of a token, in the order q heads, k heads, v heads: a q head is normalised, rotated and rounded
+// for the keys' format, a k head normalised, rotated and encoded into its slot's K row, a v head encoded into the
+// V row; each step runs the separate launches' code on the same values (qk_norm_rope_kernel's warp_norm_row and
+// rope_pair, kv_write_kernel's encode_row over the head's span of the row, round_bf16_kernel's and
+// round_q8_kernel's rounding over the head's values or blocks), so the bits are theirs. Every branch is
+// warp-uniform; __syncwarp publishes each step's writes to the lanes of the next.
+__global__ void __launch_bounds__(kPrologueThreads) attention_prologue_kernel(const PrologueArgs a) {
+    // The norm weights are no kernel's output: their lines are asked of the L2 before the wait on the kernel before.
+    const int64_t q_bytes = a.head_dim * (a.q.w_bf16 ? 2 : 4);
+    const int64_t k_bytes = a.head_dim * (a.k.w_bf16 ? 2 : 4);
+    for (int64_t b = int64_t{threadIdx.x} * kLineBytes; b < q_bytes + k_bytes;
+         b += int64_t{kPrologueThreads} * kLineBytes) {
+        prefetch_l2(b < q_bytes ? static_cast<const char *>(a.q.w) + b
+                                : static_cast<const char *>(a.k.w) + (b - q_bytes));
+    }
+    pdl_enter();
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const int64_t hd = a.head_dim;
+    const int64_t qk_heads = a.q.n_heads + a.k.n_heads;
+    const int64_t per_token = qk_heads + a.k.n_heads;
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kPrologueWarps + threadIdx.x / 32;
+         item < a.n_tokens * per_token; item += static_cast<int64_t>(gridDim.x) * kPrologueWarps) {
+        const int64_t t = item / per_token;
+        const int64_t h = item % per_token;
+        if (h >= qk_heads) {
+            std::byte *out = prologue_row(a, t, true, h - qk_heads);
+            if (out != nullptr) {
+                encode_row(a.layer.v_format, a.v + t * a.v_stride + (h - qk_heads) * hd, hd, out, lane, 32);
+            }
+            continue;
+        }
+        const bool is_q = h < a.q.n_heads;
+        const PrologueHeads &r = is_q ? a.q : a.k;
+        const int64_t head = is_q ? h : h - a.q.n_heads;
+        float *x = r.x + t * r.token_stride + head * hd;
+        norm_rope::warp_norm_row(x, hd, r.w, r.w_bf16, a.eps, x);
+        if (a.cos != nullptr) {
+            const int64_t p = a.positions[t];
+            if (p < 0 || p >= a.n_positions) {
+                if (lane == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
+            } else {
+                __syncwarp();
+                for (int64_t j = lane; j < a.half; j += 32) {
+                    norm_rope::rope_pair(x, j, a.half, a.cos + p * a.half, a.sin + p * a.half);
+                }
+            }
+        }
+        __syncwarp();
+        if (!is_q) {
+            std::byte *out = prologue_row(a, t, false, head);
+            if (out != nullptr) encode_row(a.layer.k_format, x, hd, out, lane, 32);
+        } else if (a.q_round == RowRounding::kBf16) {
+            for (int64_t e = lane; e < hd; e += 32) x[e] = round_bf16(x[e]);
+        } else if (a.q_round == RowRounding::kQ8) {
+            for (int64_t b = lane; b < hd / kQuantBlock; b += 32) {
+                BlockQ8_0 block;
+                quantize_block_q8_0(x + b * kQuantBlock, block);
+                q8_0_dequant_block(block, x + b * kQuantBlock);
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1624,6 +1741,57 @@ cudaError_t round_rows(float *x, int64_t n_rows, int64_t d, RowRounding r, cudaS
         const int64_t n_blocks = n / kQuantBlock;
         launch_kernel(round_q8_kernel, static_cast<unsigned>(grid_for(n_blocks)), kElemThreads, 0, stream, x, n_blocks);
     }
+    return cudaGetLastError();
+}
+
+cudaError_t attention_prologue(const QkHeads &q, const QkHeads &k, const float *v, int64_t v_stride, int64_t n_tokens,
+                               int64_t head_dim, float eps, const RopeRows &rope, RowRounding q_round,
+                               const cpu::PagedLayer &layer, const int32_t *slots, int32_t *error_flag,
+                               cudaStream_t stream) {
+    const auto norm_ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
+    if (n_tokens < 0 || head_dim < 1 || v_stride < k.n_heads * head_dim) return cudaErrorInvalidValue;
+    for (const QkHeads *h : {&q, &k}) {
+        if (h->n_heads < 1 || h->token_stride < h->n_heads * head_dim || !norm_ok(h->w_dtype)) {
+            return cudaErrorInvalidValue;
+        }
+    }
+    const int64_t k_head_bytes = format_bytes(layer.k_format, head_dim);
+    const int64_t v_head_bytes = format_bytes(layer.v_format, head_dim);
+    if (!valid_format(layer.k_format) || !valid_format(layer.v_format) || k_head_bytes < 0 || v_head_bytes < 0 ||
+        layer.k_row_bytes != k.n_heads * k_head_bytes || layer.v_row_bytes != k.n_heads * v_head_bytes ||
+        (q_round == RowRounding::kQ8 && head_dim % kQuantBlock != 0)) {
+        return cudaErrorInvalidValue;
+    }
+    if (rope.cos != nullptr && (rope.n_positions < 1 || rope.half < 1 || 2 * rope.half > head_dim ||
+                                rope.sin == nullptr || (n_tokens > 0 && rope.positions == nullptr))) {
+        return cudaErrorInvalidValue;
+    }
+    if (n_tokens == 0) return cudaSuccess;
+    if (q.x == nullptr || q.w == nullptr || k.x == nullptr || k.w == nullptr || v == nullptr || slots == nullptr ||
+        layer.base == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const PrologueArgs a{{q.x, q.token_stride, q.n_heads, q.w, q.w_dtype == DType::kBF16},
+                         {k.x, k.token_stride, k.n_heads, k.w, k.w_dtype == DType::kBF16},
+                         v,
+                         v_stride,
+                         n_tokens,
+                         head_dim,
+                         eps,
+                         rope.cos,
+                         rope.sin,
+                         rope.n_positions,
+                         rope.half,
+                         rope.positions,
+                         q_round,
+                         layer,
+                         k_head_bytes,
+                         v_head_bytes,
+                         slots,
+                         error_flag};
+    const int64_t warps = n_tokens * (q.n_heads + 2 * k.n_heads);
+    const int64_t blocks = std::min<int64_t>((warps + kPrologueWarps - 1) / kPrologueWarps, kMaxBlocks);
+    launch_kernel(attention_prologue_kernel, static_cast<unsigned>(blocks), kPrologueThreads, 0, stream, a);
     return cudaGetLastError();
 }
 

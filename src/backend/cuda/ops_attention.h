@@ -23,6 +23,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/ops_attention.h"
+#include "backend/cuda/ops_rows.h"
 
 namespace memra::cuda {
 
@@ -33,6 +34,28 @@ namespace memra::cuda {
 // row_elems values in the layer's formats (so no multiple of 32 for a block format), null pointers with work.
 cudaError_t kv_write(const cpu::PagedLayer &layer, int64_t row_elems, const float *k, const float *v,
                      const int32_t *slots, int64_t n, int32_t *error_flag, cudaStream_t stream);
+
+// A RoPE table's rows for a step: cos, sin [n_positions, half] f32 device tables, positions [n_tokens] i64; a null
+// cos: no rotation.
+struct RopeRows {
+    const float *cos = nullptr;
+    const float *sin = nullptr;
+    int64_t n_positions = 0;
+    int64_t half = 0;
+    const int64_t *positions = nullptr;
+};
+
+// The attention's inputs of a step in one launch (a warp per head): qk_norm_rope(q, k, rope) (ops_rows.h), then
+// kv_write(layer, k, v, slots), then round_rows(q, q_round), those launches' bits. q, k as qk_norm_rope's
+// (k: n_kv_heads heads); v [n_tokens, v_stride] f32 with its n_kv_heads heads first; the layer's K and V rows are
+// n_kv_heads heads of head_dim values in its formats. A token whose position is outside the table is normalised,
+// not rotated; one whose slot is outside the pool writes no K or V; either raises the flag. Invalid: what
+// qk_norm_rope, kv_write or round_rows refuse, head_dim not a multiple of 32 with a block format or q8 rounding,
+// null pointers with work to do.
+cudaError_t attention_prologue(const QkHeads &q, const QkHeads &k, const float *v, int64_t v_stride, int64_t n_tokens,
+                               int64_t head_dim, float eps, const RopeRows &rope, RowRounding q_round,
+                               const cpu::PagedLayer &layer, const int32_t *slots, int32_t *error_flag,
+                               cudaStream_t stream);
 
 // cpu::round_rows: x [n_rows, d] f32 rounded in place. kNone: untouched (no launch); kBf16: each value to bf16
 // (nearest even) and back; kQ8: each block of 32 along a row through quantize_block_q8_0 and back

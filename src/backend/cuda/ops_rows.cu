@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/norm_rope.cuh"
+#include "backend/cuda/ptx.cuh"
 #include "core/float_formats.h"
 #include "core/math.h"
 
@@ -22,7 +24,6 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65536;  // grid-stride loops cover anything larger
 constexpr int kWarp = 32;
 constexpr int kRowsPerBlock = kThreads / kWarp;  // norm kernels: one warp per row
-constexpr unsigned kFullMask = 0xffffffffu;
 
 int64_t grid_for(int64_t n, int64_t per_block) {
     const int64_t blocks = (n + per_block - 1) / per_block;
@@ -64,55 +65,11 @@ __global__ void embedding_kernel(const void *gtable, bool bf16, int64_t vocab, i
 
 // ---- RMSNorm family -------------------------------------------------------------------------------------
 
-// Exact f32 value of element i of a norm weight [d] f32 or bf16 (cpu::detail::load_f32_or_bf16).
-__device__ float load_weight(const void *gw, bool bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(static_cast<const uint16_t *>(gw)[i]) : static_cast<const float *>(gw)[i];
-}
-
-// sum_squares_f32(x, n) computed by one warp, bit for bit: thread t accumulates canonical lane t % 16
-// (terms i = l, l + 16, ... in increasing i, from +0; both half-warps compute the same 16 partials), then the
-// shfl_xor butterfly over offsets 1, 2, 4, 8 is core/math.h's fixed tree: at offset w, thread l (a multiple
-// of 2w) forms lane[l] + lane[l + w] in that operand order, and every other thread of the aligned group of 2w
-// gets the same value by commutativity. Every thread returns the result.
-__device__ float warp_sum_squares(const float *x, int64_t n) {
-    const int l = static_cast<int>(threadIdx.x % kWarp) % kReduceLanes;
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int64_t i = l; i < n; i += kReduceLanes) acc = acc + x[i] * x[i];
-    for (int w = 1; w < kReduceLanes; w *= 2) acc = acc + __shfl_xor_sync(kFullMask, acc, w);
-    return acc;
-}
-
-// The factor cpu norm_row scales by: 1 / sqrt(ss / d + eps).
-__device__ float norm_inv(float ss, int64_t d, float eps) {
-    const float mean = ss / static_cast<float>(d);
-    return rsqrt_f32(mean + eps);
-}
-
-// cpu norm_row (ops_norm.cpp) by one warp: y[0..d) = rms_norm(x[0..d)); y may equal x (every thread has read
-// its reduction terms before the shuffles complete, and __syncwarp orders them before the first write).
-// The writes go kWarpBatch per lane at a time, their loads first (y may be x, so the compiler would not move a
-// load above an earlier store by itself).
-constexpr int kWarpBatch = 8;
-
-__device__ void warp_norm_row(const float *x, int64_t d, const void *gw, bool w_bf16, float eps, float *y) {
-    const float inv = norm_inv(warp_sum_squares(x, d), d, eps);
-    __syncwarp();
-    for (int64_t i0 = threadIdx.x % kWarp; i0 < d; i0 += int64_t{kWarpBatch} * kWarp) {
-        float xv[kWarpBatch], factor[kWarpBatch];
-#pragma unroll
-        for (int u = 0; u < kWarpBatch; ++u) {
-            const int64_t i = i0 + int64_t{u} * kWarp;
-            xv[u] = i < d ? x[i] : 0.0f;
-            factor[u] = i < d ? 1.0f + load_weight(gw, w_bf16, i) : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < kWarpBatch; ++u) {
-            const int64_t i = i0 + int64_t{u} * kWarp;
-            if (i < d) y[i] = (xv[u] * inv) * factor[u];
-        }
-    }
-}
+using norm_rope::load_weight;
+using norm_rope::norm_inv;
+using norm_rope::rope_pair;
+using norm_rope::warp_norm_row;
+using norm_rope::warp_sum_squares;
 
 // Normalises n_items rows of d floats, item i at offset (i / per_token) * token_stride + (i % per_token) * d
 // of gx and gy (rms_norm: per_token 1, token_stride d; rms_norm_heads: per_token n_heads, gy == gx).
@@ -148,14 +105,18 @@ __global__ void add_rms_norm_kernel(const float *gx, const float *gr, int64_t n_
 // reduction's loads one after another): the block holds the row, or h = x + r (written to gh), in registers
 // (kNormPer values a thread) and in shared memory, the first warp runs warp_sum_squares from there (the same
 // lanes and tree), and the block writes y. Each pass issues all of its loads before its first store, so a row
-// waits on three memory latencies, not one per element (gh may be x or r and y may be x, so the compiler could
-// not hoist a load above an earlier store on its own). Every element is read before it is written.
+// waits on three memory latencies (the weights' from the L2), not one per element (gh may be x or r and y may be x, so
+// the compiler could not hoist a load above an earlier store on its own). Every element is read before it is written.
 constexpr int64_t kBlockNormMax = 8192;  // 32 KiB of staged row (the static smem beside it stays under 48 KiB)
 constexpr int kNormPer = static_cast<int>(kBlockNormMax / kThreads);
 
 __global__ void __launch_bounds__(kThreads) block_norm_kernel(const float *gx, const float *gr, int64_t n_rows,
                                                               int64_t d, const void *gw, bool w_bf16, float eps,
                                                               float *gh, float *gy) {
+    // The norm weights are no kernel's output: their lines are asked of the L2 before the wait on the kernel before.
+    for (int64_t b = int64_t{threadIdx.x} * kLineBytes; b < d * (w_bf16 ? 2 : 4); b += int64_t{kThreads} * kLineBytes) {
+        prefetch_l2(static_cast<const char *>(gw) + b);
+    }
     pdl_enter();
     extern __shared__ float s_row[];  // [d]
     __shared__ float s_inv;
@@ -206,16 +167,6 @@ size_t block_norm_smem(int64_t d) { return static_cast<size_t>(d) * sizeof(float
 __global__ void residual_add_kernel(const float *ga, const float *gb, int64_t n, float *gout) {
     pdl_enter();
     for (int64_t i = first_index(); i < n; i += grid_stride()) gout[i] = ga[i] + gb[i];
-}
-
-// Rotates the pair (j, j + half) of a head's row by a position's rows cos_row, sin_row ([half] each) of the tables.
-__device__ void rope_pair(float *row, int64_t j, int64_t half, const float *cos_row, const float *sin_row) {
-    const float c = cos_row[j];
-    const float s = sin_row[j];
-    const float a = row[j];
-    const float b = row[j + half];
-    row[j] = a * c - b * s;
-    row[j + half] = b * c + a * s;
 }
 
 // gx: [n_tokens, token_stride]; gcos, gsin: [n_positions, half]; gpos: [n_tokens] i64. One thread per

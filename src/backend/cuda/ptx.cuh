@@ -1,5 +1,5 @@
 // The PTX wrappers the tensor-core kernels share (CUDA.md 6: one header holds them): the bf16 mma.sync step,
-// ldmatrix, and cp.async with zero fill.
+// ldmatrix, cp.async with zero fill and the L2 prefetch.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +48,11 @@ __device__ __forceinline__ uint32_t smem_address(const void *p) {
 __device__ __forceinline__ void cp_async16_zfill(void *smem, const void *gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
                  "r"(src_bytes));
+}
+// Asks the L2 for the 128-byte line holding gmem (no register is written, nothing waits on it).
+constexpr int64_t kLineBytes = 128;
+__device__ __forceinline__ void prefetch_l2(const void *gmem) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
