@@ -15,6 +15,8 @@
 #include <cfloat>
 #include <cstdint>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include "backend/cuda/exact_loop.cuh"
@@ -1083,7 +1085,9 @@ __global__ void __launch_bounds__(kThreads) e4m3_product_kernel(const ProductPar
 // scale), FTZ, in chunk order. A token's bits depend on its row, the weights and K only: the instruction sequence
 // is the same for every token tile width kN and every position in the tile (measured, CUDA.md 7), zero codes pad a
 // partial tile and a partial chunk, and the tile width is picked from the token count alone. Both operands are
-// staged K-major in the 128-byte swizzle (a chunk of a row is one 128-byte swizzle row) by a cp.async pipeline.
+// staged K-major in the 128-byte swizzle (a chunk of a row is one 128-byte swizzle row) in a ring of stages: the
+// weights by TMA (one 64-row box a chunk, its stage's mbarrier counting the bytes), the tokens' codes by cp.async;
+// a pass takes kWgGroup chunks, whose wgmma chains run together before one wait.
 
 constexpr int kWgRows = 64;        // weight rows of a block: the wgmma M
 constexpr int kWgThreads = 128;    // one warpgroup
@@ -1095,6 +1099,12 @@ static_assert(kE4m3Chunk == kSwizzleRow, "a K chunk of e4m3 codes is one swizzle
 // where the token tiles grow so that two blocks still share an SM.
 template <int kN>
 constexpr int kWgStages = kN <= 8 ? 6 : (kN <= 32 ? 5 : 3);
+// Chunks a pass (their wgmma chains in flight together, one wait): two at 8 tokens, where the block's time is its
+// chain of passes (H100, 2026-12-07: [2560, 4096] x 8 pairs 42.1 us at one chunk a pass, 39.8 at two, 39.5 at
+// three; 256 pairs over 128 experts 269 / 259 / 262 us), one for the wider tiles, whose products are longer.
+template <int kN>
+constexpr int kWgGroup = kN <= 8 ? 2 : 1;
+static_assert(kWgStages<8> >= 2 * kWgGroup<8>, "a pass's stages are never those its refills write");
 template <int kN>
 constexpr int kWgStageBytes = (kWgRows + kN) * kSwizzleRow;  // the weights' 64 rows, then the tokens' kN
 
@@ -1103,7 +1113,7 @@ constexpr int kWgStageBytes = (kWgRows + kN) * kSwizzleRow;  // the weights' 64 
 template <int kN>
 size_t wgmma_smem_bytes(int64_t n_chunks) {
     return 1024u + static_cast<size_t>(kWgStages<kN>) * kWgStageBytes<kN> +
-           static_cast<size_t>((kN + 1) * n_chunks) * 4u;
+           static_cast<size_t>((kN + 1) * n_chunks) * 4u + 8u + static_cast<size_t>(kWgStages<kN>) * 8u;
 }
 
 // The wgmma kernel's device code exists in the sm_90a build only (the backend refuses other devices).
@@ -1125,6 +1135,37 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// The weights' stages arrive by TMA (cp.async.bulk.tensor, a 64-row x 128-byte box in the 128-byte swizzle: the
+// layout `swizzled` names), each completing its stage's mbarrier by its bytes.
+__device__ __forceinline__ void mbar_init(uint64_t *bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_address(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(smem_address(bar)),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, uint64_t *bar, int32_t x, int32_t y) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];\n" ::"r"(smem_address(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_address(bar))
+        : "memory");
+}
 // Keeps the compiler from moving accesses to the accumulators across the asynchronous instructions.
 template <int kRegs>
 __device__ __forceinline__ void fence_operands(float (&d)[kRegs]) {
@@ -1289,8 +1330,10 @@ __device__ bool wgmma_unit(const ProductParams &p, int64_t unit, int64_t *expert
     return *expert >= 0;
 }
 
-template <int kN>
-__global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductParams p) {
+template <int kN, int kG>
+__global__ void __launch_bounds__(kWgThreads)
+    wgmma_e4m3_kernel(const ProductParams p, const __grid_constant__ CUtensorMap map_a,
+                      const __grid_constant__ CUtensorMap map_b) {
 #ifndef MEMRA_WGMMA
     pdl_enter();
 #else
@@ -1301,13 +1344,14 @@ __global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductPar
     const int n_chunks = static_cast<int>((p.k1 + kE4m3Chunk - 1) / kE4m3Chunk);
     auto *s_xs = reinterpret_cast<float *>(s_stages + kStagesN * kWgStageBytes<kN>);  // [kN][n_chunks]
     float *s_ws = s_xs + kN * n_chunks;                                               // [n_chunks]
+    auto *s_bar = reinterpret_cast<uint64_t *>((reinterpret_cast<uintptr_t>(s_ws + n_chunks) + 7u) & ~uintptr_t{7});
     const int tid = static_cast<int>(threadIdx.x);
     // Row tiles past pair_tiles belong to the second bank of a pair (same shape, same x, its own output).
     const bool second = p.pair_tiles > 0 && blockIdx.y >= p.pair_tiles;
     const int64_t m0 = (static_cast<int64_t>(blockIdx.y) - (second ? p.pair_tiles : 0)) * kWgRows;
     int64_t t_lo = 0;
     int64_t t_hi = 0;
-    const uint8_t *wdata = second ? p.pair_data : p.data;
+    const CUtensorMap *wmap = second ? &map_b : &map_a;
     const float *wscale = second ? p.pair_scale : p.scale;
     float *const y = second ? p.pair_y : p.y;
     int64_t e = 0;
@@ -1316,21 +1360,17 @@ __global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductPar
     // kernel that wrote them before it let this one launch. So the first stages' weights stream in while the
     // quantization ends.
     if (!wgmma_unit<kN>(p, blockIdx.x, &e, &t_lo, &t_hi)) return;
-    wdata += e * p.expert_elems;
+    const auto w_row = static_cast<int32_t>(e * p.rows + m0);  // the tile's first row in the map's [experts x rows]
     wscale += e * p.expert_scales;
     const int cnt = static_cast<int>(t_hi - t_lo);
     const uint8_t *codes = p.qcodes + (t_lo - p.t_begin) * p.q_ld;
-    // The weight rows' 16-byte units: unit tid % 8 of rows tid / 8 + 16 i (zero past the rows and past K).
-    const int wu = tid % 8;
+    // A stage's weights: one TMA box by thread 0 (zeros past K and past the bank's last row; rows past an expert's
+    // own belong to the next expert and are never stored).
     const auto issue_weights = [&](int c) {
-        uint8_t *st = s_stages + (c % kStagesN) * kWgStageBytes<kN>;
-        const int64_t kb = static_cast<int64_t>(c) * kE4m3Chunk + wu * 16;
-#pragma unroll
-        for (int i = 0; i < kWgRows * 8 / kWgThreads; ++i) {
-            const int r = tid / 8 + (kWgThreads / 8) * i;
-            const bool in = m0 + r < p.rows && kb < p.k1;
-            cp_async16_zfill(st + swizzled(r, wu), in ? wdata + (m0 + r) * p.ld + kb : wdata, in ? 16 : 0);
-        }
+        if (tid != 0) return;
+        uint64_t *bar = s_bar + c % kStagesN;
+        mbar_expect(bar, kWgRows * kSwizzleRow);
+        tma_load_2d(s_stages + (c % kStagesN) * kWgStageBytes<kN>, wmap, bar, c * kE4m3Chunk, w_row);
     };
     const auto issue_codes = [&](int c) {  // the tokens' codes (rows past cnt stay zero)
         uint8_t *st = s_stages + (c % kStagesN) * kWgStageBytes<kN>;
@@ -1348,9 +1388,13 @@ __global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductPar
         }
         cp_async_commit();
     };
-    for (int s = 0; s < kStagesN - 1 && s < n_chunks; ++s) issue_weights(s);
+    if (tid == 0) {
+        for (int s = 0; s < kStagesN; ++s) mbar_init(s_bar + s);
+        mbar_init_fence();
+    }
+    for (int s = 0; s < kStagesN - kG && s < n_chunks; ++s) issue_weights(s);
     pdl_enter();
-    for (int s = 0; s < kStagesN - 1; ++s) {
+    for (int s = 0; s < kStagesN - kG; ++s) {
         if (s < n_chunks) issue_codes(s);
         cp_async_commit();
     }
@@ -1369,37 +1413,58 @@ __global__ void __launch_bounds__(kWgThreads) wgmma_e4m3_kernel(const ProductPar
     }
 
     constexpr int kRegs = kN / 2;
-    float acc[kRegs];
+    float acc[kG][kRegs];
     float total[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
-        acc[i] = 0.0f;
+#pragma unroll
+        for (int g = 0; g < kG; ++g) acc[g][i] = 0.0f;
         total[i] = 0.0f;
     }
     const int lane = tid % 32;
-    for (int c = 0; c < n_chunks; ++c) {
-        cp_async_wait_pending<kStagesN - 2>();
+    // kG chunks a pass: their wgmma chains (each from zero) in flight together, one wait, then their scaled sums
+    // added to the totals in chunk order.
+    for (int c = 0; c < n_chunks; c += kG) {
+        cp_async_wait_pending<kStagesN - 2 * kG>();
         fence_async_shared();
-        __syncthreads();  // chunk c (and the zeros and scales) visible; chunk c - 1's stage was read by wgmma
-        issue(c + kStagesN - 1);
-        const uint8_t *st = s_stages + (c % kStagesN) * kWgStageBytes<kN>;
-        const uint64_t da = wgmma_desc(st);
-        const uint64_t db = wgmma_desc(st + kWgRows * kSwizzleRow);
-        fence_operands(acc);
+        __syncthreads();  // chunks c .. c + kG - 1's codes (and the zeros and scales) visible; the pass before's
+                          // stages were read by wgmma
+#pragma unroll
+        for (int g = 0; g < kG; ++g) issue(c + kStagesN - kG + g);
+#pragma unroll
+        for (int g = 0; g < kG; ++g) {
+            if (c + g < n_chunks) mbar_wait(s_bar + (c + g) % kStagesN, static_cast<uint32_t>((c + g) / kStagesN) & 1u);
+        }
+#pragma unroll
+        for (int g = 0; g < kG; ++g) fence_operands(acc[g]);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kE4m3Chunk / 32; ++kk) Wgmma<kN>::mma(acc, da + 2 * kk, db + 2 * kk, kk);  // +32 bytes
+        for (int g = 0; g < kG; ++g) {  // past the last chunk: a stale stage's product, never added (no branch
+                                        // between the wgmma instructions)
+            const uint8_t *st = s_stages + ((c + g) % kStagesN) * kWgStageBytes<kN>;
+            const uint64_t da = wgmma_desc(st);
+            const uint64_t db = wgmma_desc(st + kWgRows * kSwizzleRow);
+#pragma unroll
+            for (int kk = 0; kk < kE4m3Chunk / 32; ++kk) {
+                Wgmma<kN>::mma(acc[g], da + 2 * kk, db + 2 * kk, kk);  // +32 bytes
+            }
+        }
         wgmma_commit();
         wgmma_wait_all();
-        fence_operands(acc);
-        const float ws = s_ws[c];
 #pragma unroll
-        for (int j = 0; j < kN / 8; ++j) {
+        for (int g = 0; g < kG; ++g) fence_operands(acc[g]);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float s = mul_ftz_fast(s_xs[(8 * j + 2 * (lane % 4) + h) * n_chunks + c], ws);
-                total[4 * j + h] = add_ftz_fast(total[4 * j + h], mul_ftz_fast(acc[4 * j + h], s));
-                total[4 * j + 2 + h] = add_ftz_fast(total[4 * j + 2 + h], mul_ftz_fast(acc[4 * j + 2 + h], s));
+        for (int g = 0; g < kG; ++g) {
+            if (c + g >= n_chunks) break;
+            const float ws = s_ws[c + g];
+#pragma unroll
+            for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float s = mul_ftz_fast(s_xs[(8 * j + 2 * (lane % 4) + h) * n_chunks + c + g], ws);
+                    total[4 * j + h] = add_ftz_fast(total[4 * j + h], mul_ftz_fast(acc[g][4 * j + h], s));
+                    total[4 * j + 2 + h] = add_ftz_fast(total[4 * j + 2 + h], mul_ftz_fast(acc[g][4 * j + 2 + h], s));
+                }
             }
         }
     }
@@ -1702,7 +1767,8 @@ cudaError_t launch_exact_chunks(DType dtype, ProductParams p, cudaStream_t strea
 
 // Raises kernel's dynamic shared memory limit to `bytes` on the current device, once per device (bit d of
 // `raised`): the first launch on a device is never inside a graph capture, whose steps run as issued first.
-cudaError_t raise_smem_limit(void (*kernel)(ProductParams), size_t bytes, std::atomic<uint64_t> &raised) {
+template <class... Params>
+cudaError_t raise_smem_limit(void (*kernel)(Params...), size_t bytes, std::atomic<uint64_t> &raised) {
     int device = 0;
     if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
     const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
@@ -1872,27 +1938,68 @@ cudaError_t launch_mma(ProductParams p, cudaStream_t stream) {
 }
 
 // Whether wgmma_e4m3_kernel takes an e4m3 product: K from 0, a multiple of 16 up to kWgMaxK, 16-byte aligned
-// weight rows (and experts), 64-row tiles inside one weight scale row, rows within CUDA's y limit. Shapes only:
+// weight rows (and experts), 64-row tiles inside one weight scale row, rows within CUDA's y limit and the bank's
+// rows within the TMA map's i32 coordinates. Shapes only:
 // a product takes one kernel family at every token count.
 bool wgmma_e4m3(const ProductParams &p) {
     return p.k0 == 0 && p.k_begin == 0 && p.k1 > 0 && p.k1 % 16 == 0 && p.k1 <= kWgMaxK && p.ld % 16 == 0 &&
            reinterpret_cast<uintptr_t>(p.data) % 16 == 0 && p.expert_elems % 16 == 0 && p.block_rows % kWgRows == 0 &&
-           p.row_begin % kWgRows == 0 && p.block_cols == kE4m3Chunk && ceil_div(p.rows, kWgRows) <= 32767;
+           p.row_begin % kWgRows == 0 && p.block_cols == kE4m3Chunk && ceil_div(p.rows, kWgRows) <= 32767 &&
+           p.n_experts * p.rows <= INT32_MAX;  // the weight map's row coordinates
 }
 
-template <int kN>
-cudaError_t launch_wgmma_tile(const ProductParams &p, cudaStream_t stream) {
+// The TMA map of an e4m3 bank's weights as one [n_rows, cols] byte matrix (rows ld bytes apart) read in boxes of
+// 64 rows by 128 bytes in the 128-byte swizzle, zeros past either end.
+cudaError_t weight_map(const uint8_t *data, int64_t n_rows, int64_t cols, int64_t ld, CUtensorMap *map) {
+    static const auto encode = [] {
+        void *fn = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess) {
+            fn = nullptr;
+        }
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    if (encode == nullptr) return cudaErrorNotSupported;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(n_rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld)};
+    const cuuint32_t box[2] = {kSwizzleRow, kWgRows};
+    const cuuint32_t steps[2] = {1, 1};
+    const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t *>(data), dims, strides, box,
+                              steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int kN, int kG>
+cudaError_t launch_wgmma_group(const ProductParams &p, cudaStream_t stream) {
     static std::atomic<uint64_t> raised{0};  // bit d: done on device d
     const int64_t n_chunks = ceil_div(p.k1, kE4m3Chunk);
     const cudaError_t raise =
-        raise_smem_limit(wgmma_e4m3_kernel<kN>, wgmma_smem_bytes<kN>(ceil_div(kWgMaxK, kE4m3Chunk)), raised);
+        raise_smem_limit(wgmma_e4m3_kernel<kN, kG>, wgmma_smem_bytes<kN>(ceil_div(kWgMaxK, kE4m3Chunk)), raised);
     if (raise != cudaSuccess) return raise;
     const int64_t n = p.n_tokens - p.t_begin;
     const int64_t units = ceil_div(n, kN) + std::min(p.n_experts, n);
     const int64_t tiles = ceil_div(p.rows, kWgRows) * (p.pair_tiles > 0 ? 2 : 1);
     const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(tiles));
-    launch_kernel(wgmma_e4m3_kernel<kN>, grid, kWgThreads, wgmma_smem_bytes<kN>(n_chunks), stream, p);
+    CUtensorMap map_a{};
+    CUtensorMap map_b{};
+    if (const cudaError_t e = weight_map(p.data, p.n_experts * p.rows, p.k1, p.ld, &map_a); e != cudaSuccess) return e;
+    if (p.pair_tiles > 0) {
+        if (const cudaError_t e = weight_map(p.pair_data, p.n_experts * p.rows, p.k1, p.ld, &map_b); e != cudaSuccess) {
+            return e;
+        }
+    } else {
+        map_b = map_a;
+    }
+    launch_kernel(wgmma_e4m3_kernel<kN, kG>, grid, kWgThreads, wgmma_smem_bytes<kN>(n_chunks), stream, p, map_a, map_b);
     return cudaGetLastError();
+}
+
+template <int kN>
+cudaError_t launch_wgmma_tile(const ProductParams &p, cudaStream_t stream) {
+    return launch_wgmma_group<kN, kWgGroup<kN>>(p, stream);
 }
 
 // The product on the tensor cores, in slices of the rows the scratch holds: each slice quantized
