@@ -766,8 +766,7 @@ TEST(CudaAttention, PrologueEqualsItsThreeLaunches) {
                                                          d_flag.as<int32_t>(), nullptr),
                                       cudaSuccess);
                         } else {
-                            EXPECT_EQ(qk_norm_rope(hq, hk, n, hd, 1e-6f, rope.cos, rope.sin, rope.n_positions,
-                                                   rope.half, rope.positions, d_flag.as<int32_t>(), nullptr),
+                            EXPECT_EQ(qk_norm_rope(hq, hk, n, hd, 1e-6f, rope, d_flag.as<int32_t>(), nullptr),
                                       cudaSuccess);
                             EXPECT_EQ(kv_write(pool.device_layer(), pool.row_elems(), d_k.as<float>(), d_v.as<float>(),
                                                d_slots.as<int32_t>(), n, d_flag.as<int32_t>(), nullptr),

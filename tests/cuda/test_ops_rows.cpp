@@ -523,10 +523,9 @@ TEST(CudaOpsRows, QkNormRopeMatchesCpuNormsThenRope) {
             DeviceBuffer flag = zero_flag();
             const cuda::QkHeads hq{d_q.as<float>(), q_stride, c.rope.n_heads, wt, d_wq.as<void>()};
             const cuda::QkHeads hk{d_k.as<float>(), k_stride, c.n_kv_heads, wt, d_wk.as<void>()};
-            ASSERT_EQ(cuda::qk_norm_rope(hq, hk, n, hd, 1e-6f, c.table ? d_cos.as<float>() : nullptr,
-                                         d_sin.as<float>(), table.n_positions, table.half, d_pos.as<int64_t>(),
-                                         flag.as<int32_t>(), nullptr),
-                      cudaSuccess);
+            const cuda::RopeRows rope{c.table ? d_cos.as<float>() : nullptr, d_sin.as<float>(), table.n_positions,
+                                      table.half, d_pos.as<int64_t>()};
+            ASSERT_EQ(cuda::qk_norm_rope(hq, hk, n, hd, 1e-6f, rope, flag.as<int32_t>(), nullptr), cudaSuccess);
             const std::string what = "qk_norm_rope head_dim " + std::to_string(hd) + " rot " +
                                      std::to_string(c.rope.rot_dim) + (c.table ? "" : " no table") +
                                      (bf16 ? " bf16 w" : " f32 w");
@@ -537,19 +536,16 @@ TEST(CudaOpsRows, QkNormRopeMatchesCpuNormsThenRope) {
     }
     // Bad arguments launch nothing.
     const cuda::QkHeads none{nullptr, 128, 1, DType::kF32, nullptr};
-    EXPECT_EQ(cuda::qk_norm_rope(none, none, 1, 128, 1e-6f, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr),
-              cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::qk_norm_rope(none, none, 1, 128, 1e-6f, {}, nullptr, nullptr), cudaErrorInvalidValue);
     float *fake = reinterpret_cast<float *>(uintptr_t{256});
     const cuda::QkHeads narrow{fake, 100, 1, DType::kF32, fake};  // 100 < 1 x 128
-    EXPECT_EQ(cuda::qk_norm_rope(narrow, narrow, 1, 128, 1e-6f, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr),
-              cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::qk_norm_rope(narrow, narrow, 1, 128, 1e-6f, {}, nullptr, nullptr), cudaErrorInvalidValue);
     const cuda::QkHeads ok{fake, 128, 1, DType::kF32, fake};
     const auto *fake_pos = reinterpret_cast<const int64_t *>(uintptr_t{256});
     // A half of 65 rotates 130 dims of a 128-wide head.
-    EXPECT_EQ(cuda::qk_norm_rope(ok, ok, 1, 128, 1e-6f, fake, fake, 10, 65, fake_pos, nullptr, nullptr),
+    EXPECT_EQ(cuda::qk_norm_rope(ok, ok, 1, 128, 1e-6f, cuda::RopeRows{fake, fake, 10, 65, fake_pos}, nullptr, nullptr),
               cudaErrorInvalidValue);
-    EXPECT_EQ(cuda::qk_norm_rope(ok, ok, 0, 128, 1e-6f, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr),
-              cudaSuccess);
+    EXPECT_EQ(cuda::qk_norm_rope(ok, ok, 0, 128, 1e-6f, {}, nullptr, nullptr), cudaSuccess);
 }
 
 TEST(CudaOpsRows, SwigluMatchesCpuWithAndWithoutClamp) {

@@ -586,27 +586,31 @@ void CudaBackend::rms_norm_heads(TensorView x, int64_t n_heads, int64_t head_dim
                                                     eps, op_stream()));
 }
 
-void CudaBackend::qk_norm_rope(TensorView q, int64_t n_heads, VectorId q_norm, TensorView k, int64_t n_kv_heads,
-                               VectorId k_norm, int64_t head_dim, float eps, RopeId table, TensorView positions) {
+CudaBackend::QkArgs CudaBackend::qk_args(const char *op, TensorView q, int64_t n_heads, VectorId q_norm, TensorView k,
+                                         int64_t n_kv_heads, VectorId k_norm, int64_t head_dim, RopeId table,
+                                         TensorView positions) const {
     const Vector &vq = vector(q_norm);
     const Vector &vk = vector(k_norm);
     op_checks::rms_norm_heads(q, n_heads, head_dim, vq.n);
     op_checks::rms_norm_heads(k, n_kv_heads, head_dim, vk.n);
-    MEMRA_CHECK(q.rows() == k.rows(), "qk_norm_rope: q has {} rows, k {}", q.rows(), k.rows());
-    const cuda::QkHeads hq{f32(q), q.row_elems(), n_heads, vq.dtype, vq.data};
-    const cuda::QkHeads hk{f32(k), k.row_elems(), n_kv_heads, vk.dtype, vk.data};
-    if (!table.valid()) {
-        launched("qk_norm_rope", cuda::qk_norm_rope(hq, hk, q.rows(), head_dim, eps, nullptr, nullptr, 0, 0, nullptr,
-                                                    error_flag_, op_stream()));
-        return;
+    MEMRA_CHECK(q.rows() == k.rows(), "{}: q has {} rows, k {}", op, q.rows(), k.rows());
+    QkArgs a{{f32(q), q.row_elems(), n_heads, vq.dtype, vq.data},
+             {f32(k), k.row_elems(), n_kv_heads, vk.dtype, vk.data},
+             {}};
+    if (table.valid()) {
+        MEMRA_CHECK(static_cast<size_t>(table.id) < ropes_.size(), "{}: unknown table {}", op, table.id);
+        op_checks::rope(q, n_heads, head_dim, positions);
+        op_checks::rope(k, n_kv_heads, head_dim, positions);
+        const Rope &r = ropes_[static_cast<size_t>(table.id)];
+        a.rope = {r.cos, r.sin, r.n_positions, r.half, static_cast<const int64_t *>(positions.data)};
     }
-    MEMRA_CHECK(static_cast<size_t>(table.id) < ropes_.size(), "qk_norm_rope: unknown table {}", table.id);
-    op_checks::rope(q, n_heads, head_dim, positions);
-    op_checks::rope(k, n_kv_heads, head_dim, positions);
-    const Rope &r = ropes_[static_cast<size_t>(table.id)];
-    launched("qk_norm_rope",
-             cuda::qk_norm_rope(hq, hk, q.rows(), head_dim, eps, r.cos, r.sin, r.n_positions, r.half,
-                                static_cast<const int64_t *>(positions.data), error_flag_, op_stream()));
+    return a;
+}
+
+void CudaBackend::qk_norm_rope(TensorView q, int64_t n_heads, VectorId q_norm, TensorView k, int64_t n_kv_heads,
+                               VectorId k_norm, int64_t head_dim, float eps, RopeId table, TensorView positions) {
+    const QkArgs a = qk_args("qk_norm_rope", q, n_heads, q_norm, k, n_kv_heads, k_norm, head_dim, table, positions);
+    launched("qk_norm_rope", cuda::qk_norm_rope(a.q, a.k, q.rows(), head_dim, eps, a.rope, error_flag_, op_stream()));
 }
 
 void CudaBackend::attention_prologue(const AttentionInputs &a) {
@@ -617,27 +621,12 @@ void CudaBackend::attention_prologue(const AttentionInputs &a) {
         Backend::attention_prologue(a);
         return;
     }
-    const Vector &vq = vector(a.q_norm);
-    const Vector &vk = vector(a.k_norm);
-    op_checks::rms_norm_heads(a.q, a.n_heads, a.head_dim, vq.n);
-    op_checks::rms_norm_heads(a.k, a.n_kv_heads, a.head_dim, vk.n);
-    MEMRA_CHECK(a.q.rows() == a.k.rows(), "attention_prologue: q has {} rows, k {}", a.q.rows(), a.k.rows());
-    const int64_t row_elems = kp.layout.row_elems[static_cast<size_t>(a.layer)];
-    op_checks::kv_write(a.k, a.v, a.slots, a.layer, row_elems);
-    cuda::RopeRows rope;
-    if (a.table.valid()) {
-        MEMRA_CHECK(static_cast<size_t>(a.table.id) < ropes_.size(), "attention_prologue: unknown table {}",
-                    a.table.id);
-        op_checks::rope(a.q, a.n_heads, a.head_dim, a.positions);
-        op_checks::rope(a.k, a.n_kv_heads, a.head_dim, a.positions);
-        const Rope &r = ropes_[static_cast<size_t>(a.table.id)];
-        rope = {r.cos, r.sin, r.n_positions, r.half, static_cast<const int64_t *>(a.positions.data)};
-    }
-    const cuda::QkHeads hq{f32(a.q), a.q.row_elems(), a.n_heads, vq.dtype, vq.data};
-    const cuda::QkHeads hk{f32(a.k), a.k.row_elems(), a.n_kv_heads, vk.dtype, vk.data};
+    const QkArgs qk = qk_args("attention_prologue", a.q, a.n_heads, a.q_norm, a.k, a.n_kv_heads, a.k_norm, a.head_dim,
+                              a.table, a.positions);
+    const cpu::PagedLayer pl = kv_rows(kp, a.layer, a.k, a.v, a.slots);
     launched("attention_prologue",
-             cuda::attention_prologue(hq, hk, f32(a.v), a.v.row_elems(), a.q.rows(), a.head_dim, a.eps, rope, a.q_round,
-                                      paged_layer(kp, a.layer), i32c(a.slots), error_flag_, op_stream()));
+             cuda::attention_prologue(qk.q, qk.k, f32(a.v), a.v.row_elems(), a.q.rows(), a.head_dim, a.eps, qk.rope,
+                                      a.q_round, pl, i32c(a.slots), error_flag_, op_stream()));
 }
 
 void CudaBackend::add_rms_norm(TensorView x, TensorView r, VectorId w, float eps, TensorView h, TensorView y) {
@@ -777,13 +766,17 @@ void CudaBackend::paged_attention(const AttentionParams &p, TensorView q, Tensor
                                    attention_split_, kAttentionSplitFloats));
 }
 
+cpu::PagedLayer CudaBackend::kv_rows(const KvPool &kp, int layer, TensorView k, TensorView v, TensorView slots) const {
+    const cpu::PagedLayer pl = paged_layer(kp, layer);  // checks the layer
+    op_checks::kv_write(k, v, slots, layer, kp.layout.row_elems[static_cast<size_t>(layer)]);
+    return pl;
+}
+
 void CudaBackend::kv_write(KvPoolId pool, int layer, TensorView k, TensorView v, TensorView slots) {
     const KvPool &kp = kv_pool(pool);
-    const cpu::PagedLayer pl = paged_layer(kp, layer);
-    const int64_t row_elems = kp.layout.row_elems[static_cast<size_t>(layer)];
-    op_checks::kv_write(k, v, slots, layer, row_elems);
-    launched("kv_write",
-             cuda::kv_write(pl, row_elems, f32(k), f32(v), i32c(slots), k.rows(), error_flag_, op_stream()));
+    const cpu::PagedLayer pl = kv_rows(kp, layer, k, v, slots);
+    launched("kv_write", cuda::kv_write(pl, kp.layout.row_elems[static_cast<size_t>(layer)], f32(k), f32(v),
+                                        i32c(slots), k.rows(), error_flag_, op_stream()));
 }
 
 void CudaBackend::round_rows(TensorView x, RowRounding r) {

@@ -24,6 +24,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/ops_attention.h"
 #include "backend/cuda/ops_matmul.h"
+#include "backend/cuda/ops_rows.h"
 #include "backend/draft_forcing.h"
 #include "core/kv_page.h"
 
@@ -186,6 +187,15 @@ private:
     const Vector &vector(VectorId id) const;
     const KvPool &kv_pool(KvPoolId id) const;
     cpu::PagedLayer paged_layer(const KvPool &pool, int layer) const;
+    // kv_write's checks of its rows against the pool's layer, which it returns.
+    cpu::PagedLayer kv_rows(const KvPool &kp, int layer, TensorView k, TensorView v, TensorView slots) const;
+    // qk_norm_rope's checks (`op` names the caller) and its launch arguments: q's and k's heads, the table's rows.
+    struct QkArgs {
+        cuda::QkHeads q, k;
+        cuda::RopeRows rope;
+    };
+    QkArgs qk_args(const char *op, TensorView q, int64_t n_heads, VectorId q_norm, TensorView k, int64_t n_kv_heads,
+                   VectorId k_norm, int64_t head_dim, RopeId table, TensorView positions) const;
 
     int device_;
     cudaStream_t stream_;

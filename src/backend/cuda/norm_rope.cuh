@@ -64,6 +64,15 @@ __device__ __forceinline__ void warp_norm_row(const float *x, int64_t d, const v
     }
 }
 
+// One tensor's heads: head h of token t at x + t * token_stride + h * head_dim, its norm weight w [head_dim].
+struct HeadRows {
+    float *x;
+    int64_t token_stride;
+    int64_t n_heads;
+    const void *w;
+    bool w_bf16;
+};
+
 // Rotates the pair (j, j + half) of a head's row by a position's rows cos_row, sin_row ([half] each) of the tables.
 __device__ __forceinline__ void rope_pair(float *row, int64_t j, int64_t half, const float *cos_row,
                                           const float *sin_row) {
@@ -73,6 +82,20 @@ __device__ __forceinline__ void rope_pair(float *row, int64_t j, int64_t half, c
     const float b = row[j + half];
     row[j] = a * c - b * s;
     row[j + half] = b * c + a * s;
+}
+
+// One head's row x [head_dim] by the calling warp: normalised in place (warp_norm_row), then, with a table (cos
+// != nullptr), rotated at position p (rope_pair). A p outside [0, n_positions) leaves the row unrotated and
+// returns false (the caller raises its flag). Warp-uniform; __syncwarp orders the norm's writes before the rotation.
+__device__ __forceinline__ bool warp_norm_rope(float *x, int64_t head_dim, const void *w, bool w_bf16, float eps,
+                                               const float *cos, const float *sin, int64_t n_positions, int64_t half,
+                                               int64_t p) {
+    warp_norm_row(x, head_dim, w, w_bf16, eps, x);
+    if (cos == nullptr) return true;
+    if (p < 0 || p >= n_positions) return false;
+    __syncwarp();
+    for (int64_t j = threadIdx.x % kWarp; j < half; j += kWarp) rope_pair(x, j, half, cos + p * half, sin + p * half);
+    return true;
 }
 
 }  // namespace memra::cuda::norm_rope

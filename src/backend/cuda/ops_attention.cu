@@ -148,24 +148,27 @@ __device__ void encode_row(KvFormat f, const float *x, int64_t n, std::byte *out
 
 // One CTA per row i and half (blockIdx.y 0: K, 1: V): gk, gv [n, row_elems] f32 -> the K and V bytes of slot
 // gslots[i].
+// The K (v false) or V row of pool slot `slot` in the layer, or nullptr for a slot outside the pool (the CPU
+// refuses it).
+__device__ std::byte *slot_row(const cpu::PagedLayer &layer, int64_t slot, bool v) {
+    if (slot < 0 || slot >= layer.n_pages * kKvPageRows) return nullptr;
+    std::byte *page = layer.base + (slot / kKvPageRows) * layer.page_bytes;
+    const int64_t r = slot % kKvPageRows;
+    return v ? page + layer.v_offset + r * layer.v_row_bytes : page + layer.k_offset + r * layer.k_row_bytes;
+}
+
 __global__ void kv_write_kernel(const cpu::PagedLayer layer, int64_t row_elems, const float *gk, const float *gv,
                                 const int32_t *gslots, int32_t *error_flag) {
     pdl_enter();
     const int64_t i = blockIdx.x;
-    const int64_t slot = gslots[i];
-    if (slot < 0 || slot >= layer.n_pages * kKvPageRows) {
-        if (blockIdx.y == 0 && threadIdx.x == 0 && error_flag != nullptr) atomicExch(error_flag, 1);
+    const bool v = blockIdx.y != 0;
+    std::byte *row = slot_row(layer, gslots[i], v);
+    if (row == nullptr) {
+        if (!v && threadIdx.x == 0 && error_flag != nullptr) atomicExch(error_flag, 1);
         return;
     }
-    std::byte *page = layer.base + (slot / kKvPageRows) * layer.page_bytes;
-    const int64_t r = slot % kKvPageRows;
-    if (blockIdx.y == 0) {
-        encode_row(layer.k_format, gk + i * row_elems, row_elems, page + layer.k_offset + r * layer.k_row_bytes,
-                   static_cast<int>(threadIdx.x), kRowThreads);
-    } else {
-        encode_row(layer.v_format, gv + i * row_elems, row_elems, page + layer.v_offset + r * layer.v_row_bytes,
-                   static_cast<int>(threadIdx.x), kRowThreads);
-    }
+    encode_row(v ? layer.v_format : layer.k_format, (v ? gv : gk) + i * row_elems, row_elems, row,
+               static_cast<int>(threadIdx.x), kRowThreads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -181,15 +184,17 @@ __global__ void round_bf16_kernel(float *gx, int64_t n) {
     for (int64_t e = first_index(); e < n; e += grid_stride()) gx[e] = round_bf16(gx[e]);
 }
 
-// gx: [n_blocks, 32] f32, each block through q8_0 and back in place (cpu::round_rows).
+// A block of 32 values through q8_0 and back in place (cpu::round_rows).
+__device__ void round_q8_block(float *x) {
+    BlockQ8_0 block;
+    quantize_block_q8_0(x, block);
+    q8_0_dequant_block(block, x);
+}
+
+// gx: [n_blocks, 32] f32, each block rounded by round_q8_block.
 __global__ void round_q8_kernel(float *gx, int64_t n_blocks) {
     pdl_enter();
-    for (int64_t b = first_index(); b < n_blocks; b += grid_stride()) {
-        float *x = gx + b * kQuantBlock;
-        BlockQ8_0 block;
-        quantize_block_q8_0(x, block);
-        q8_0_dequant_block(block, x);
-    }
+    for (int64_t b = first_index(); b < n_blocks; b += grid_stride()) round_q8_block(gx + b * kQuantBlock);
 }
 
 int64_t grid_for(int64_t n) {
@@ -203,26 +208,14 @@ int64_t grid_for(int64_t n) {
 constexpr int kPrologueThreads = 256;
 constexpr int kPrologueWarps = kPrologueThreads / 32;
 
-struct PrologueHeads {
-    float *x;
-    int64_t token_stride;
-    int64_t n_heads;
-    const void *w;
-    bool w_bf16;
-};
-
 struct PrologueArgs {
-    PrologueHeads q, k;
+    norm_rope::HeadRows q, k;
     const float *v;
     int64_t v_stride;
     int64_t n_tokens;
     int64_t head_dim;
     float eps;
-    const float *cos;  // nullptr: the norms alone
-    const float *sin;
-    int64_t n_positions;
-    int64_t half;
-    const int64_t *positions;
+    RopeRows rope;  // cos nullptr: the norms alone
     RowRounding q_round;
     cpu::PagedLayer layer;
     int64_t k_head_bytes;  // one head's bytes in the K (V) format
@@ -232,17 +225,14 @@ struct PrologueArgs {
 };
 
 // Head h's bytes in token t's K (or V) row of the layer, or nullptr (and the flag raised) when t's slot is outside
-// the pool: kv_write_kernel's check.
+// the pool (slot_row).
 __device__ std::byte *prologue_row(const PrologueArgs &a, int64_t t, bool v, int64_t h) {
-    const int64_t slot = a.slots[t];
-    if (slot < 0 || slot >= a.layer.n_pages * kKvPageRows) {
+    std::byte *row = slot_row(a.layer, a.slots[t], v);
+    if (row == nullptr) {
         if (threadIdx.x % 32 == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
         return nullptr;
     }
-    std::byte *page = a.layer.base + (slot / kKvPageRows) * a.layer.page_bytes;
-    const int64_t r = slot % kKvPageRows;
-    return v ? page + a.layer.v_offset + r * a.layer.v_row_bytes + h * a.v_head_bytes
-             : page + a.layer.k_offset + r * a.layer.k_row_bytes + h * a.k_head_bytes;
+    return row + h * (v ? a.v_head_bytes : a.k_head_bytes);
 }
 
 // A warp per head of a token, in the order q heads, k heads, v heads: a q head is normalised, rotated and rounded
@@ -252,14 +242,8 @@ __device__ std::byte *prologue_row(const PrologueArgs &a, int64_t t, bool v, int
 // round_q8_kernel's rounding over the head's values or blocks), so the bits are theirs. Every branch is
 // warp-uniform; __syncwarp publishes each step's writes to the lanes of the next.
 __global__ void __launch_bounds__(kPrologueThreads) attention_prologue_kernel(const PrologueArgs a) {
-    // The norm weights are no kernel's output: their lines are asked of the L2 before the wait on the kernel before.
-    const int64_t q_bytes = a.head_dim * (a.q.w_bf16 ? 2 : 4);
-    const int64_t k_bytes = a.head_dim * (a.k.w_bf16 ? 2 : 4);
-    for (int64_t b = int64_t{threadIdx.x} * kLineBytes; b < q_bytes + k_bytes;
-         b += int64_t{kPrologueThreads} * kLineBytes) {
-        prefetch_l2(b < q_bytes ? static_cast<const char *>(a.q.w) + b
-                                : static_cast<const char *>(a.k.w) + (b - q_bytes));
-    }
+    prefetch_l2_span(a.q.w, a.head_dim * (a.q.w_bf16 ? 2 : 4), threadIdx.x, kPrologueThreads);
+    prefetch_l2_span(a.k.w, a.head_dim * (a.k.w_bf16 ? 2 : 4), threadIdx.x, kPrologueThreads);
     pdl_enter();
     const int lane = static_cast<int>(threadIdx.x % 32);
     const int64_t hd = a.head_dim;
@@ -277,20 +261,15 @@ __global__ void __launch_bounds__(kPrologueThreads) attention_prologue_kernel(co
             continue;
         }
         const bool is_q = h < a.q.n_heads;
-        const PrologueHeads &r = is_q ? a.q : a.k;
+        const norm_rope::HeadRows &r = is_q ? a.q : a.k;
         const int64_t head = is_q ? h : h - a.q.n_heads;
         float *x = r.x + t * r.token_stride + head * hd;
-        norm_rope::warp_norm_row(x, hd, r.w, r.w_bf16, a.eps, x);
-        if (a.cos != nullptr) {
-            const int64_t p = a.positions[t];
-            if (p < 0 || p >= a.n_positions) {
-                if (lane == 0 && a.error_flag != nullptr) atomicExch(a.error_flag, 1);
-            } else {
-                __syncwarp();
-                for (int64_t j = lane; j < a.half; j += 32) {
-                    norm_rope::rope_pair(x, j, a.half, a.cos + p * a.half, a.sin + p * a.half);
-                }
-            }
+        const RopeRows &rope = a.rope;
+        const int64_t p = rope.cos != nullptr ? rope.positions[t] : 0;
+        if (!norm_rope::warp_norm_rope(x, hd, r.w, r.w_bf16, a.eps, rope.cos, rope.sin, rope.n_positions, rope.half,
+                                       p) &&
+            lane == 0 && a.error_flag != nullptr) {
+            atomicExch(a.error_flag, 1);
         }
         __syncwarp();
         if (!is_q) {
@@ -299,11 +278,7 @@ __global__ void __launch_bounds__(kPrologueThreads) attention_prologue_kernel(co
         } else if (a.q_round == RowRounding::kBf16) {
             for (int64_t e = lane; e < hd; e += 32) x[e] = round_bf16(x[e]);
         } else if (a.q_round == RowRounding::kQ8) {
-            for (int64_t b = lane; b < hd / kQuantBlock; b += 32) {
-                BlockQ8_0 block;
-                quantize_block_q8_0(x + b * kQuantBlock, block);
-                q8_0_dequant_block(block, x + b * kQuantBlock);
-            }
+            for (int64_t b = lane; b < hd / kQuantBlock; b += 32) round_q8_block(x + b * kQuantBlock);
         }
     }
 }
@@ -1748,12 +1723,8 @@ cudaError_t attention_prologue(const QkHeads &q, const QkHeads &k, const float *
                                int64_t head_dim, float eps, const RopeRows &rope, RowRounding q_round,
                                const cpu::PagedLayer &layer, const int32_t *slots, int32_t *error_flag,
                                cudaStream_t stream) {
-    const auto norm_ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
-    if (n_tokens < 0 || head_dim < 1 || v_stride < k.n_heads * head_dim) return cudaErrorInvalidValue;
-    for (const QkHeads *h : {&q, &k}) {
-        if (h->n_heads < 1 || h->token_stride < h->n_heads * head_dim || !norm_ok(h->w_dtype)) {
-            return cudaErrorInvalidValue;
-        }
+    if (!qk_norm_rope_valid(q, k, n_tokens, head_dim, rope) || v_stride < k.n_heads * head_dim) {
+        return cudaErrorInvalidValue;
     }
     const int64_t k_head_bytes = format_bytes(layer.k_format, head_dim);
     const int64_t v_head_bytes = format_bytes(layer.v_format, head_dim);
@@ -1762,15 +1733,8 @@ cudaError_t attention_prologue(const QkHeads &q, const QkHeads &k, const float *
         (q_round == RowRounding::kQ8 && head_dim % kQuantBlock != 0)) {
         return cudaErrorInvalidValue;
     }
-    if (rope.cos != nullptr && (rope.n_positions < 1 || rope.half < 1 || 2 * rope.half > head_dim ||
-                                rope.sin == nullptr || (n_tokens > 0 && rope.positions == nullptr))) {
-        return cudaErrorInvalidValue;
-    }
     if (n_tokens == 0) return cudaSuccess;
-    if (q.x == nullptr || q.w == nullptr || k.x == nullptr || k.w == nullptr || v == nullptr || slots == nullptr ||
-        layer.base == nullptr) {
-        return cudaErrorInvalidValue;
-    }
+    if (v == nullptr || slots == nullptr || layer.base == nullptr) return cudaErrorInvalidValue;
     const PrologueArgs a{{q.x, q.token_stride, q.n_heads, q.w, q.w_dtype == DType::kBF16},
                          {k.x, k.token_stride, k.n_heads, k.w, k.w_dtype == DType::kBF16},
                          v,
@@ -1778,11 +1742,7 @@ cudaError_t attention_prologue(const QkHeads &q, const QkHeads &k, const float *
                          n_tokens,
                          head_dim,
                          eps,
-                         rope.cos,
-                         rope.sin,
-                         rope.n_positions,
-                         rope.half,
-                         rope.positions,
+                         rope,
                          q_round,
                          layer,
                          k_head_bytes,

@@ -35,16 +35,6 @@ namespace memra::cuda {
 cudaError_t kv_write(const cpu::PagedLayer &layer, int64_t row_elems, const float *k, const float *v,
                      const int32_t *slots, int64_t n, int32_t *error_flag, cudaStream_t stream);
 
-// A RoPE table's rows for a step: cos, sin [n_positions, half] f32 device tables, positions [n_tokens] i64; a null
-// cos: no rotation.
-struct RopeRows {
-    const float *cos = nullptr;
-    const float *sin = nullptr;
-    int64_t n_positions = 0;
-    int64_t half = 0;
-    const int64_t *positions = nullptr;
-};
-
 // The attention's inputs of a step in one launch (a warp per head): qk_norm_rope(q, k, rope) (ops_rows.h), then
 // kv_write(layer, k, v, slots), then round_rows(q, q_round), those launches' bits. q, k as qk_norm_rope's
 // (k: n_kv_heads heads); v [n_tokens, v_stride] f32 with its n_kv_heads heads first; the layer's K and V rows are

@@ -1109,7 +1109,8 @@ template <int kN>
 constexpr int kWgStageBytes = (kWgRows + kN) * kSwizzleRow;  // the weights' 64 rows, then the tokens' kN
 
 // Dynamic shared memory of wgmma_e4m3_kernel<.., kN> for n_chunks chunks: 1024 bytes to align the stages to the
-// swizzle's 1024-byte atoms, the stages, the tokens' scales [kN][n_chunks] and the weight scales [n_chunks].
+// swizzle's 1024-byte atoms, the stages, the tokens' scales [kN][n_chunks], the weight scales [n_chunks], then the
+// stages' mbarriers (8 bytes each, 8 more to align them).
 template <int kN>
 size_t wgmma_smem_bytes(int64_t n_chunks) {
     return 1024u + static_cast<size_t>(kWgStages<kN>) * kWgStageBytes<kN> +

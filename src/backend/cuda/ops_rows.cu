@@ -65,6 +65,7 @@ __global__ void embedding_kernel(const void *gtable, bool bf16, int64_t vocab, i
 
 // ---- RMSNorm family -------------------------------------------------------------------------------------
 
+using norm_rope::HeadRows;
 using norm_rope::load_weight;
 using norm_rope::norm_inv;
 using norm_rope::rope_pair;
@@ -113,10 +114,7 @@ constexpr int kNormPer = static_cast<int>(kBlockNormMax / kThreads);
 __global__ void __launch_bounds__(kThreads) block_norm_kernel(const float *gx, const float *gr, int64_t n_rows,
                                                               int64_t d, const void *gw, bool w_bf16, float eps,
                                                               float *gh, float *gy) {
-    // The norm weights are no kernel's output: their lines are asked of the L2 before the wait on the kernel before.
-    for (int64_t b = int64_t{threadIdx.x} * kLineBytes; b < d * (w_bf16 ? 2 : 4); b += int64_t{kThreads} * kLineBytes) {
-        prefetch_l2(static_cast<const char *>(gw) + b);
-    }
+    prefetch_l2_span(gw, d * (w_bf16 ? 2 : 4), threadIdx.x, kThreads);
     pdl_enter();
     extern __shared__ float s_row[];  // [d]
     __shared__ float s_inv;
@@ -192,20 +190,12 @@ __global__ void rope_kernel(const float *gcos, const float *gsin, int64_t n_posi
 
 // The heads of q and k of one step (qk_norm_rope): x rows of token_stride floats, n_heads heads each, norm
 // weights w.
-struct HeadRows {
-    float *x;
-    int64_t token_stride;
-    int64_t n_heads;
-    const void *w;
-    bool w_bf16;
-};
 
 // rms_norm_heads of q's heads and k's, then (gcos != nullptr) rope_kernel's rotation of each, one warp per head
 // (token t's q heads, then its k heads): warp_norm_row in place, __syncwarp to publish the normed head to the
 // warp, then the head's pairs. Every branch is warp-uniform.
 __global__ void qk_norm_rope_kernel(HeadRows q, HeadRows k, int64_t n_tokens, int64_t head_dim, float eps,
-                                    const float *gcos, const float *gsin, int64_t n_positions, int64_t half,
-                                    const int64_t *gpos, int32_t *flag) {
+                                    const RopeRows rope, int32_t *flag) {
     pdl_enter();
     const int64_t per_token = q.n_heads + k.n_heads;
     const int64_t warp = threadIdx.x / kWarp;
@@ -216,15 +206,12 @@ __global__ void qk_norm_rope_kernel(HeadRows q, HeadRows k, int64_t n_tokens, in
         const int64_t h = item % per_token;
         const HeadRows &r = h < q.n_heads ? q : k;
         float *row = r.x + t * r.token_stride + (h < q.n_heads ? h : h - q.n_heads) * head_dim;
-        warp_norm_row(row, head_dim, r.w, r.w_bf16, eps, row);
-        if (gcos == nullptr) continue;
-        const int64_t p = gpos[t];
-        if (p < 0 || p >= n_positions) {
-            if (h == 0 && lane == 0) raise_flag(flag);
-            continue;
+        const int64_t p = rope.cos != nullptr ? rope.positions[t] : 0;
+        if (!norm_rope::warp_norm_rope(row, head_dim, r.w, r.w_bf16, eps, rope.cos, rope.sin, rope.n_positions,
+                                       rope.half, p) &&
+            h == 0 && lane == 0) {
+            raise_flag(flag);
         }
-        __syncwarp();
-        for (int64_t j = lane; j < half; j += kWarp) rope_pair(row, j, half, gcos + p * half, gsin + p * half);
     }
 }
 
@@ -482,25 +469,26 @@ cudaError_t rms_norm_heads(float *x, int64_t n_tokens, int64_t token_stride, int
     return launch_status();
 }
 
-cudaError_t qk_norm_rope(const QkHeads &q, const QkHeads &k, int64_t n_tokens, int64_t head_dim, float eps,
-                         const float *cos_table, const float *sin_table, int64_t n_positions, int64_t half,
-                         const int64_t *positions, int32_t *error_flag, cudaStream_t stream) {
+bool qk_norm_rope_valid(const QkHeads &q, const QkHeads &k, int64_t n_tokens, int64_t head_dim, const RopeRows &rope) {
     for (const QkHeads *h : {&q, &k}) {
         if (h->n_heads < 1 || h->token_stride < h->n_heads * head_dim || !norm_dtype_ok(h->w_dtype) ||
             bad_ptrs(n_tokens, {h->x, h->w})) {
-            return cudaErrorInvalidValue;
+            return false;
         }
     }
-    if (head_dim < 1) return cudaErrorInvalidValue;
-    if (cos_table != nullptr && (n_positions < 1 || half < 1 || 2 * half > head_dim || sin_table == nullptr ||
-                                 bad_ptrs(n_tokens, {positions}))) {
-        return cudaErrorInvalidValue;
-    }
+    return n_tokens >= 0 && head_dim >= 1 &&
+           (rope.cos == nullptr || (rope.n_positions >= 1 && rope.half >= 1 && 2 * rope.half <= head_dim &&
+                                    rope.sin != nullptr && !bad_ptrs(n_tokens, {rope.positions})));
+}
+
+cudaError_t qk_norm_rope(const QkHeads &q, const QkHeads &k, int64_t n_tokens, int64_t head_dim, float eps,
+                         const RopeRows &rope, int32_t *error_flag, cudaStream_t stream) {
+    if (!qk_norm_rope_valid(q, k, n_tokens, head_dim, rope)) return cudaErrorInvalidValue;
     if (n_tokens == 0) return cudaSuccess;
     const HeadRows hq{q.x, q.token_stride, q.n_heads, q.w, q.w_dtype == DType::kBF16};
     const HeadRows hk{k.x, k.token_stride, k.n_heads, k.w, k.w_dtype == DType::kBF16};
     launch_kernel(qk_norm_rope_kernel, grid_rows(n_tokens * (q.n_heads + k.n_heads)), kThreads, 0, stream, hq, hk,
-                  n_tokens, head_dim, eps, cos_table, sin_table, n_positions, half, positions, error_flag);
+                  n_tokens, head_dim, eps, rope, error_flag);
     return launch_status();
 }
 

@@ -52,13 +52,24 @@ struct QkHeads {
     const void *w;
 };
 
-// rms_norm_heads(q), rms_norm_heads(k), then with a table (cos_table != nullptr; nullptr: the norms alone)
+// A RoPE table's rows for a step: cos, sin [n_positions, half] f32 device tables, positions [n_tokens] i64; a null
+// cos: no rotation.
+struct RopeRows {
+    const float *cos = nullptr;
+    const float *sin = nullptr;
+    int64_t n_positions = 0;
+    int64_t half = 0;
+    const int64_t *positions = nullptr;
+};
+
+// rms_norm_heads(q), rms_norm_heads(k), then with a table (rope.cos != nullptr; nullptr: the norms alone)
 // rope(q) and rope(k): those launches' bits in one (a warp per head). q and k must not overlap. The table
-// arguments and the flag are rope's: a position outside [0, n_positions) leaves that token's heads normalised
-// but not rotated and raises the flag.
+// and the flag are rope's: a position outside [0, n_positions) leaves that token's heads normalised but not rotated
+// and raises the flag.
 cudaError_t qk_norm_rope(const QkHeads &q, const QkHeads &k, int64_t n_tokens, int64_t head_dim, float eps,
-                         const float *cos_table, const float *sin_table, int64_t n_positions, int64_t half,
-                         const int64_t *positions, int32_t *error_flag, cudaStream_t stream);
+                         const RopeRows &rope, int32_t *error_flag, cudaStream_t stream);
+// Whether qk_norm_rope takes these arguments (also the attention prologue's check of its q, k and table).
+bool qk_norm_rope_valid(const QkHeads &q, const QkHeads &k, int64_t n_tokens, int64_t head_dim, const RopeRows &rope);
 
 // cpu::add_rms_norm: h = x + r (one rounded add per element), then y = rms_norm(h). x, r, h, y: [n_rows, d] f32;
 // h may equal x or r; y must not overlap h (y == h: cudaErrorInvalidValue); y may equal x or r when h does not.

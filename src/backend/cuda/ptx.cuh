@@ -54,6 +54,12 @@ constexpr int64_t kLineBytes = 128;
 __device__ __forceinline__ void prefetch_l2(const void *gmem) {
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
 }
+// The lines of [p, p + bytes) asked of the L2 by a block's `threads` threads (this one is `tid`): for inputs no
+// kernel writes (weights), before the wait on the kernel before.
+__device__ __forceinline__ void prefetch_l2_span(const void *p, int64_t bytes, int64_t tid, int64_t threads) {
+    for (int64_t b = tid * kLineBytes; b < bytes; b += threads * kLineBytes)
+        prefetch_l2(static_cast<const char *>(p) + b);
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait_pending() {
